@@ -1,0 +1,1 @@
+"""KV page movers (imported as ``sglang_tiered.kernels``)."""

@@ -1,0 +1,173 @@
+"""Start, wait for, and stop SGLang server processes on CPU (used by ``serve``, tests and benches).
+
+No sglang import here: the server runs in a child process from the same interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if extra:
+        env.update(extra)
+    return env
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class ServerSpec:
+    model_path: str
+    port: int = 0
+    host: str = "127.0.0.1"
+    backend: str | None = "tiered"  # None: SGLang's default cache
+    disable_radix_cache: bool = False
+    page_size: int = 16
+    max_total_tokens: int = 32768
+    tp: int = 1
+    dtype: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def argv(self) -> list[str]:
+        args = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", self.model_path,
+            "--device", "cpu",
+            "--attention-backend", "torch_native",
+            "--host", self.host,
+            "--port", str(self.port),
+            "--page-size", str(self.page_size),
+            "--max-total-tokens", str(self.max_total_tokens),
+            "--sleep-on-idle",
+            "--log-level", "info",
+        ]  # fmt: skip
+        if self.backend:
+            args += ["--radix-cache-backend", self.backend]
+        if self.disable_radix_cache:
+            args.append("--disable-radix-cache")
+        if self.tp != 1:
+            args += ["--tp", str(self.tp)]
+        if self.dtype:
+            args += ["--dtype", self.dtype]
+        return args + list(self.extra_args)
+
+
+class Server:
+    """A running ``sglang.launch_server`` child with its log in a file."""
+
+    def __init__(self, spec: ServerSpec, log_path: pathlib.Path):
+        if not spec.port:
+            spec.port = free_port()
+        self.spec = spec
+        self.log_path = pathlib.Path(log_path)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.host}:{self.spec.port}"
+
+    def start(self, timeout_s: float = 240.0) -> "Server":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = cpu_env(self.spec.env)
+        if self.spec.tp > 1:
+            env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(self.spec.tp)))
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            self.spec.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+        self.wait_ready(timeout_s)
+        return self
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"server exited with code {self.proc.returncode} before it was ready; "
+                    f"log {self.log_path} ends:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/model_info", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise ServerStartError(
+            f"server not ready after {timeout_s:.0f}s; log {self.log_path} ends:\n{self.log_tail()}"
+        )
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=timeout_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+
+    def __enter__(self) -> "Server":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- small HTTP client -------------------------------------------------------------------
+    def request(self, method: str, path: str, payload=None, timeout: float = 120.0, headers=None):
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        for k, v in (headers or {}).items():
+            req.add_header(k, v)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                body = r.read()
+                return r.status, (json.loads(body) if body else None)
+        except urllib.error.HTTPError as e:
+            body = e.read()
+            try:
+                return e.code, json.loads(body)
+            except ValueError:
+                return e.code, body.decode(errors="replace")
+
+    def generate(self, payload: dict, timeout: float = 120.0) -> dict:
+        status, body = self.request("POST", "/generate", payload, timeout=timeout)
+        if status != 200:
+            raise RuntimeError(f"/generate returned {status}: {body}")
+        return body
