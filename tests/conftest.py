@@ -1,0 +1,54 @@
+"""Shared fixtures. Server fixtures start real ``sglang.launch_server`` processes on CPU, once per
+test session, lazily (a test run that selects none starts none)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LOG_DIR = ROOT / "logs" / "tests"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> str:
+    from sglang_tiered.models.tiny import build_model
+
+    return str(build_model())
+
+
+def _start(spec, name: str):
+    from sglang_tiered.server import Server
+
+    server = Server(spec, LOG_DIR / f"{name}.log")
+    server.start(timeout_s=300)
+    return server
+
+
+@pytest.fixture(scope="session")
+def tiered_server(tiny_model_path):
+    from sglang_tiered.server import ServerSpec
+
+    server = _start(ServerSpec(model_path=tiny_model_path, backend="tiered", page_size=16), "tiered")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def reference_server(tiny_model_path):
+    """Stock SGLang with --disable-radix-cache: the ground truth for greedy outputs."""
+    from sglang_tiered.server import ServerSpec
+
+    server = _start(
+        ServerSpec(model_path=tiny_model_path, backend=None, disable_radix_cache=True, page_size=16),
+        "reference",
+    )
+    yield server
+    server.stop()
+
+
+def pytest_configure(config):
+    import os
+
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")

@@ -1,0 +1,70 @@
+"""End to end against real SGLang server processes on CPU (tiny model, page size 16)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.server
+
+PAGE = 16
+WORDS = "the cache model token prefix page tier host device memory request server tenant policy".split()
+
+
+def make_prompt(seed: int, n_words: int) -> str:
+    state = seed * 7919 + 17
+    out = []
+    for _ in range(n_words):
+        state = (state * 1103515245 + 12345) % (1 << 31)
+        out.append(WORDS[state % len(WORDS)])
+    return " ".join(out)
+
+
+def greedy(server, text: str, max_new_tokens: int = 12, **extra) -> dict:
+    payload = {
+        "text": text,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
+        **extra,
+    }
+    return server.generate(payload)
+
+
+def test_log_names_our_class(tiered_server):
+    log = tiered_server.log_path.read_text()
+    assert "impl=TieredRadixCache" in log
+    assert "source=registered('tiered')" in log
+
+
+def test_second_identical_request_hits_down_to_page_boundary(tiered_server):
+    text = make_prompt(1, 400)
+    first = greedy(tiered_server, text)
+    second = greedy(tiered_server, text)
+    prompt_len = second["meta_info"]["prompt_tokens"]
+    assert prompt_len > 300
+    assert first["meta_info"]["cached_tokens"] < PAGE
+    assert second["meta_info"]["cached_tokens"] >= prompt_len - PAGE
+    assert second["meta_info"]["cached_tokens"] % PAGE == 0
+    assert first["text"] == second["text"]
+
+
+def test_greedy_outputs_match_no_cache_reference(tiered_server, reference_server):
+    # Shared prefixes (so the tiered server really serves cached KV) plus unrelated prompts.
+    base = make_prompt(2, 200)
+    prompts = [base + " " + make_prompt(100 + i, 20 + 7 * i) for i in range(6)]
+    prompts += [make_prompt(200 + i, 50 + 40 * i) for i in range(4)] + [base]
+    got = [greedy(tiered_server, p) for p in prompts]
+    want = [greedy(reference_server, p) for p in prompts]
+    assert sum(g["meta_info"]["cached_tokens"] for g in got) > 5 * 190  # the prefix was reused
+    assert all(w["meta_info"]["cached_tokens"] == 0 for w in want)
+    for p, g, w in zip(prompts, got, want):
+        assert g["output_ids"] == w["output_ids"], p[:60]
+
+
+def test_backend_not_registered_when_plugin_excluded(tiny_model_path, tmp_path):
+    from sglang_tiered.server import Server, ServerSpec, ServerStartError
+
+    spec = ServerSpec(model_path=tiny_model_path, backend="tiered", env={"SGLANG_PLUGINS": "none"})
+    server = Server(spec, tmp_path / "excluded.log")
+    with pytest.raises(ServerStartError) as err:
+        server.start(timeout_s=180)
+    server.stop()
+    assert "--radix-cache-backend='tiered' is not registered" in str(err.value)
