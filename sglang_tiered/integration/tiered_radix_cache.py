@@ -2,33 +2,302 @@
 
 The only module (with plugin.py) that imports sglang. SGLang's ownership contract is kept intact:
 the tree owns ``[0, req.kv.cache_protected_len)`` of a request's KV row, and whatever ``checkpoint``
-does not adopt is freed by ``release_kv_cache`` (sglang/srt/mem_cache/common.py:400-444).
+does not adopt is freed by ``release_kv_cache`` (sglang/srt/mem_cache/common.py:400-444). We never
+pass ``checkpoint`` an ``up_to`` below ``cache_protected_len`` (that would double-free tree pages).
+
+Per tree node we keep (lazily, incrementally) the chained page hashes of its pages
+(``node.tiered_hashes``) and the token depth of its end (``node.tiered_end``); a long prompt is
+hashed once, page by page, as it is inserted, and never again.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
+import time
+from typing import Optional
 
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
+from sglang_tiered.core.keys import CacheKey, chain_page_hashes
+from sglang_tiered.core.policy import AdaptivePolicy, PolicyConfig
+
 logger = logging.getLogger("sglang_tiered")
+
 
 
 class TieredRadixCache(RadixCache):
     """Radix cache backend registered as ``--radix-cache-backend tiered``."""
 
-    def __init__(self, params, *, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(
+        self,
+        params,
+        *,
+        cache_key: Optional[CacheKey] = None,
+        policy_config: Optional[PolicyConfig] = None,
+        capacity_tokens: Optional[int] = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        debug_checks: bool = False,
+    ):
         # RadixCache.__init__ calls self.reset(): our state must exist before it.
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.cache_key = cache_key or CacheKey()
+        self.debug_checks = debug_checks
+        alloc = params.token_to_kv_pool_allocator
+        if capacity_tokens is None:
+            capacity_tokens = getattr(alloc, "size", 0) or 1 << 16
+        self.capacity_tokens = capacity_tokens
+        self.policy = AdaptivePolicy(max(1, capacity_tokens // params.page_size), policy_config)
+        self._pin_budget = self.policy.pin_budget_pages()
+        self._seeds: dict = {}
+        self._counted: dict[str, int] = {}
+        self.request_stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
         super().__init__(params)
 
+    # ------------------------------------------------------------------ construction
     @classmethod
     def from_build_context(cls, ctx) -> "TieredRadixCache":
-        return cls(ctx.params, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+        from sglang_tiered.integration.identity import cache_key_from_context
+
+        return cls(
+            ctx.params,
+            cache_key=cache_key_from_context(ctx),
+            tp_rank=ctx.tp_rank,
+            tp_size=ctx.tp_size,
+        )
+
+    @classmethod
+    def create_simulated(
+        cls,
+        capacity_tokens: int,
+        page_size: int = 16,
+        policy_config: Optional[PolicyConfig] = None,
+        cache_key: Optional[CacheKey] = None,
+        max_request_tokens: int = 1 << 17,
+        debug_checks: bool = False,
+    ) -> "TieredRadixCache":
+        """A ``TieredRadixCache`` over a simulated page allocator, without a model.
+
+        ``cache.driver.run(token_ids, tenant=...)`` replays one request in the scheduler's call
+        order and returns its ``RequestOutcome`` (prompt_len, cached_len, seconds). Use it to
+        evaluate the policy on your own traces (see bench/trace_replay.py)."""
+        from sglang_tiered.integration.simulate import CacheDriver, make_params
+
+        params, alloc, pool = make_params(capacity_tokens, page_size, max_request_tokens)
+        cache = cls(params, cache_key=cache_key, policy_config=policy_config,
+                    capacity_tokens=alloc.size, debug_checks=debug_checks)  # fmt: skip
+        cache.driver = CacheDriver(cache, alloc, pool)
+        return cache
 
     def describe(self) -> str:
         return (
-            f"TieredRadixCache(page_size={self.page_size}, eviction_policy={self.eviction_policy}, "
-            f"tp_rank={self.tp_rank}/{self.tp_size})"
+            f"TieredRadixCache(page_size={self.page_size}, capacity_tokens={self.capacity_tokens}, "
+            f"tp_rank={self.tp_rank}/{self.tp_size}, key={self.cache_key})"
         )
+
+    def reset(self):
+        super().reset()
+        self.root_node.tiered_hashes = []
+        self.root_node.tiered_end = 0
+        self._counted.clear()
+
+    # ------------------------------------------------------------------ identity
+    def _seed(self, extra_key, cache_salt) -> bytes:
+        k = (extra_key, cache_salt)
+        s = self._seeds.get(k)
+        if s is None:
+            tenant = cache_salt or "default"
+            key = self.cache_key.for_tenant(tenant if extra_key is None else f"{tenant}|{extra_key}")
+            s = self._seeds[k] = key.seed()
+        return s
+
+    def _ensure_hashes(self, node) -> None:
+        """Give ``node`` and its ancestors their page hashes (top-down, only where missing)."""
+        chain = []
+        while getattr(node, "tiered_hashes", None) is None:
+            chain.append(node)
+            node = node.parent
+        for n in reversed(chain):
+            p = n.parent
+            prev = p.tiered_hashes[-1] if p.tiered_hashes else self._seed(n.key.extra_key, n.key.cache_salt)
+            n.tiered_hashes = chain_page_hashes(prev, n.key.raw_token_ids(), self.page_size)
+            n.tiered_end = p.tiered_end + len(n.key)
+
+    def path_hashes(self, node) -> list:
+        self._ensure_hashes(node)
+        parts = []
+        while node is not self.root_node:
+            parts.append(node.tiered_hashes)
+            node = node.parent
+        out = []
+        for p in reversed(parts):
+            out.extend(p)
+        return out
+
+    def _split_node(self, key, child, split_len: int):
+        new_node = super()._split_node(key, child, split_len)
+        hashes = getattr(child, "tiered_hashes", None)
+        if hashes is not None:
+            k = split_len // self.page_size
+            new_node.tiered_hashes, child.tiered_hashes = hashes[:k], hashes[k:]
+            new_node.tiered_end = child.tiered_end - len(child.key)
+        else:
+            new_node.tiered_hashes = None
+        return new_node
+
+    # ------------------------------------------------------------------ admission
+    def checkpoint(self, req, *, up_to: int):
+        if self.disable:
+            return
+        ps = self.page_size
+        cpl = req.kv.cache_protected_len
+        aligned = (up_to // ps) * ps
+        anchor = req.last_node if req.last_node is not None else self.root_node
+        base = self.path_hashes(anchor)
+        assert len(base) * ps == cpl or anchor is self.root_node, (len(base), cpl)
+        tokens = req.full_untruncated_fill_ids
+        prev = base[-1] if base else self._seed(req.extra_key, req.cache_salt)
+        new = chain_page_hashes(prev, tokens[len(base) * ps : aligned], ps) if aligned > cpl else []
+        hashes = base + new
+
+        counted = self._counted.get(req.rid)
+        first = counted is None
+        counted = counted or 0
+        if len(hashes) > counted:
+            self.policy.observe(hashes[counted:], max(0, len(base) - counted))
+            self._counted[req.rid] = len(hashes)
+        if first:
+            self.request_stats["requests"] += 1
+
+        if getattr(req, "no_store", False):
+            n_admit = 0
+            if first:
+                self.policy.stats.no_store_requests += 1
+        else:
+            victim_freq = self._victim_frequency() if (new and self.policy.filtering) else None
+            n_admit = self.policy.admit_pages(new, victim_freq)
+
+        admit_len = cpl + n_admit * ps
+        if admit_len <= cpl:
+            # Refuse: leave row, lock, last_node and cache_protected_len alone; release_kv_cache
+            # frees [cache_protected_len, owned). Still count the prefix reuse.
+            if first:
+                self._bump_hits(anchor)
+            return
+        if admit_len >= aligned:
+            admit_len = up_to  # admit everything: let SGLang page-align as usual
+        super().checkpoint(req, up_to=admit_len)
+        self._ensure_hashes(req.last_node)
+        if self.debug_checks:
+            self.check_invariants()
+
+    def _bump_hits(self, node) -> None:
+        while node is not self.root_node:
+            node.hit_count += 1
+            node = node.parent
+
+    def on_release(self, req, *, checkpointed: bool = True, **kwargs) -> None:
+        self._counted.pop(req.rid, None)
+        parent = getattr(super(), "on_release", None)
+        if parent is not None:
+            try:
+                parent(req, checkpointed=checkpointed, **kwargs)
+            except TypeError:
+                parent(req)
+
+    # ------------------------------------------------------------------ eviction
+    def _is_pinned(self, node, pinned_pages: int) -> bool:
+        """Small, hot prefixes (near the root, high sketch frequency) are evicted last."""
+        cfg = self.policy.cfg
+        if (node.hit_count < cfg.pin_min_freq or node.tiered_end > cfg.pin_max_tokens
+                or pinned_pages >= self._pin_budget):  # fmt: skip
+            return False
+        self._ensure_hashes(node)
+        hashes = node.tiered_hashes
+        return bool(hashes) and self.policy.frequency(hashes[-1]) >= self.policy.cfg.pin_min_freq
+
+    def _victim_frequency(self) -> Optional[int]:
+        best = None
+        for leaf in self.evictable_leaves:
+            if best is None or leaf.last_access_time < best.last_access_time:
+                best = leaf
+        if best is None:
+            return None
+        self._ensure_hashes(best)
+        return self.policy.frequency(best.tiered_hashes[-1]) if best.tiered_hashes else 0
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Least recently used leaf first, pinned hot prefixes last; same mechanics as
+        RadixCache.evict (free the leaf's slots, delete it, offer its parent)."""
+        if self.disable:
+            return EvictResult()
+        start_time = time.perf_counter()
+        num_tokens = params.num_tokens
+        ps = self.page_size
+        pin_hits = self.policy.cfg.pin_min_freq
+        heap, pinned = [], []
+        pinned_pages = 0
+        for node in self.evictable_leaves:
+            if node.hit_count >= pin_hits and self._is_pinned(node, pinned_pages):
+                pinned_pages += len(node.key) // ps
+                pinned.append((node.last_access_time, node.id, node))
+            else:
+                heap.append((node.last_access_time, node.id, node))
+        heapq.heapify(heap)
+        heapq.heapify(pinned)
+
+        num_evicted = 0
+        policy = self.policy
+        free_segment = self.token_to_kv_pool_allocator.free_segment
+        root = self.root_node
+        while num_evicted < num_tokens:
+            if heap:
+                _, _, x = heapq.heappop(heap)
+                was_pinned = False
+            elif pinned:
+                _, _, x = heapq.heappop(pinned)
+                was_pinned = True
+            else:
+                break
+            free_segment(x.value, start_pos=0)
+            num_evicted += len(x.value)
+            policy.on_evict(len(x.key) // ps, pinned=was_pinned)
+            parent = x.parent
+            self._delete_leaf(x)
+            if parent is not root and len(parent.children) == 0 and parent.lock_ref == 0:
+                if parent.hit_count >= pin_hits and self._is_pinned(parent, pinned_pages):
+                    pinned_pages += len(parent.key) // ps
+                    heapq.heappush(pinned, (parent.last_access_time, parent.id, parent))
+                else:
+                    heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+            self.kv_events.record_remove(x)
+
+        self.update_eviction_metrics(num_evicted, start_time)
+        if self.debug_checks:
+            self.check_invariants()
+        return EvictResult(num_tokens_evicted=num_evicted)
+
+    # ------------------------------------------------------------------ invariants
+    def check_invariants(self) -> None:
+        """Tree accounting: evictable/protected sizes match the nodes; locks are consistent."""
+        evictable = protected = 0
+        stack = list(self.root_node.children.values())
+        while stack:
+            n = stack.pop()
+            assert n.lock_ref >= 0, "negative lock_ref"
+            if n.lock_ref > 0:
+                assert n.parent is self.root_node or n.parent.lock_ref >= n.lock_ref, "lock not on path"
+                protected += len(n.key)
+            else:
+                evictable += len(n.key)
+            assert n.value is not None and len(n.value) == len(n.key), "value/key length mismatch"
+            stack.extend(n.children.values())
+        assert evictable == self.evictable_size_, (evictable, self.evictable_size_)
+        assert protected == self.protected_size_, (protected, self.protected_size_)
+
+    def stats_snapshot(self) -> dict:
+        return {"policy": self.policy.snapshot(), "evictable_tokens": self.evictable_size_,
+                "protected_tokens": self.protected_size_}  # fmt: skip

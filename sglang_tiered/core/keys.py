@@ -1,0 +1,72 @@
+"""Cache identity: what a cached page *is*.
+
+A page's identity is a chained hash over 16-token pages, seeded by a ``CacheKey`` that holds
+everything that changes the KV a model computes for the same tokens: tenant, model id, the exact
+weights digest, KV dtype, RoPE configuration and attention implementation. The TP degree is *not*
+part of it: T1 stores pages in a TP-independent layout.
+
+    h[0] = H(seed(CacheKey), tokens[0:16])
+    h[i] = H(h[i-1], tokens[16i:16i+16])
+
+H is BLAKE2b-128 (hashlib: deterministic across processes and machines; Python's ``hash()`` is
+salted per process). Token ids are packed as little-endian int64 on every platform.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from array import array
+from dataclasses import asdict, dataclass
+
+DIGEST_SIZE = 16
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    tenant: str = "default"
+    model_id: str = ""
+    weights_digest: str = ""
+    kv_dtype: str = ""
+    rope_hash: str = ""
+    attn_impl: str = ""
+
+    def seed(self) -> bytes:
+        blob = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.blake2b(b"sglang-tiered/v1|" + blob, digest_size=DIGEST_SIZE).digest()
+
+    def for_tenant(self, tenant: str | None) -> "CacheKey":
+        return CacheKey(tenant or "default", self.model_id, self.weights_digest, self.kv_dtype,
+                        self.rope_hash, self.attn_impl)  # fmt: skip
+
+
+def _token_bytes(tokens) -> bytes:
+    arr = tokens if isinstance(tokens, array) and tokens.typecode == "q" else array("q", tokens)
+    if _BIG_ENDIAN:
+        arr = array("q", arr)
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def chain_page_hashes(prev: bytes, tokens, page_size: int = 16) -> list[bytes]:
+    """Hashes of the full pages of ``tokens``, chained from ``prev`` (the seed or the last hash
+    of the preceding pages). A trailing partial page is not hashed."""
+    data = _token_bytes(tokens)
+    step = page_size * 8
+    out: list[bytes] = []
+    h = prev
+    for off in range(0, (len(data) // step) * step, step):
+        h = hashlib.blake2b(h + data[off : off + step], digest_size=DIGEST_SIZE).digest()
+        out.append(h)
+    return out
+
+
+def rope_config_hash(rope_theta, rope_scaling, max_position_embeddings, partial_rotary=None) -> str:
+    blob = json.dumps(
+        {"theta": rope_theta, "scaling": rope_scaling, "max_pos": max_position_embeddings,
+         "partial": partial_rotary},
+        sort_keys=True, default=str,
+    )  # fmt: skip
+    return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()

@@ -1,0 +1,166 @@
+"""Drive a real SGLang radix cache without a model: a page allocator, a req_to_token pool and
+requests, in the scheduler's call order (match, lock, allocate with eviction, checkpoint, free the
+unadopted tail, unlock), exactly as ``release_kv_cache`` (sglang/srt/mem_cache/common.py:400-444)
+does it. Used by ``TieredRadixCache.create_simulated``, the trace benchmark and property tests.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.managers.schedule_batch import ReqKvInfo
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+
+class SimPageAllocator:
+    """Page-granular token slot allocator with the parts of SGLang's allocator API the tree uses."""
+
+    def __init__(self, capacity_tokens: int, page_size: int):
+        if capacity_tokens < page_size:
+            raise ValueError("capacity_tokens must hold at least one page")
+        self.page_size = page_size
+        self.num_pages = capacity_tokens // page_size
+        self.size = self.num_pages * page_size
+        self.device = torch.device("cpu")
+        # Page 0 is padding in SGLang's pools; keep that convention so slot 0 is never handed out.
+        self.free_pages: list[int] = list(range(self.num_pages, 0, -1))
+        self._offsets = torch.arange(page_size, dtype=torch.int64)
+
+    def available_size(self) -> int:
+        return len(self.free_pages) * self.page_size
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        n_pages = -(-num_tokens // self.page_size)
+        if n_pages > len(self.free_pages):
+            return None
+        pages = torch.tensor([self.free_pages.pop() for _ in range(n_pages)], dtype=torch.int64)
+        return (pages[:, None] * self.page_size + self._offsets).reshape(-1)[:num_tokens]
+
+    def free(self, indices: torch.Tensor) -> None:
+        if indices.numel() == 0:
+            return
+        pages = torch.unique(indices // self.page_size).tolist()
+        self.free_pages.extend(pages)
+
+    def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
+        assert start_pos % self.page_size == 0, f"segment start {start_pos} is not page-aligned"
+        self.free(free_index)
+
+
+class SimReqToTokenPool:
+    def __init__(self, max_reqs: int, max_len: int):
+        self.req_to_token = torch.zeros((max_reqs, max_len), dtype=torch.int64)
+        self.free_rows = list(range(max_reqs - 1, -1, -1))
+
+    def alloc_row(self) -> int:
+        return self.free_rows.pop()
+
+    def free_row(self, row: int) -> None:
+        self.free_rows.append(row)
+
+    def write(self, indices, values) -> None:
+        self.req_to_token[indices] = values
+
+
+class SimReq:
+    """The fields of ``sglang.srt.managers.schedule_batch.Req`` that the tree cache reads."""
+
+    def __init__(self, rid: str, token_ids, *, cache_salt=None, extra_key=None, no_store=False):
+        ids = token_ids if isinstance(token_ids, array) else array("q", token_ids)
+        self.rid = rid
+        self.origin_input_ids = ids
+        self.full_untruncated_fill_ids = ids
+        self.cache_salt = cache_salt or None
+        self.extra_key = extra_key
+        self.priority = None
+        self.kv = ReqKvInfo()
+        self.lock = None
+        self.last_node = None
+        self.skip_radix_cache_insert = False
+        self.no_store = no_store
+
+    def finished(self) -> bool:
+        return True
+
+
+@dataclass
+class RequestOutcome:
+    prompt_len: int
+    cached_len: int
+    seconds: float  # time spent in cache calls for this request
+    served: bool = True
+
+
+class CacheDriver:
+    """Runs requests one at a time through a tree cache in the scheduler's call order."""
+
+    def __init__(self, cache, allocator: SimPageAllocator, req_pool: SimReqToTokenPool):
+        self.cache = cache
+        self.allocator = allocator
+        self.req_pool = req_pool
+        self._n = 0
+
+    def run(self, token_ids, *, tenant=None, no_store=False) -> RequestOutcome:
+        cache, alloc = self.cache, self.allocator
+        self._n += 1
+        req = SimReq(f"sim-{self._n}", token_ids, cache_salt=tenant, no_store=no_store)
+        n = len(req.origin_input_ids)
+        t0 = time.perf_counter()
+        key = RadixKey(req.origin_input_ids, req.extra_key, cache_salt=req.cache_salt)
+        m = cache.match_prefix(MatchPrefixParams(key=key, req=req))
+        prefix_len = m.device_prefix_len
+        req.last_node = m.last_device_node
+        req.lock = cache.lock(req.last_node)
+        prefix_idx = cache.path_device_indices(req.last_node) if prefix_len else None
+        need = n - prefix_len
+        if need > alloc.available_size():
+            cache.evict(EvictParams(num_tokens=need - alloc.available_size()))
+        new_idx = alloc.alloc(need) if need else torch.empty(0, dtype=torch.int64)
+        spent = time.perf_counter() - t0
+        if new_idx is None:  # cannot fit even after eviction: the scheduler would queue it
+            cache.unlock(req.lock)
+            return RequestOutcome(n, 0, spent, served=False)
+        row = self.req_pool.alloc_row()
+        req.kv.req_pool_idx = row
+        rt = self.req_pool.req_to_token
+        if prefix_len:
+            rt[row, :prefix_len] = prefix_idx
+        rt[row, prefix_len:n] = new_idx
+        req.kv.cache_protected_len = prefix_len
+        req.kv.kv_allocated_len = n
+        # --- the forward pass would run here ---
+        t1 = time.perf_counter()
+        if not req.skip_radix_cache_insert:
+            cache.checkpoint(req, up_to=n)
+        cpl = req.kv.cache_protected_len
+        if cpl < n:
+            alloc.free_segment(rt[row, cpl:n], start_pos=cpl)
+        cache.unlock(req.lock)
+        req.lock = None
+        spent += time.perf_counter() - t1
+        self.req_pool.free_row(row)
+        return RequestOutcome(n, prefix_len, spent)
+
+    def device_accounting(self) -> tuple[int, int, int, int]:
+        """(available, evictable, protected, total) device tokens."""
+        c = self.cache
+        return (self.allocator.available_size(), c.evictable_size(), c.protected_size(), self.allocator.size)
+
+
+def make_params(capacity_tokens: int, page_size: int, max_len: int = 1 << 15, eviction_policy="lru"):
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    allocator = SimPageAllocator(capacity_tokens, page_size)
+    pool = SimReqToTokenPool(4, max_len)
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=pool,
+        token_to_kv_pool_allocator=allocator,
+        page_size=page_size,
+        eviction_policy=eviction_policy,
+    )
+    return params, allocator, pool

@@ -1,0 +1,180 @@
+"""Workloads for replay: the Mooncake trace mapped to token ids, and a seeded multi-tenant generator.
+
+Pure Python. A workload is a list of ``Request(tokens, tenant, kind)``; token ids stay in
+``[TOKEN_LO, TOKEN_HI)`` so they are valid for the tiny model's 2048-token vocabulary too.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import math
+import pathlib
+from array import array
+from dataclasses import dataclass
+
+TOKEN_LO, TOKEN_HI = 16, 2000
+
+
+@dataclass
+class Request:
+    tokens: array
+    tenant: str | None = None
+    kind: str = ""
+    arrival_s: float = 0.0
+    max_new_tokens: int = 1
+
+
+def block_tokens(block_id, n: int, salt: str = "mooncake") -> list[int]:
+    """Deterministic pseudo-random tokens for a block id (same id -> same tokens everywhere)."""
+    out: list[int] = []
+    ctr = 0
+    while len(out) < n:
+        d = hashlib.blake2b(f"{salt}:{block_id}:{ctr}".encode(), digest_size=64).digest()
+        out += [TOKEN_LO + int.from_bytes(d[i : i + 2], "little") % (TOKEN_HI - TOKEN_LO) for i in range(0, 64, 2)]
+        ctr += 1
+    return out[:n]
+
+
+def default_trace_path() -> pathlib.Path:
+    return pathlib.Path(__file__).resolve().parents[1] / "bench" / "data" / "mooncake_conversation_trace.jsonl.gz"
+
+
+def load_mooncake(path=None, tokens_per_block: int = 16, limit: int | None = None) -> list[Request]:
+    """Map each 512-token hash block to ``tokens_per_block`` tokens; the last, partial block is
+    scaled in proportion (it always has its own id in the trace, so it is never shared)."""
+    path = pathlib.Path(path) if path else default_trace_path()
+    opener = gzip.open if path.suffix == ".gz" else open
+    reqs: list[Request] = []
+    cache: dict[int, list[int]] = {}
+    with opener(path, "rt") as f:
+        for line in f:
+            if limit is not None and len(reqs) >= limit:
+                break
+            r = json.loads(line)
+            ids = r["hash_ids"]
+            toks: list[int] = []
+            for j, h in enumerate(ids):
+                if h not in cache:
+                    cache[h] = block_tokens(h, tokens_per_block)
+                if j == len(ids) - 1:
+                    rem = r["input_length"] - 512 * (len(ids) - 1)
+                    k = max(1, min(tokens_per_block, math.ceil(rem * tokens_per_block / 512)))
+                    toks += cache[h][:k]
+                else:
+                    toks += cache[h]
+            reqs.append(
+                Request(array("q", toks), None, "mooncake", r["timestamp"] / 1000.0,
+                        max(1, min(r.get("output_length", 1), 64)))
+            )  # fmt: skip
+    return reqs
+
+
+class _Rng:
+    """Small deterministic PRNG (splitmix64), identical on every platform and Python version."""
+
+    def __init__(self, seed: int):
+        self.s = seed & (2**64 - 1)
+
+    def next(self) -> int:
+        self.s = (self.s + 0x9E3779B97F4A7C15) & (2**64 - 1)
+        z = self.s
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+        return z ^ (z >> 31)
+
+    def random(self) -> float:
+        return (self.next() >> 11) / float(1 << 53)
+
+    def randint(self, lo: int, hi: int) -> int:  # inclusive
+        return lo + self.next() % (hi - lo + 1)
+
+    def zipf_index(self, n: int, s: float) -> int:
+        weights = [1.0 / (i + 1) ** s for i in range(n)]
+        x = self.random() * sum(weights)
+        for i, w in enumerate(weights):
+            x -= w
+            if x <= 0:
+                return i
+        return n - 1
+
+
+def multi_tenant(
+    n_requests: int = 4000,
+    seed: int = 0,
+    n_tenants: int = 6,
+    page: int = 16,
+    scale: float = 1.0,
+) -> list[Request]:
+    """A seeded mix of what operators run all day, per tenant:
+
+    * shared system prompts (Zipf popularity across a tenant's prompts),
+    * multi-turn chats that grow turn by turn (a conversation is picked up again later),
+    * agent loops (a long fixed tool preamble + a growing transcript, many quick steps),
+    * RAG questions over a pool of documents (Zipf-popular documents, new question each time),
+    * one-shot scans (long unique prompts: batch jobs, crawls) that must not flush the rest.
+    """
+    rng = _Rng(seed)
+    uid = [0]
+
+    def fresh(n: int) -> list[int]:
+        uid[0] += 1
+        return block_tokens(f"mt{seed}:{uid[0]}", n, salt="mt")
+
+    L = lambda n: max(1, int(n * scale))  # noqa: E731
+    tenants = [f"tenant-{i}" for i in range(n_tenants)]
+    sys_prompts = {t: [fresh(L(rng.randint(320, 1280))) for _ in range(4)] for t in tenants}
+    docs = {t: [fresh(L(rng.randint(300, 900))) for _ in range(30)] for t in tenants}
+    agent_pre = {t: fresh(L(600)) for t in tenants}
+    chats: dict[str, list[list[int]]] = {t: [] for t in tenants}
+    agents: dict[str, list[list[int]]] = {t: [] for t in tenants}
+    out: list[Request] = []
+    for i in range(n_requests):
+        t = tenants[rng.zipf_index(n_tenants, 0.8)]
+        sp = sys_prompts[t][rng.zipf_index(4, 1.2)]
+        x = rng.random()
+        if x < 0.35:  # chat: continue a recent conversation or start one
+            pool = chats[t]
+            if pool and rng.random() < 0.7:
+                j = len(pool) - 1 - min(len(pool) - 1, rng.zipf_index(min(len(pool), 40), 1.0))
+                conv = pool[j]
+                conv += fresh(L(rng.randint(40, 160)))  # previous answer + new user turn
+                if len(conv) > 3000:
+                    pool.pop(j)
+            else:
+                conv = list(sp) + fresh(L(rng.randint(30, 200)))
+                pool.append(conv)
+                if len(pool) > 200:
+                    pool.pop(0)
+            toks, kind = conv, "chat"
+        elif x < 0.55:  # agent loop
+            pool = agents[t]
+            if pool and rng.random() < 0.8:
+                run = pool[rng.randint(max(0, len(pool) - 6), len(pool) - 1)]
+                run += fresh(L(rng.randint(20, 120)))
+                if len(run) > 3500:
+                    pool.remove(run)
+            else:
+                run = list(agent_pre[t]) + fresh(L(rng.randint(50, 150)))
+                pool.append(run)
+            toks, kind = run, "agent"
+        elif x < 0.80:  # RAG
+            d = docs[t][rng.zipf_index(len(docs[t]), 1.1)]
+            toks, kind = list(sp) + d + fresh(L(rng.randint(20, 60))), "rag"
+        else:  # one-shot scan
+            toks, kind = fresh(L(rng.randint(400, 2500))), "scan"
+        out.append(Request(array("q", toks), t, kind, float(i), 8))
+    return out
+
+
+def unique_pages(reqs: list[Request], page: int) -> int:
+    """Number of distinct full pages (by tenant + prefix chain) across the workload."""
+    seen: set[bytes] = set()
+    for r in reqs:
+        h = hashlib.blake2b((r.tenant or "").encode(), digest_size=16).digest()
+        toks = r.tokens
+        for p in range(len(toks) // page):
+            h = hashlib.blake2b(h + toks[p * page : (p + 1) * page].tobytes(), digest_size=16).digest()
+            seen.add(h)
+    return len(seen)
