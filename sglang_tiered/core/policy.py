@@ -29,6 +29,53 @@ from dataclasses import dataclass, field
 from sglang_tiered.core.sketch import FrequencySketch
 
 
+@dataclass(frozen=True)
+class Mode:
+    admission: str  # "all" | "tinylfu"
+    eviction: str  # "lru" | "slru" (pages reused by >= 2 requests are evicted after all others)
+
+    def __str__(self) -> str:
+        return f"{self.admission}+{self.eviction}"
+
+
+class _MiniCache:
+    """A page-level miniature of the device cache under one mode (for set dueling)."""
+
+    def __init__(self, mode: Mode, capacity: int):
+        self.mode = mode
+        self.cap = capacity
+        self.prob: OrderedDict[bytes, None] = OrderedDict()  # reused by < 2 requests
+        self.prot: OrderedDict[bytes, None] = OrderedDict()  # reused by >= 2 (slru only)
+
+    def full(self) -> bool:
+        return len(self.prob) + len(self.prot) >= self.cap
+
+    def _victim(self):
+        if self.prob:
+            return self.prob, next(iter(self.prob))
+        return self.prot, next(iter(self.prot))
+
+    def access(self, h: bytes, est) -> float:
+        prob, prot = self.prob, self.prot
+        if h in prot:
+            prot.move_to_end(h)
+            return 1.0
+        if h in prob:
+            if self.mode.eviction == "slru":
+                del prob[h]
+                prot[h] = None
+            else:
+                prob.move_to_end(h)
+            return 1.0
+        if len(prob) + len(prot) >= self.cap:
+            where, victim = self._victim()
+            if self.mode.admission == "tinylfu" and est(h) <= est(victim):
+                return 0.0
+            del where[victim]
+        prob[h] = None
+        return 0.0
+
+
 @dataclass
 class PolicyConfig:
     pin_min_freq: int = 8
@@ -39,7 +86,7 @@ class PolicyConfig:
     thrash_window: int = 64  # checkpoints per thrash measurement window
     thrash_sustain: int = 2  # consecutive windows above the ratio to enter (and below to leave)
     sketch_sample_factor: int = 10
-    duel_sample_mask: int = 7  # miniature caches see pages whose hash & mask == 0 (1 in 8)
+    duel_sample_mask: int = 7  # miniature caches see pages whose first byte & mask == 0 (1 in 8)
     duel_decay: float = 0.9995  # per sampled reference; ~2,000-reference memory
 
 
@@ -68,16 +115,15 @@ class AdaptivePolicy:
         self._win_events = 0
         self._hot_windows: deque[bool] = deque(maxlen=self.cfg.thrash_sustain)
         self.thrashing = False
-        # Set dueling between two miniature page caches over a hash-sampled subset of pages, each
-        # with capacity/8: one admits everything, one admits by TinyLFU. The real cache filters
-        # admissions while the filtering miniature is winning (SHARDS-style spatial sampling).
+        # Set dueling between miniature page caches over a hash-sampled 1-in-8 subset of pages,
+        # each with capacity/8 (SHARDS-style spatial sampling), one per candidate mode
+        # (admission x eviction order). The real cache runs the mode whose miniature wins.
         mini_cap = max(4, self.capacity_pages // (self.cfg.duel_sample_mask + 1))
         self._mini_cap = mini_cap
-        self._mini_all: OrderedDict[bytes, None] = OrderedDict()
-        self._mini_lfu: OrderedDict[bytes, None] = OrderedDict()
-        self.duel_score_all = 0.0
-        self.duel_score_lfu = 0.0
-        self.filtering = False
+        self.modes = [Mode(adm, ev) for ev in ("lru", "slru") for adm in ("all", "tinylfu")]
+        self._minis = [_MiniCache(m, mini_cap) for m in self.modes]
+        self.scores = [0.0] * len(self.modes)
+        self.mode_index = 0  # admit everything, LRU: SGLang's default until evidence says otherwise
 
     # --- per request (called once per request, from checkpoint) -----------------------------
     def observe(self, page_hashes: list[bytes], device_hit_pages: int) -> None:
@@ -89,37 +135,35 @@ class AdaptivePolicy:
         if self.cfg.tinylfu_admission:
             self._duel(page_hashes)
 
+    @property
+    def mode(self) -> "Mode":
+        return self.modes[self.mode_index]
+
+    @property
+    def filtering(self) -> bool:
+        return self.modes[self.mode_index].admission == "tinylfu"
+
+    @property
+    def protect_frequent(self) -> bool:
+        return self.modes[self.mode_index].eviction == "slru"
+
     def _duel(self, page_hashes: list[bytes]) -> None:
         mask = self.cfg.duel_sample_mask
-        a, b = self._mini_all, self._mini_lfu
-        cap, est, decay = self._mini_cap, self.sketch.estimate, self.cfg.duel_decay
+        est, decay = self.sketch.estimate, self.cfg.duel_decay
+        minis, scores = self._minis, self.scores
+        sampled = False
         for h in page_hashes:
             if h[0] & mask:
                 continue
-            self.duel_score_all *= decay
-            self.duel_score_lfu *= decay
-            if h in a:
-                a.move_to_end(h)
-                self.duel_score_all += 1.0
-            else:
-                a[h] = None
-                if len(a) > cap:
-                    a.popitem(last=False)
-            if h in b:
-                b.move_to_end(h)
-                self.duel_score_lfu += 1.0
-            elif len(b) < cap:
-                b[h] = None
-            else:
-                victim = next(iter(b))
-                if est(h) > est(victim):
-                    del b[victim]
-                    b[h] = None
-        # Hysteresis: switch on only with a clear margin once the filtering miniature is full.
-        if self.filtering:
-            self.filtering = self.duel_score_lfu > self.duel_score_all
-        else:
-            self.filtering = len(b) >= cap and self.duel_score_lfu > self.duel_score_all * 1.1
+            sampled = True
+            for i, mini in enumerate(minis):
+                scores[i] = scores[i] * decay + mini.access(h, est)
+        if not sampled or not all(m.full() for m in minis):
+            return
+        # Hysteresis: move to another mode only on a clear margin.
+        best = max(range(len(scores)), key=scores.__getitem__)
+        if scores[best] > scores[self.mode_index] * 1.05:
+            self.mode_index = best
 
     def frequency(self, page_hash: bytes) -> int:
         return self.sketch.estimate(page_hash)
@@ -181,8 +225,9 @@ class AdaptivePolicy:
         s = self.stats
         return {
             "thrashing": self.thrashing,
+            "mode": str(self.mode),
             "admission_filtering": self.filtering,
-            "duel_scores": [round(self.duel_score_all, 1), round(self.duel_score_lfu, 1)],
+            "duel_scores": {str(m): round(x, 1) for m, x in zip(self.modes, self.scores)},
             "sketch_resets": self.sketch.resets,
             **{k: v for k, v in s.__dict__.items() if k != "extra"},
         }

@@ -220,17 +220,20 @@ class TieredRadixCache(RadixCache):
         return bool(hashes) and self.policy.frequency(hashes[-1]) >= self.policy.cfg.pin_min_freq
 
     def _victim_frequency(self) -> Optional[int]:
-        best = None
+        slru = self.policy.protect_frequent
+        best = best_key = None
         for leaf in self.evictable_leaves:
-            if best is None or leaf.last_access_time < best.last_access_time:
-                best = leaf
+            k = (slru and leaf.hit_count >= 2, leaf.last_access_time)
+            if best is None or k < best_key:
+                best, best_key = leaf, k
         if best is None:
             return None
         self._ensure_hashes(best)
         return self.policy.frequency(best.tiered_hashes[-1]) if best.tiered_hashes else 0
 
     def evict(self, params: EvictParams) -> EvictResult:
-        """Least recently used leaf first, pinned hot prefixes last; same mechanics as
+        """Least recently used leaf first (in slru mode, leaves reused by >= 2 requests after all
+        others), pinned hot prefixes last; same mechanics as
         RadixCache.evict (free the leaf's slots, delete it, offer its parent)."""
         if self.disable:
             return EvictResult()
@@ -238,6 +241,7 @@ class TieredRadixCache(RadixCache):
         num_tokens = params.num_tokens
         ps = self.page_size
         pin_hits = self.policy.cfg.pin_min_freq
+        slru = self.policy.protect_frequent  # the duel's eviction order: lru or slru
         heap, pinned = [], []
         pinned_pages = 0
         for node in self.evictable_leaves:
@@ -245,7 +249,7 @@ class TieredRadixCache(RadixCache):
                 pinned_pages += len(node.key) // ps
                 pinned.append((node.last_access_time, node.id, node))
             else:
-                heap.append((node.last_access_time, node.id, node))
+                heap.append((slru and node.hit_count >= 2, node.last_access_time, node.id, node))
         heapq.heapify(heap)
         heapq.heapify(pinned)
 
@@ -255,7 +259,7 @@ class TieredRadixCache(RadixCache):
         root = self.root_node
         while num_evicted < num_tokens:
             if heap:
-                _, _, x = heapq.heappop(heap)
+                x = heapq.heappop(heap)[-1]
                 was_pinned = False
             elif pinned:
                 _, _, x = heapq.heappop(pinned)
@@ -272,7 +276,9 @@ class TieredRadixCache(RadixCache):
                     pinned_pages += len(parent.key) // ps
                     heapq.heappush(pinned, (parent.last_access_time, parent.id, parent))
                 else:
-                    heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+                    heapq.heappush(
+                        heap, (slru and parent.hit_count >= 2, parent.last_access_time, parent.id, parent)
+                    )
             self.kv_events.record_remove(x)
 
         self.update_eviction_metrics(num_evicted, start_time)
