@@ -30,7 +30,11 @@ def _start(spec, name: str):
 def tiered_server(tiny_model_path):
     from sglang_tiered.server import ServerSpec
 
-    server = _start(ServerSpec(model_path=tiny_model_path, backend="tiered", page_size=16), "tiered")
+    # A small device pool (4,096 tokens) so workloads overflow it and eviction + admission run.
+    server = _start(
+        ServerSpec(model_path=tiny_model_path, backend="tiered", page_size=16, max_total_tokens=4096),
+        "tiered",
+    )
     yield server
     server.stop()
 

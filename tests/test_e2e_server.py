@@ -68,3 +68,40 @@ def test_backend_not_registered_when_plugin_excluded(tiny_model_path, tmp_path):
         server.start(timeout_s=180)
     server.stop()
     assert "--radix-cache-backend='tiered' is not registered" in str(err.value)
+
+
+def test_tenants_never_share_entries(tiered_server):
+    text = make_prompt(7, 300)
+    a1 = greedy(tiered_server, text, cache_salt="tenant-a")
+    a2 = greedy(tiered_server, text, cache_salt="tenant-a")
+    b1 = greedy(tiered_server, text, cache_salt="tenant-b")
+    assert a2["meta_info"]["cached_tokens"] >= a2["meta_info"]["prompt_tokens"] - PAGE
+    assert b1["meta_info"]["cached_tokens"] == 0  # same prompt, other tenant: no hit
+    assert a1["output_ids"] == b1["output_ids"]
+
+
+def test_workload_larger_than_device_pool_matches_no_cache(tiered_server, reference_server):
+    # ~14 prompts of 350-650 tokens, two rounds: ~2.5x the 4,096-token pool, with shared prefixes.
+    shared = [make_prompt(300 + i, 150) for i in range(3)]
+    prompts = [shared[i % 3] + " " + make_prompt(400 + i, 150 + 25 * (i % 5)) for i in range(14)]
+    rounds = prompts + prompts[::-1]
+    got = [greedy(tiered_server, p, max_new_tokens=8) for p in rounds]
+    want = {p: greedy(reference_server, p, max_new_tokens=8)["output_ids"] for p in prompts}
+    assert sum(len(p.split()) for p in rounds) > 2 * 4096
+    assert sum(g["meta_info"]["cached_tokens"] for g in got) > 0
+    for p, g in zip(rounds, got):
+        assert g["output_ids"] == want[p], p[:50]
+
+
+def test_edge_prompts_do_not_crash_or_leak(tiered_server):
+    for text in ["a", "x y", make_prompt(9, 3000)]:
+        out = greedy(tiered_server, text, max_new_tokens=2)
+        assert out["meta_info"]["prompt_tokens"] >= 1
+    out = greedy(tiered_server, make_prompt(10, 50), max_new_tokens=2, cache_salt="never-seen-tenant")
+    assert out["meta_info"]["cached_tokens"] == 0
+    status, body = tiered_server.request("POST", "/generate", {"text": "", "sampling_params": {"max_new_tokens": 2}})
+    assert status in (200, 400), body
+    # The server still answers normally afterwards (no leaked slots: SGLang's idle checker is on).
+    assert greedy(tiered_server, make_prompt(1, 400))["meta_info"]["cached_tokens"] >= 0
+    status, _ = tiered_server.request("GET", "/health")
+    assert status == 200

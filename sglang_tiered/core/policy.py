@@ -81,11 +81,11 @@ class PolicyConfig:
     pin_min_freq: int = 8
     pin_max_tokens: int = 2048
     pin_budget_share: float = 0.05
-    tinylfu_admission: bool = True
     thrash_ratio: float = 0.9
     thrash_window: int = 64  # checkpoints per thrash measurement window
     thrash_sustain: int = 2  # consecutive windows above the ratio to enter (and below to leave)
     sketch_sample_factor: int = 10
+    force_mode: str | None = None  # e.g. "tinylfu+slru": disable the duel, always use this mode
     duel_sample_mask: int = 7  # miniature caches see pages whose first byte & mask == 0 (1 in 8)
     duel_decay: float = 0.9995  # per sampled reference; ~2,000-reference memory
 
@@ -124,6 +124,11 @@ class AdaptivePolicy:
         self._minis = [_MiniCache(m, mini_cap) for m in self.modes]
         self.scores = [0.0] * len(self.modes)
         self.mode_index = 0  # admit everything, LRU: SGLang's default until evidence says otherwise
+        if self.cfg.force_mode is not None:
+            names = [str(m) for m in self.modes]
+            if self.cfg.force_mode not in names:
+                raise ValueError(f"force_mode must be one of {names}, got {self.cfg.force_mode!r}")
+            self.mode_index = names.index(self.cfg.force_mode)
 
     # --- per request (called once per request, from checkpoint) -----------------------------
     def observe(self, page_hashes: list[bytes], device_hit_pages: int) -> None:
@@ -132,7 +137,7 @@ class AdaptivePolicy:
         inc = self.sketch.increment
         for h in page_hashes:
             inc(h)
-        if self.cfg.tinylfu_admission:
+        if self.cfg.force_mode is None:
             self._duel(page_hashes)
 
     @property
@@ -174,7 +179,7 @@ class AdaptivePolicy:
         n = len(new_hashes)
         self.stats.pages_offered += n
         admitted = n
-        if n and self.cfg.tinylfu_admission and self.filtering and victim_freq is not None:
+        if n and self.filtering and victim_freq is not None:
             # Admit the leading pages whose frequency beats the victim's (TinyLFU), at least the
             # first page if it does.
             admitted = 0

@@ -1,0 +1,126 @@
+"""Pure-Python core: cache identity, frequency sketch, policy (no torch, no sglang)."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_tiered.core.keys import CacheKey, chain_page_hashes
+from sglang_tiered.core.policy import AdaptivePolicy, PolicyConfig
+from sglang_tiered.core.sketch import MAX_COUNT, FrequencySketch
+
+
+def test_chain_hash_definition_and_determinism():
+    key = CacheKey(tenant="acme", model_id="m", weights_digest="w", kv_dtype="bf16")
+    toks = list(range(40))
+    hs = chain_page_hashes(key.seed(), toks, 16)
+    assert len(hs) == 2  # the partial third page is not hashed
+    h0 = hashlib.blake2b(key.seed() + array("q", toks[:16]).tobytes(), digest_size=16).digest()
+    h1 = hashlib.blake2b(h0 + array("q", toks[16:32]).tobytes(), digest_size=16).digest()
+    assert hs == [h0, h1]
+    # incremental: continuing from the last hash equals hashing the whole prefix at once
+    assert chain_page_hashes(hs[0], toks[16:32], 16) == [h1]
+
+
+@pytest.mark.parametrize("field", ["tenant", "model_id", "weights_digest", "kv_dtype", "rope_hash", "attn_impl"])
+def test_every_identity_field_changes_the_seed(field):
+    base = CacheKey()
+    assert CacheKey(**{**base.__dict__, field: "other"}).seed() != base.seed()
+
+
+def test_tp_degree_is_not_part_of_identity():
+    assert not any("tp" in f for f in CacheKey.__dataclass_fields__)
+
+
+def test_tenants_never_share_page_hashes():
+    toks = list(range(64))
+    a = chain_page_hashes(CacheKey(tenant="a").seed(), toks)
+    b = chain_page_hashes(CacheKey(tenant="b").seed(), toks)
+    assert not set(a) & set(b)
+
+
+keys_st = st.lists(st.integers(min_value=0, max_value=40), min_size=0, max_size=400)
+
+
+def _k(i: int) -> bytes:
+    return hashlib.blake2b(str(i).encode(), digest_size=16).digest()
+
+
+@settings(max_examples=60, deadline=None)
+@given(keys_st)
+def test_sketch_never_underestimates_before_aging(seq):
+    sk = FrequencySketch(capacity=256, sample_factor=1000)
+    exact = Counter()
+    for i in seq:
+        sk.increment(_k(i))
+        exact[i] += 1
+        assert sk.estimate(_k(i)) >= min(exact[i], MAX_COUNT + 1)
+    for i in range(41):
+        assert sk.estimate(_k(i)) <= MAX_COUNT + 1
+        if exact[i] == 0:
+            continue
+        assert sk.estimate(_k(i)) >= min(exact[i], MAX_COUNT + 1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(keys_st)
+def test_sketch_ages_by_events_and_is_deterministic(seq):
+    a, b = FrequencySketch(64, sample_factor=1), FrequencySketch(64, sample_factor=1)
+    for i in seq:
+        a.increment(_k(i))
+        b.increment(_k(i))
+    assert a.rows == b.rows and a.door == b.door and a.resets == b.resets
+    assert (a.resets > 0) == (len(seq) >= 64)  # sample_size is 64 here
+    before = [bytes(r) for r in a.rows]
+    a.age()
+    assert all(x == y >> 1 for r0, r1 in zip(before, a.rows) for x, y in zip(r1, r0))
+    assert not any(a.door)
+
+
+def test_policy_duel_switches_to_filtering_on_scans():
+    """A small hot set plus a stream of one-shot pages: the filtering miniature must win."""
+    pol = AdaptivePolicy(capacity_pages=64)
+    hot = [_k(i) for i in range(16)]
+    n = 0
+    for step in range(6000):
+        pol.observe([hot[step % 16]], 0)
+        pol.observe([_k(10_000 + n), _k(10_001 + n)], 0)
+        n += 2
+    assert pol.filtering, pol.snapshot()
+
+
+def test_policy_stays_lru_on_recency_traffic():
+    """A loop over a working set that fits: admitting everything is best; no filtering."""
+    pol = AdaptivePolicy(capacity_pages=512)
+    for step in range(20000):
+        pol.observe([_k(step % 400)], 0)
+    assert not pol.filtering and str(pol.mode).startswith("all+"), pol.snapshot()
+
+
+def test_force_mode_validates():
+    with pytest.raises(ValueError, match="force_mode"):
+        AdaptivePolicy(16, PolicyConfig(force_mode="bogus"))
+    assert AdaptivePolicy(16, PolicyConfig(force_mode="tinylfu+slru")).filtering
+
+
+def test_weights_digest_changes_with_any_byte(tmp_path, monkeypatch):
+    from sglang_tiered.weights_digest import weights_digest
+
+    monkeypatch.setenv("SGLANG_TIERED_CACHE", str(tmp_path / "cache"))
+    m = tmp_path / "model"
+    m.mkdir()
+    (m / "config.json").write_text("{}")
+    w = m / "model.safetensors"
+    w.write_bytes(bytes(range(256)) * 1000)
+    d1 = weights_digest(str(m))
+    assert weights_digest(str(m)) == d1  # memoised, same answer
+    data = bytearray(w.read_bytes())
+    data[123_456] ^= 1
+    w.write_bytes(bytes(data))
+    assert weights_digest(str(m)) != d1
+    assert weights_digest("org/remote-model").startswith("name:")
