@@ -41,7 +41,7 @@ class TreeMachine(RuleBasedStateMachine):
         self.inserted: dict = {t: [] for t in TENANTS}  # model: sequences stored per tenant
         self.held = []  # (lock, node, tenant, tokens, prefix_len, indices)
 
-    @rule(mode=st.sampled_from(["all+lru", "tinylfu+lru", "all+slru", "tinylfu+slru", None]))
+    @rule(mode=st.sampled_from(["all+lru", "tinylfu+lru", "all+slru", "tinylfu+slru", "all+lfu", "tinylfu+lfu", None]))
     @precondition(lambda self: self.cache is None)
     def build(self, mode):
         self.cache = TieredRadixCache.create_simulated(
@@ -84,6 +84,25 @@ class TreeMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.cache is not None)
     def evict(self, n):
         self.cache.evict(EvictParams(num_tokens=n))
+
+    @rule(tenant=st.sampled_from(TENANTS + ["__all__"]))
+    @precondition(lambda self: self.cache is not None)
+    def invalidate(self, tenant):
+        from sglang_tiered.core.tenants import name_hash, tenant_of
+
+        if tenant == "__all__":
+            self.cache.invalidate(everything=True)
+            for t in TENANTS:
+                self.inserted[t] = []
+        else:
+            self.cache.invalidate(tenant_hash=name_hash(tenant_of(tenant)))
+            self.inserted[tenant] = []
+        # After it returns no request may hit an invalidated entry, even one still locked.
+        for spec_blocks in ([0, 1, 2], [3], [4, 5]):
+            toks = tokens_of((spec_blocks, 0))
+            for t in TENANTS if tenant == "__all__" else [tenant]:
+                m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", toks), None, cache_salt=t)))
+                assert m.device_prefix_len == 0
 
     def _check_prefix_was_inserted(self, toks, matched, tenant):
         if matched == 0:

@@ -23,6 +23,7 @@ capacity, DESIGN.md decision 2; we measured an ARC-style recency/frequency split
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -32,7 +33,9 @@ from sglang_tiered.core.sketch import FrequencySketch
 @dataclass(frozen=True)
 class Mode:
     admission: str  # "all" | "tinylfu"
-    eviction: str  # "lru" | "slru" (pages reused by >= 2 requests are evicted after all others)
+    # "lru"; "slru": pages reused by >= 2 requests go after all others; "lfu": fewest requests
+    # first, then least recent (SGLang's lfu order)
+    eviction: str
 
     def __str__(self) -> str:
         return f"{self.admission}+{self.eviction}"
@@ -48,14 +51,15 @@ class _MiniCache:
         self.prot: OrderedDict[bytes, None] = OrderedDict()  # reused by >= 2 (slru only)
 
     def full(self) -> bool:
-        return len(self.prob) + len(self.prot) >= self.cap
+        return len(self.prob) + len(self.prot) >= 0.75 * self.cap
 
     def _victim(self):
         if self.prob:
             return self.prob, next(iter(self.prob))
         return self.prot, next(iter(self.prot))
 
-    def access(self, h: bytes, est) -> float:
+    def access(self, h: bytes, est, refusing: bool = False) -> float:
+        """1.0 on a hit, 0.0 on an admitted miss, -1.0 on a refused miss."""
         prob, prot = self.prob, self.prot
         if h in prot:
             prot.move_to_end(h)
@@ -69,10 +73,53 @@ class _MiniCache:
             return 1.0
         if len(prob) + len(prot) >= self.cap:
             where, victim = self._victim()
-            if self.mode.admission == "tinylfu" and est(h) <= est(victim):
-                return 0.0
+            if self.mode.admission == "tinylfu" and (refusing or est(h) <= est(victim)):
+                return -1.0
             del where[victim]
         prob[h] = None
+        return 0.0
+
+
+class _MiniLFU:
+    """LFU miniature: evict the page reused by the fewest requests, least recent first."""
+
+    def __init__(self, mode: Mode, capacity: int):
+        self.mode = mode
+        self.cap = capacity
+        self.entries: dict[bytes, tuple[int, int]] = {}
+        self.heap: list[tuple[int, int, bytes]] = []
+        self.clock = 0
+
+    def full(self) -> bool:
+        return len(self.entries) >= 0.75 * self.cap
+
+    def _peek(self) -> bytes:
+        heap, entries = self.heap, self.entries
+        while True:
+            hits, t, h = heap[0]
+            if entries.get(h) == (hits, t):
+                return h
+            heapq.heappop(heap)
+
+    def access(self, h: bytes, est, refusing: bool = False) -> float:
+        self.clock += 1
+        e = self.entries.get(h)
+        if e is not None:
+            new = (e[0] + 1, self.clock)
+            self.entries[h] = new
+            heapq.heappush(self.heap, (new[0], new[1], h))
+            return 1.0
+        if len(self.entries) >= self.cap:
+            victim = self._peek()
+            if self.mode.admission == "tinylfu" and (refusing or est(h) <= est(victim)):
+                return -1.0
+            heapq.heappop(self.heap)
+            del self.entries[victim]
+        self.entries[h] = (1, self.clock)
+        heapq.heappush(self.heap, (1, self.clock, h))
+        if len(self.heap) > 4 * self.cap + 64:  # drop stale entries
+            self.heap = [(v[0], v[1], k) for k, v in self.entries.items()]
+            heapq.heapify(self.heap)
         return 0.0
 
 
@@ -85,9 +132,13 @@ class PolicyConfig:
     thrash_window: int = 64  # checkpoints per thrash measurement window
     thrash_sustain: int = 2  # consecutive windows above the ratio to enter (and below to leave)
     sketch_sample_factor: int = 10
+    sketch_sample_mask: int = 3  # count pages whose first hash byte & mask == 0 (1 in 4)
     force_mode: str | None = None  # e.g. "tinylfu+slru": disable the duel, always use this mode
-    duel_sample_mask: int = 7  # miniature caches see pages whose first byte & mask == 0 (1 in 8)
+    # miniature caches see pages whose first hash byte & mask == 0 (1 in 8, a subset of the
+    # counted pages, so their TinyLFU estimates are exact-sketch ones)
+    duel_sample_mask: int = 7
     duel_decay: float = 0.9995  # per sampled reference; ~2,000-reference memory
+    admit_margin: float = 1.1  # TinyLFU admission must beat admit-all by this factor to switch on
 
 
 @dataclass
@@ -120,10 +171,11 @@ class AdaptivePolicy:
         # (admission x eviction order). The real cache runs the mode whose miniature wins.
         mini_cap = max(4, self.capacity_pages // (self.cfg.duel_sample_mask + 1))
         self._mini_cap = mini_cap
-        self.modes = [Mode(adm, ev) for ev in ("lru", "slru") for adm in ("all", "tinylfu")]
-        self._minis = [_MiniCache(m, mini_cap) for m in self.modes]
+        self.modes = [Mode(adm, ev) for ev in ("lru", "slru", "lfu") for adm in ("all", "tinylfu")]
+        self._minis = [(_MiniLFU if m.eviction == "lfu" else _MiniCache)(m, mini_cap) for m in self.modes]
         self.scores = [0.0] * len(self.modes)
         self.mode_index = 0  # admit everything, LRU: SGLang's default until evidence says otherwise
+        self._decided = False
         if self.cfg.force_mode is not None:
             names = [str(m) for m in self.modes]
             if self.cfg.force_mode not in names:
@@ -135,8 +187,12 @@ class AdaptivePolicy:
         """Count the request's pages in the sketch (once per request) and feed the duel."""
         self.stats.requests += 1
         inc = self.sketch.increment
+        m = self.cfg.sketch_sample_mask
         for h in page_hashes:
-            inc(h)
+            if not h[0] & m:
+                inc(h)
+        if page_hashes and page_hashes[-1][0] & m:
+            inc(page_hashes[-1])  # the request's last page is always counted
         if self.cfg.force_mode is None:
             self._duel(page_hashes)
 
@@ -149,29 +205,66 @@ class AdaptivePolicy:
         return self.modes[self.mode_index].admission == "tinylfu"
 
     @property
-    def protect_frequent(self) -> bool:
-        return self.modes[self.mode_index].eviction == "slru"
+    def eviction_order(self) -> str:
+        return self.modes[self.mode_index].eviction
 
     def _duel(self, page_hashes: list[bytes]) -> None:
         mask = self.cfg.duel_sample_mask
         est, decay = self.sketch.estimate, self.cfg.duel_decay
         minis, scores = self._minis, self.scores
+        # Like the real tree: a miniature that refuses a page of this request refuses the rest of
+        # it too (admission is prefix-consistent), and only the leading run of hits counts (a
+        # page past a miss cannot be reused by a radix prefix match).
+        refused = [False] * len(minis)
+        missed = [False] * len(minis)
         sampled = False
         for h in page_hashes:
             if h[0] & mask:
                 continue
             sampled = True
             for i, mini in enumerate(minis):
-                scores[i] = scores[i] * decay + mini.access(h, est)
-        if not sampled or not all(m.full() for m in minis):
+                r = mini.access(h, est, refused[i])
+                if r < 0:
+                    refused[i] = True
+                if r <= 0:
+                    missed[i] = True
+                    r = 0.0
+                elif missed[i]:
+                    r = 0.0
+                scores[i] = scores[i] * decay + r
+        if not sampled or not minis[0].full():  # decide once the miniatures are nearly full
             return
-        # Hysteresis: move to another mode only on a clear margin.
-        best = max(range(len(scores)), key=scores.__getitem__)
-        if scores[best] > scores[self.mode_index] * 1.05:
-            self.mode_index = best
+        self._choose_mode()
+
+    def _choose_mode(self) -> None:
+        """Two stages, each with hysteresis: the eviction order whose admit-everything miniature
+        wins, then TinyLFU admission only if its miniature beats admit-everything under that
+        order by ``admit_margin`` (page-level miniatures overstate what filtering buys a radix
+        tree, whose deep pages are useless once a parent is gone)."""
+        scores, modes, cur = self.scores, self.modes, self.modes[self.mode_index]
+        idx = {(m.admission, m.eviction): i for i, m in enumerate(modes)}
+        orders = ("lru", "slru", "lfu")
+        best = max(orders, key=lambda o: scores[idx[("all", o)]])
+        order = cur.eviction
+        # The first decision (once the miniatures are full) takes the best order outright.
+        switch = 1.0 if not self._decided else 1.02
+        if scores[idx[("all", best)]] > scores[idx[("all", order)]] * switch:
+            order = best
+        self._decided = True
+        base, filt = scores[idx[("all", order)]], scores[idx[("tinylfu", order)]]
+        margin = 1.0 if (cur.admission == "tinylfu" and cur.eviction == order) else self.cfg.admit_margin
+        self.mode_index = idx[("tinylfu" if filt > base * margin else "all", order)]
 
     def frequency(self, page_hash: bytes) -> int:
         return self.sketch.estimate(page_hash)
+
+    def node_frequency(self, hashes: list[bytes]) -> int:
+        """Frequency of a run of pages (a tree node): its last counted page's estimate."""
+        m = self.cfg.sketch_sample_mask
+        for h in reversed(hashes):
+            if not h[0] & m:
+                return self.sketch.estimate(h)
+        return self.sketch.estimate(hashes[-1]) if hashes else 0
 
     def admit_pages(self, new_hashes: list[bytes], victim_freq: int | None) -> int:
         """How many of a request's new (not yet cached) pages to keep. Prefix-consistent: a
@@ -182,9 +275,20 @@ class AdaptivePolicy:
         if n and self.filtering and victim_freq is not None:
             # Admit the leading pages whose frequency beats the victim's (TinyLFU), at least the
             # first page if it does.
+            # Pages are counted 1 in 4 (plus each request's last page); an uncounted page takes
+            # the estimate of the next counted page after it, a lower bound of its own frequency
+            # since frequency never grows with depth along a prefix chain.
+            est, m = self.sketch.estimate, self.cfg.sketch_sample_mask
+            ests = [0] * n
+            nxt = est(new_hashes[-1])
+            for j in range(n - 1, -1, -1):
+                h = new_hashes[j]
+                if not h[0] & m:
+                    nxt = est(h)
+                ests[j] = nxt
             admitted = 0
-            for h in new_hashes:
-                if self.sketch.estimate(h) > victim_freq:
+            for e in ests:
+                if e > victim_freq:
                     admitted += 1
                 else:
                     break

@@ -52,6 +52,9 @@ def register() -> None:
 
         if BACKEND_NAME not in registered_radix_cache_backends():
             register_radix_cache_backend(BACKEND_NAME, tiered_cache_factory)
+            from sglang_tiered.integration.hooks import register_hooks
+
+            register_hooks()
     except Exception as exc:
         # SGLang logs and swallows plugin exceptions; make sure the cause is impossible to miss.
         msg = f"sglang-tiered: plugin registration failed: {exc}"

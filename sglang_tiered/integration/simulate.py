@@ -143,6 +143,8 @@ class CacheDriver:
         req.lock = None
         spent += time.perf_counter() - t1
         self.req_pool.free_row(row)
+        req.cached_tokens = prefix_len
+        cache.on_release(req, checkpointed=True)
         return RequestOutcome(n, prefix_len, spent)
 
     def device_accounting(self) -> tuple[int, int, int, int]:

@@ -22,6 +22,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes
 from sglang_tiered.core.policy import AdaptivePolicy, PolicyConfig
+from sglang_tiered.core.tenants import TenantTable, name_hash, tenant_of
 
 logger = logging.getLogger("sglang_tiered")
 
@@ -54,7 +55,15 @@ class TieredRadixCache(RadixCache):
         self._pin_budget = self.policy.pin_budget_pages()
         self._seeds: dict = {}
         self._counted: dict[str, int] = {}
-        self.request_stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
+        self.tenants = TenantTable()
+        self._invalid_nodes = 0  # invalidated nodes still held by running requests
+        self.versions: dict[str, str] = {}  # identity names an invalidation may target
+        self.last_invalidation: dict = {}
+        self.metrics = None
+        if getattr(params, "enable_metrics", False) and tp_rank == 0:
+            from sglang_tiered.integration.metrics import TieredMetrics
+
+            self.metrics = TieredMetrics()
         super().__init__(params)
 
     # ------------------------------------------------------------------ construction
@@ -62,12 +71,14 @@ class TieredRadixCache(RadixCache):
     def from_build_context(cls, ctx) -> "TieredRadixCache":
         from sglang_tiered.integration.identity import cache_key_from_context
 
-        return cls(
-            ctx.params,
-            cache_key=cache_key_from_context(ctx),
-            tp_rank=ctx.tp_rank,
-            tp_size=ctx.tp_size,
-        )
+        key = cache_key_from_context(ctx)
+        cache = cls(ctx.params, cache_key=key, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+        cache.versions = {
+            "model_id": key.model_id,
+            "weights_digest": key.weights_digest,
+            "weight_version": str(getattr(ctx.server_args, "weight_version", "") or ""),
+        }
+        return cache
 
     @classmethod
     def create_simulated(
@@ -103,6 +114,9 @@ class TieredRadixCache(RadixCache):
         self.root_node.tiered_hashes = []
         self.root_node.tiered_end = 0
         self._counted.clear()
+        self._invalid_nodes = 0
+        for c in self.tenants.by_name.values():
+            c.resident_pages = 0
 
     # ------------------------------------------------------------------ identity
     def _seed(self, extra_key, cache_salt) -> bytes:
@@ -139,6 +153,9 @@ class TieredRadixCache(RadixCache):
 
     def _split_node(self, key, child, split_len: int):
         new_node = super()._split_node(key, child, split_len)
+        if getattr(child, "tiered_invalid", False):
+            new_node.tiered_invalid = True
+            self._invalid_nodes += 1
         hashes = getattr(child, "tiered_hashes", None)
         if hashes is not None:
             k = split_len // self.page_size
@@ -156,6 +173,19 @@ class TieredRadixCache(RadixCache):
         cpl = req.kv.cache_protected_len
         aligned = (up_to // ps) * ps
         anchor = req.last_node if req.last_node is not None else self.root_node
+        no_store = self._no_store(req)
+        counted = self._counted.get(req.rid)
+        first = counted is None
+        if first:
+            self._counted[req.rid] = 0
+        if no_store or getattr(anchor, "tiered_invalid", False) or self._next_is_invalid(anchor, req, cpl):
+            # Refuse: leave row, lock, last_node and cache_protected_len alone; release_kv_cache
+            # frees [cache_protected_len, owned). No-store requests leave no trace (not even in
+            # the sketch); paths through invalidated entries are never extended.
+            if first and no_store:
+                self.policy.stats.no_store_requests += 1
+                self.tenants.get(tenant_of(req.cache_salt)).no_store_requests += 1
+            return
         base = self.path_hashes(anchor)
         assert len(base) * ps == cpl or anchor is self.root_node, (len(base), cpl)
         tokens = req.full_untruncated_fill_ids
@@ -163,50 +193,150 @@ class TieredRadixCache(RadixCache):
         new = chain_page_hashes(prev, tokens[len(base) * ps : aligned], ps) if aligned > cpl else []
         hashes = base + new
 
-        counted = self._counted.get(req.rid)
-        first = counted is None
         counted = counted or 0
         if len(hashes) > counted:
             self.policy.observe(hashes[counted:], max(0, len(base) - counted))
             self._counted[req.rid] = len(hashes)
-        if first:
-            self.request_stats["requests"] += 1
 
-        if getattr(req, "no_store", False):
-            n_admit = 0
-            if first:
-                self.policy.stats.no_store_requests += 1
-        else:
-            victim_freq = self._victim_frequency() if (new and self.policy.filtering) else None
-            n_admit = self.policy.admit_pages(new, victim_freq)
-
+        victim_freq = self._victim_frequency() if (new and self.policy.filtering) else None
+        n_admit = self.policy.admit_pages(new, victim_freq)
+        tc = self.tenants.get(tenant_of(req.cache_salt))
+        tc.rejected_pages += len(new) - n_admit
         admit_len = cpl + n_admit * ps
         if admit_len <= cpl:
-            # Refuse: leave row, lock, last_node and cache_protected_len alone; release_kv_cache
-            # frees [cache_protected_len, owned). Still count the prefix reuse.
             if first:
-                self._bump_hits(anchor)
+                self._bump_hits(anchor)  # still count the prefix reuse
             return
         if admit_len >= aligned:
             admit_len = up_to  # admit everything: let SGLang page-align as usual
+        before = self.evictable_size_ + self.protected_size_
         super().checkpoint(req, up_to=admit_len)
+        stored = (self.evictable_size_ + self.protected_size_ - before) // ps
+        tc.admitted_pages += stored
+        tc.resident_pages += stored
         self._ensure_hashes(req.last_node)
         if self.debug_checks:
             self.check_invariants()
+
+    @staticmethod
+    def _no_store(req) -> bool:
+        if getattr(req, "no_store", False):
+            return True
+        sp = getattr(req, "sampling_params", None)
+        cp = getattr(sp, "custom_params", None)
+        return bool(cp) and isinstance(cp, dict) and cp.get("lmcache.skip_save") is True
+
+    def _next_is_invalid(self, anchor, req, cpl: int) -> bool:
+        if not self._invalid_nodes:
+            return False
+        tokens = req.full_untruncated_fill_ids
+        if len(tokens) < cpl + self.page_size:
+            return False
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        key = RadixKey(tokens[cpl : cpl + self.page_size], req.extra_key, cache_salt=req.cache_salt)
+        child = anchor.children.get(key.child_key(self.page_size))
+        return child is not None and getattr(child, "tiered_invalid", False)
 
     def _bump_hits(self, node) -> None:
         while node is not self.root_node:
             node.hit_count += 1
             node = node.parent
 
-    def on_release(self, req, *, checkpointed: bool = True, **kwargs) -> None:
+    def on_release(self, req, *, checkpointed: bool) -> None:
         self._counted.pop(req.rid, None)
-        parent = getattr(super(), "on_release", None)
-        if parent is not None:
-            try:
-                parent(req, checkpointed=checkpointed, **kwargs)
-            except TypeError:
-                parent(req)
+        tc = self.tenants.get(tenant_of(req.cache_salt))
+        tc.requests += 1
+        tc.prompt_tokens += len(req.origin_input_ids)
+        cached = int(getattr(req, "cached_tokens", 0) or 0)
+        tc.cached_tokens += cached
+        tc.requests_hit += cached > 0
+        super().on_release(req, checkpointed=checkpointed)
+
+    # ------------------------------------------------------------------ invalidation
+    def match_prefix(self, params):
+        result = super().match_prefix(params)
+        if self._invalid_nodes and result.device_prefix_len:
+            # Never hand out an invalidated entry: cut the match before the shallowest one.
+            node, cut = result.last_device_node, None
+            while node is not self.root_node:
+                if getattr(node, "tiered_invalid", False):
+                    cut = node
+                node = node.parent
+            if cut is not None:
+                last = cut.parent
+                self._ensure_hashes(last)
+                result = result._replace(
+                    device_prefix_len=last.tiered_end,
+                    last_device_node=last, last_host_node=last, best_match_node=last,
+                )  # fmt: skip
+        return result
+
+    def invalidate(self, *, tenant_hash: Optional[int] = None, version_hash: Optional[int] = None,
+                   everything: bool = False) -> dict:  # fmt: skip
+        """Drop matching entries now; entries a running request holds are cut off from matching
+        at once and freed when released. Returns what was dropped (tokens)."""
+        if version_hash is not None and any(name_hash(v) == version_hash for v in self.versions.values() if v):
+            everything = True
+        targets = []
+        for child in list(self.root_node.children.values()):
+            if everything or (tenant_hash is not None and name_hash(tenant_of(child.key.cache_salt)) == tenant_hash):
+                targets.append(child)
+        dropped = deferred = 0
+        for top in targets:
+            stack, order = [top], []
+            while stack:
+                n = stack.pop()
+                order.append(n)
+                stack.extend(n.children.values())
+            for n in order:
+                if not getattr(n, "tiered_invalid", False):
+                    n.tiered_invalid = True
+                    self._invalid_nodes += 1
+            for n in reversed(order):  # children before parents
+                if n.lock_ref == 0 and not n.children:
+                    dropped += self._drop_node(n)
+                else:
+                    deferred += len(n.key)
+        return {"dropped_tokens": dropped, "deferred_tokens": deferred, "subtrees": len(targets)}
+
+    def apply_invalidation_key(self, key: str, value: int) -> None:
+        """One key of an HTTP invalidation (see integration/hooks.py); the nonce comes first."""
+        if key.endswith("_nonce"):
+            self.last_invalidation = {"nonce": value, "dropped_tokens": 0, "deferred_tokens": 0}
+            return
+        if key.endswith("_tenant"):
+            res = self.invalidate(tenant_hash=value)
+        elif key.endswith("_version"):
+            res = self.invalidate(version_hash=value)
+        else:
+            res = self.invalidate(everything=bool(value))
+        inv = self.last_invalidation
+        inv["dropped_tokens"] += res["dropped_tokens"]
+        inv["deferred_tokens"] += res["deferred_tokens"]
+        logger.info("sglang-tiered: invalidation %s: %s", key, res)
+
+    def _drop_node(self, node) -> int:
+        n = len(node.key)
+        self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
+        tc = self.tenants.get(tenant_of(node.key.cache_salt))
+        tc.invalidated_pages += n // self.page_size
+        tc.resident_pages -= n // self.page_size
+        self._delete_leaf(node)
+        self.kv_events.record_remove(node)
+        self._invalid_nodes -= 1
+        return n
+
+    def dec_lock_ref(self, node, params=None):
+        result = super().dec_lock_ref(node, params)
+        if self._invalid_nodes:
+            # Free invalidated entries the moment their last holder lets go.
+            while node is not self.root_node and node is not None:
+                parent = node.parent
+                if getattr(node, "tiered_invalid", False) and node.lock_ref == 0 and not node.children:
+                    self._drop_node(node)
+                node = parent
+        return result
 
     # ------------------------------------------------------------------ eviction
     def _is_pinned(self, node, pinned_pages: int) -> bool:
@@ -217,23 +347,31 @@ class TieredRadixCache(RadixCache):
             return False
         self._ensure_hashes(node)
         hashes = node.tiered_hashes
-        return bool(hashes) and self.policy.frequency(hashes[-1]) >= self.policy.cfg.pin_min_freq
+        return bool(hashes) and self.policy.node_frequency(hashes) >= self.policy.cfg.pin_min_freq
+
+    def _order_key(self):
+        order = self.policy.eviction_order
+        if order == "slru":
+            return lambda n: n.hit_count >= 2
+        if order == "lfu":
+            return lambda n: n.hit_count
+        return lambda n: 0
 
     def _victim_frequency(self) -> Optional[int]:
-        slru = self.policy.protect_frequent
+        order = self._order_key()
         best = best_key = None
         for leaf in self.evictable_leaves:
-            k = (slru and leaf.hit_count >= 2, leaf.last_access_time)
+            k = (order(leaf), leaf.last_access_time)
             if best is None or k < best_key:
                 best, best_key = leaf, k
         if best is None:
             return None
         self._ensure_hashes(best)
-        return self.policy.frequency(best.tiered_hashes[-1]) if best.tiered_hashes else 0
+        return self.policy.node_frequency(best.tiered_hashes) if best.tiered_hashes else 0
 
     def evict(self, params: EvictParams) -> EvictResult:
-        """Least recently used leaf first (in slru mode, leaves reused by >= 2 requests after all
-        others), pinned hot prefixes last; same mechanics as
+        """Least recently used leaf first (slru mode: leaves reused by >= 2 requests after all
+        others; lfu mode: fewest requests first), pinned hot prefixes last; same mechanics as
         RadixCache.evict (free the leaf's slots, delete it, offer its parent)."""
         if self.disable:
             return EvictResult()
@@ -241,7 +379,7 @@ class TieredRadixCache(RadixCache):
         num_tokens = params.num_tokens
         ps = self.page_size
         pin_hits = self.policy.cfg.pin_min_freq
-        slru = self.policy.protect_frequent  # the duel's eviction order: lru or slru
+        order = self._order_key()  # the duel's eviction order: lru, slru or lfu
         heap, pinned = [], []
         pinned_pages = 0
         for node in self.evictable_leaves:
@@ -249,7 +387,7 @@ class TieredRadixCache(RadixCache):
                 pinned_pages += len(node.key) // ps
                 pinned.append((node.last_access_time, node.id, node))
             else:
-                heap.append((slru and node.hit_count >= 2, node.last_access_time, node.id, node))
+                heap.append((order(node), node.last_access_time, node.id, node))
         heapq.heapify(heap)
         heapq.heapify(pinned)
 
@@ -269,6 +407,9 @@ class TieredRadixCache(RadixCache):
             free_segment(x.value, start_pos=0)
             num_evicted += len(x.value)
             policy.on_evict(len(x.key) // ps, pinned=was_pinned)
+            tc = self.tenants.get(tenant_of(x.key.cache_salt))
+            tc.evicted_pages += len(x.key) // ps
+            tc.resident_pages -= len(x.key) // ps
             parent = x.parent
             self._delete_leaf(x)
             if parent is not root and len(parent.children) == 0 and parent.lock_ref == 0:
@@ -277,7 +418,7 @@ class TieredRadixCache(RadixCache):
                     heapq.heappush(pinned, (parent.last_access_time, parent.id, parent))
                 else:
                     heapq.heappush(
-                        heap, (slru and parent.hit_count >= 2, parent.last_access_time, parent.id, parent)
+                        heap, (order(parent), parent.last_access_time, parent.id, parent)
                     )
             self.kv_events.record_remove(x)
 
@@ -304,6 +445,33 @@ class TieredRadixCache(RadixCache):
         assert evictable == self.evictable_size_, (evictable, self.evictable_size_)
         assert protected == self.protected_size_, (protected, self.protected_size_)
 
+    def flush_pending_backups(self) -> None:
+        """Called by the scheduler after every batch: publish metrics (no host backups yet)."""
+        super().flush_pending_backups()
+        if self.metrics is not None:
+            self.metrics.publish(self)
+
     def stats_snapshot(self) -> dict:
-        return {"policy": self.policy.snapshot(), "evictable_tokens": self.evictable_size_,
-                "protected_tokens": self.protected_size_}  # fmt: skip
+        """msgpack-safe per-rank stats (see sglang_tiered/stats.py for the aggregated schema)."""
+        ps = self.page_size
+        pol = self.policy.snapshot()
+        return {
+            "page_size": ps,
+            "last_invalidation": dict(self.last_invalidation),
+            "versions": dict(self.versions),
+            "tenants": {name: c.as_dict() for name, c in self.tenants.by_name.items()},
+            "tiers": [
+                {
+                    "name": "device",
+                    "enabled": True,
+                    "capacity_pages": self.capacity_tokens // ps,
+                    "resident_pages": (self.evictable_size_ + self.protected_size_) // ps,
+                    "evictable_tokens": self.evictable_size_,
+                    "protected_tokens": self.protected_size_,
+                    "decision": "device radix tree",
+                },
+            ],
+            "policy": {k: pol[k] for k in (
+                "mode", "admission_filtering", "thrashing", "thrash_windows", "admissions_refused",
+                "pages_admitted", "pages_rejected", "evicted_pages", "evicted_pinned", "sketch_resets")},
+        }  # fmt: skip

@@ -1,0 +1,61 @@
+"""Per-tenant counters with a bounded label set (pure Python).
+
+At most ``max_tenants`` tenants are tracked by name; later ones are folded into ``__other__`` so a
+client minting salts cannot blow up memory or metric cardinality.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+
+OTHER = "__other__"
+DEFAULT = "default"
+
+
+def tenant_of(cache_salt) -> str:
+    return cache_salt or DEFAULT
+
+
+def name_hash(name: str) -> int:
+    """A stable 62-bit integer for a tenant or version name (SGLang's set_internal_state carries
+    numbers only)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 2
+
+
+@dataclass
+class TenantCounters:
+    requests: int = 0
+    requests_hit: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    admitted_pages: int = 0
+    rejected_pages: int = 0
+    evicted_pages: int = 0
+    invalidated_pages: int = 0
+    no_store_requests: int = 0
+    resident_pages: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class TenantTable:
+    def __init__(self, max_tenants: int = 256):
+        self.max_tenants = max_tenants
+        self.by_name: dict[str, TenantCounters] = {}
+
+    def get(self, tenant: str) -> TenantCounters:
+        c = self.by_name.get(tenant)
+        if c is None:
+            if len(self.by_name) >= self.max_tenants and tenant != OTHER:
+                return self.get(OTHER)
+            c = self.by_name[tenant] = TenantCounters()
+        return c
+
+    def totals(self) -> TenantCounters:
+        t = TenantCounters()
+        for c in self.by_name.values():
+            for k, v in c.__dict__.items():
+                setattr(t, k, getattr(t, k) + v)
+        return t

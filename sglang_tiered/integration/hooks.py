@@ -1,0 +1,83 @@
+"""SGLang hooks (HookRegistry) that carry the control plane, without new IPC types.
+
+Scheduler processes:
+  * AFTER ``SchedulerInternalStateController.get_internal_state``: adds ``internal_state
+    ["sglang_tiered"]`` = the tree's per-rank stats (msgpack-safe), read by ``GET /cache/stats``.
+  * AFTER ``SchedulerInternalStateController._update_handlers``: adds numeric update keys
+    ``sglang_tiered_invalidate_{nonce,tenant,version,all}`` (SGLang's set_internal_state carries
+    numbers only, so names travel as 62-bit hashes) that run ``TieredRadixCache.invalidate``.
+HTTP (launcher) process:
+  * BEFORE ``http_server._setup_and_run_http_server``: mounts ``/cache/stats`` and
+    ``/cache/invalidate`` and the request-hint middleware before uvicorn starts (and before SGLang
+    adds its API-key middleware, which then sees our routes' auth levels).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+
+logger = logging.getLogger("sglang_tiered")
+
+STATE_KEY = "sglang_tiered"
+INVALIDATE_KEYS = (
+    "sglang_tiered_invalidate_nonce",
+    "sglang_tiered_invalidate_tenant",
+    "sglang_tiered_invalidate_version",
+    "sglang_tiered_invalidate_all",
+)
+_INTERNAL = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
+_HTTP = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
+
+
+def _tiered_cache(controller):
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+
+    cache = getattr(getattr(controller, "scheduler", None), "tree_cache", None)
+    return cache if isinstance(cache, TieredRadixCache) else None
+
+
+def _after_get_internal_state(result, controller, *args, **kwargs):
+    cache = _tiered_cache(controller)
+    if cache is not None:
+        result.internal_state[STATE_KEY] = cache.stats_snapshot()
+    return result
+
+
+def _after_update_handlers(handlers, controller, *args, **kwargs):
+    from sglang.srt.managers.scheduler_components.internal_state import _UpdateHandler
+
+    cache = _tiered_cache(controller)
+    if cache is None:
+        return handlers
+
+    def validate(key, value):
+        from sglang.srt.managers.scheduler_components.internal_state import UpdateRejected
+
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise UpdateRejected(f"{key} takes a non-negative integer")
+
+    def apply(key, value):
+        cache.apply_invalidation_key(key, int(value))
+        return None  # nothing goes into the config override
+
+    for key in INVALIDATE_KEYS:
+        handlers[key] = _UpdateHandler(validate, apply)
+    return handlers
+
+
+def _before_http_server(*args, **kwargs):
+    from sglang_tiered.integration.http import install
+
+    install()
+    return None
+
+
+def register_hooks() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if multiprocessing.current_process().name == "MainProcess":
+        HookRegistry.register(_HTTP, _before_http_server, HookType.BEFORE)
+    else:
+        HookRegistry.register(f"{_INTERNAL}.get_internal_state", _after_get_internal_state, HookType.AFTER)
+        HookRegistry.register(f"{_INTERNAL}._update_handlers", _after_update_handlers, HookType.AFTER)

@@ -1,0 +1,69 @@
+"""Prometheus metrics (``sglang_tiered_*``) under SGLang's ``--enable-metrics``.
+
+Published from the scheduler (TP rank 0 of each replica) into prometheus_client's multiprocess
+directory, which SGLang's ``/metrics`` already aggregates. Counters advance by deltas of our own
+counters; gauges use ``livesum`` so data-parallel replicas add up. The tenant label set is bounded
+(``MAX_TENANT_LABELS``; later tenants report as ``__other__``).
+"""
+
+from __future__ import annotations
+
+from sglang_tiered.core.tenants import OTHER
+
+MAX_TENANT_LABELS = 32
+COUNTERS = {
+    "requests": "Requests released by the cache, by tenant",
+    "requests_hit": "Requests that reused at least one cached token, by tenant",
+    "prompt_tokens": "Prompt tokens seen, by tenant",
+    "cached_tokens": "Prompt tokens served from the cache, by tenant",
+    "admitted_pages": "Pages admitted into the device tier, by tenant",
+    "rejected_pages": "Pages the admission policy declined, by tenant",
+    "evicted_pages": "Pages evicted from the device tier, by tenant",
+    "invalidated_pages": "Pages dropped by /cache/invalidate, by tenant",
+    "no_store_requests": "Requests with a no-store hint (kv_transfer_params lmcache.skip_save), by tenant",
+}
+
+
+class TieredMetrics:
+    def __init__(self):
+        from prometheus_client import Counter, Gauge
+
+        self.counters = {
+            k: Counter(f"sglang_tiered_{k}", doc, ["tenant"]) for k, doc in COUNTERS.items()
+        }
+        self.resident = Gauge("sglang_tiered_resident_pages", "Pages resident per tier and tenant",
+                              ["tier", "tenant"], multiprocess_mode="livesum")  # fmt: skip
+        self.tier_tokens = Gauge("sglang_tiered_tier_tokens", "Evictable/protected tokens per tier",
+                                 ["tier", "state"], multiprocess_mode="livesum")  # fmt: skip
+        self.filtering = Gauge("sglang_tiered_admission_filtering", "1 while TinyLFU admission is on",
+                               multiprocess_mode="livemax")  # fmt: skip
+        self.thrashing = Gauge("sglang_tiered_thrashing", "1 while thrash is detected",
+                               multiprocess_mode="livemax")  # fmt: skip
+        self._last: dict[tuple[str, str], int] = {}
+        self._labels: dict[str, str] = {}
+
+    def _label(self, tenant: str) -> str:
+        lab = self._labels.get(tenant)
+        if lab is None:
+            lab = tenant if len(self._labels) < MAX_TENANT_LABELS else OTHER
+            self._labels[tenant] = lab
+        return lab
+
+    def publish(self, cache) -> None:
+        resident: dict[str, int] = {}
+        for tenant, c in cache.tenants.by_name.items():
+            lab = self._label(tenant)
+            for k in COUNTERS:
+                v = getattr(c, k)
+                key = (tenant, k)
+                delta = v - self._last.get(key, 0)
+                if delta > 0:
+                    self.counters[k].labels(tenant=lab).inc(delta)
+                self._last[key] = v
+            resident[lab] = resident.get(lab, 0) + c.resident_pages
+        for lab, v in resident.items():
+            self.resident.labels(tier="device", tenant=lab).set(v)
+        self.tier_tokens.labels(tier="device", state="evictable").set(cache.evictable_size_)
+        self.tier_tokens.labels(tier="device", state="protected").set(cache.protected_size_)
+        self.filtering.set(1 if cache.policy.filtering else 0)
+        self.thrashing.set(1 if cache.policy.thrashing else 0)

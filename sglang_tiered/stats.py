@@ -1,0 +1,115 @@
+"""The ``GET /cache/stats`` schema (msgspec Structs) and aggregation across data-parallel ranks.
+
+Every scheduler (one per DP rank; TP ranks hold identical trees, so rank 0 of each reports)
+contributes a ``RankStats`` dict through SGLang's internal-state readback; the HTTP process sums
+them into ``CacheStats``. Hit rates are recomputed from the summed counters.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import msgspec
+
+
+class TenantStats(msgspec.Struct, kw_only=True):
+    requests: int = 0
+    requests_hit: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    token_hit_rate: float = 0.0
+    request_hit_rate: float = 0.0
+    admitted_pages: int = 0
+    rejected_pages: int = 0
+    evicted_pages: int = 0
+    invalidated_pages: int = 0
+    no_store_requests: int = 0
+    resident_pages: int = 0
+
+
+class TierStats(msgspec.Struct, kw_only=True):
+    name: str
+    enabled: bool
+    capacity_bytes: int = 0
+    resident_bytes: int = 0
+    resident_pages: int = 0
+    capacity_pages: int = 0
+    evictable_tokens: int = 0
+    protected_tokens: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    decision: str = ""
+
+
+class PolicyStats(msgspec.Struct, kw_only=True):
+    mode: str
+    admission_filtering: bool
+    thrashing: bool
+    thrash_windows: int
+    admissions_refused: int
+    pages_admitted: int
+    pages_rejected: int
+    evicted_pages: int
+    evicted_pinned: int
+    sketch_resets: int
+
+
+class CacheStats(msgspec.Struct, kw_only=True):
+    """Response of ``GET /cache/stats[?tenant=]``."""
+
+    schema_version: int = 1
+    ranks: int = 0
+    page_size: int = 0
+    totals: TenantStats
+    tiers: list[TierStats]
+    policy: list[PolicyStats]
+    tenants: dict[str, TenantStats]
+    tenant: Optional[str] = None
+
+
+_COUNTERS = [f for f in TenantStats.__struct_fields__ if f not in ("token_hit_rate", "request_hit_rate")]
+
+
+def _finish(t: dict) -> TenantStats:
+    s = TenantStats(**{k: int(t.get(k, 0)) for k in _COUNTERS})
+    s.token_hit_rate = s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
+    s.request_hit_rate = s.requests_hit / s.requests if s.requests else 0.0
+    return s
+
+
+def aggregate(rank_stats: list[dict], tenant: Optional[str] = None) -> CacheStats:
+    tenants: dict[str, dict] = {}
+    tiers: dict[str, dict] = {}
+    policies = []
+    page_size = 0
+    for rs in rank_stats:
+        page_size = rs.get("page_size", page_size)
+        for name, counters in rs.get("tenants", {}).items():
+            acc = tenants.setdefault(name, {})
+            for k in _COUNTERS:
+                acc[k] = acc.get(k, 0) + counters.get(k, 0)
+        for tier in rs.get("tiers", []):
+            acc = tiers.setdefault(tier["name"], {"name": tier["name"], "enabled": False})
+            acc["enabled"] = acc["enabled"] or tier.get("enabled", False)
+            acc["decision"] = tier.get("decision", acc.get("decision", ""))
+            for k, v in tier.items():
+                if isinstance(v, int) and not isinstance(v, bool):
+                    acc[k] = acc.get(k, 0) + v
+        if "policy" in rs:
+            policies.append(PolicyStats(**{k: rs["policy"][k] for k in PolicyStats.__struct_fields__}))
+    finished = {name: _finish(c) for name, c in sorted(tenants.items())}
+    if tenant is not None:
+        finished = {tenant: finished.get(tenant, TenantStats())}
+    total: dict = {}
+    for c in tenants.values():
+        for k in _COUNTERS:
+            total[k] = total.get(k, 0) + c.get(k, 0)
+    return CacheStats(
+        ranks=len(rank_stats),
+        page_size=page_size,
+        totals=_finish(total),
+        tiers=[TierStats(**t) for t in tiers.values()],
+        policy=policies,
+        tenants=finished,
+        tenant=tenant,
+    )
