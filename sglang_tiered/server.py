@@ -109,6 +109,13 @@ class Server:
             return "(no log)"
         return "\n".join(lines[-n:])
 
+    def _api_key(self) -> str | None:
+        args = self.spec.extra_args
+        for flag in ("--api-key", "--admin-api-key"):  # /model_info is a NORMAL endpoint
+            if flag in args and args.index(flag) + 1 < len(args):
+                return args[args.index(flag) + 1]
+        return None
+
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -117,8 +124,12 @@ class Server:
                     f"server exited with code {self.proc.returncode} before it was ready; "
                     f"log {self.log_path} ends:\n{self.log_tail()}"
                 )
+            req = urllib.request.Request(self.url + "/model_info")
+            key = self._api_key()
+            if key:
+                req.add_header("Authorization", f"Bearer {key}")
             try:
-                with urllib.request.urlopen(self.url + "/model_info", timeout=2) as r:
+                with urllib.request.urlopen(req, timeout=2) as r:
                     if r.status == 200:
                         return
             except (urllib.error.URLError, OSError):
@@ -149,8 +160,9 @@ class Server:
         self.stop()
 
     # --- small HTTP client -------------------------------------------------------------------
-    def request(self, method: str, path: str, payload=None, timeout: float = 120.0, headers=None):
-        data = None if payload is None else json.dumps(payload).encode()
+    def request(self, method: str, path: str, payload=None, timeout: float = 120.0, headers=None,
+                raw: bytes | None = None):  # fmt: skip
+        data = raw if raw is not None else (None if payload is None else json.dumps(payload).encode())
         req = urllib.request.Request(self.url + path, data=data, method=method)
         req.add_header("Content-Type", "application/json")
         for k, v in (headers or {}).items():

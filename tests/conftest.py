@@ -32,9 +32,25 @@ def tiered_server(tiny_model_path):
 
     # A small device pool (4,096 tokens) so workloads overflow it and eviction + admission run.
     server = _start(
-        ServerSpec(model_path=tiny_model_path, backend="tiered", page_size=16, max_total_tokens=4096),
+        ServerSpec(model_path=tiny_model_path, backend="tiered", page_size=16, max_total_tokens=4096,
+                   extra_args=["--enable-metrics"]),
         "tiered",
     )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def admin_server(tiny_model_path):
+    """Tiered server with SGLang's API keys and a trusted tenant header configured."""
+    from sglang_tiered.server import ServerSpec
+
+    server = _start(
+        ServerSpec(model_path=tiny_model_path, backend="tiered", page_size=16, max_total_tokens=4096,
+                   extra_args=["--api-key", "user-key", "--admin-api-key", "admin-key"],
+                   env={"SGLANG_TIERED_TENANT_HEADER": "x-tenant-id"}),
+        "admin",
+    )  # fmt: skip
     yield server
     server.stop()
 

@@ -74,17 +74,14 @@ def parse_invalidate(body: bytes) -> InvalidateRequest:
     return req
 
 
-def build_router():
-    from fastapi import APIRouter
+def add_routes(app) -> None:
+    """Add the endpoints as plain routes on the app itself: SGLang's API-key middleware reads each
+    route's endpoint ``_auth_level``, which a FastAPI included router would hide behind a wrapper."""
     from fastapi.responses import Response
-    from sglang.srt.entrypoints.http_server import ORJSONRoute, get_global_state
+    from sglang.srt.entrypoints.http_server import get_global_state
     from sglang.srt.managers.io_struct import SetInternalStateReq
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
-    router = APIRouter()
-    router.route_class = ORJSONRoute
-
-    @router.get("/cache/stats")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def cache_stats(request: Request):
         tenant = request.query_params.get("tenant")
@@ -95,7 +92,6 @@ def build_router():
             return _error(503, "the tiered cache backend is not active (--radix-cache-backend tiered?)")
         return Response(msgspec.json.encode(aggregate(ranks, tenant)), media_type="application/json")
 
-    @router.post("/cache/invalidate")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def cache_invalidate(request: Request):
         try:
@@ -128,7 +124,8 @@ def build_router():
         }
         return Response(json.dumps(body), status_code=202, media_type="application/json")
 
-    return router
+    app.add_api_route("/cache/stats", cache_stats, methods=["GET"])
+    app.add_api_route("/cache/invalidate", cache_invalidate, methods=["POST"])
 
 
 class HintMiddleware:
@@ -205,13 +202,13 @@ def rewrite_body(raw: bytes, path: str, tenant: str | None):
 
 
 def install() -> None:
-    """Mount the router and middleware on SGLang's app (idempotent)."""
+    """Mount the routes and middleware on SGLang's app (idempotent)."""
     global _installed
     if _installed:
         return
     from sglang.srt.entrypoints.http_server import app
 
-    app.include_router(build_router())
+    add_routes(app)
     app.add_middleware(HintMiddleware, tenant_header=os.environ.get(TENANT_HEADER_ENV))
     _installed = True
     logger.info("sglang-tiered: mounted /cache/stats, /cache/invalidate and the request-hint middleware")

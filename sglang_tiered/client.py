@@ -1,0 +1,195 @@
+"""Client-side, per-execution cache-worthiness policy (seeds/004: KV-cache layering policy).
+
+Retrieval from the prefix cache is always opportunistic; the one lever worth pulling per request is
+the *store* side. ``KVCacheLayeringPolicy.decide`` scores one chat execution and says whether its
+KV is worth storing; ``fold_kv_hint`` puts the answer into an OpenAI ``extra_body`` as LMCache's
+``kv_transfer_params: {"lmcache.skip_save": bool}``, which sglang-tiered honours (and any server
+that ignores the key simply ignores it, so the hint is always safe to attach).
+
+Signals (cache-worthy => store):
+  * long shared/system prefix:  >= KV_CACHE_MIN_PREFIX_TOKENS   (default 1024)
+  * multi-turn conversation:    >= KV_CACHE_MIN_HISTORY_TURNS prior turns (default 1)
+  * large fixed context:        >= KV_CACHE_MIN_CONTEXT_TOKENS  (default 2048)
+  * reuse-heavy role:           a weak prior that only tips a borderline execution toward store
+Token counts are estimated as chars / KV_CACHE_CHARS_PER_TOKEN (default 4.0): no tokenizer.
+KV_CACHE_LAYERING=false makes the policy inert: no hint is attached. Knobs are read from the
+environment on every call (live), unless given to the constructor.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+DEFAULTS = {
+    "KV_CACHE_LAYERING": True,
+    "KV_CACHE_MIN_PREFIX_TOKENS": 1024,
+    "KV_CACHE_MIN_CONTEXT_TOKENS": 2048,
+    "KV_CACHE_MIN_HISTORY_TURNS": 1,
+    "KV_CACHE_CHARS_PER_TOKEN": 4.0,
+}
+REUSE_HEAVY_ROLES = frozenset({"agent", "planner", "orchestrator", "researcher", "coder", "rag",
+                               "retriever", "analyst", "reviewer", "supervisor"})  # fmt: skip
+BORDERLINE_FRACTION = 0.5  # an execution is borderline when a signal reaches half its threshold
+SKIP_SAVE_KEY = "lmcache.skip_save"
+
+
+def _env_bool(name: str) -> bool:
+    v = os.environ.get(name)
+    if v is None:
+        return DEFAULTS[name]
+    return v.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+def _env_num(name: str, kind):
+    v = os.environ.get(name)
+    if v is None or not v.strip():
+        return DEFAULTS[name]
+    try:
+        return kind(v)
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not a valid {kind.__name__}") from None
+
+
+@dataclass
+class KVCacheDecision:
+    cache_worthy: bool
+    skip_save: bool
+    score: float
+    reasons: list[str] = field(default_factory=list)
+    signals: dict[str, Any] = field(default_factory=dict)
+    attach: bool = True  # False when the policy is switched off: attach no hint at all
+
+
+def _text_of(message: Any) -> str:
+    if isinstance(message, str):
+        return message
+    if isinstance(message, Mapping):
+        content = message.get("content", "")
+        if isinstance(content, str):
+            return content
+        if isinstance(content, Iterable):  # OpenAI content parts
+            return "".join(p.get("text", "") if isinstance(p, Mapping) else str(p) for p in content)
+        return str(content)
+    return str(message)
+
+
+def _prior_turns(history: Sequence[Any]) -> int:
+    """Prior turns = user messages in the history (or messages, if they carry no roles)."""
+    roles = [m.get("role") for m in history if isinstance(m, Mapping)]
+    if roles and any(r is not None for r in roles):
+        return sum(1 for r in roles if r == "user")
+    return len(history)
+
+
+class KVCacheLayeringPolicy:
+    def __init__(
+        self,
+        *,
+        enabled: Optional[bool] = None,
+        min_prefix_tokens: Optional[int] = None,
+        min_context_tokens: Optional[int] = None,
+        min_history_turns: Optional[int] = None,
+        chars_per_token: Optional[float] = None,
+    ):
+        self._enabled = enabled
+        self._min_prefix = min_prefix_tokens
+        self._min_context = min_context_tokens
+        self._min_turns = min_history_turns
+        self._cpt = chars_per_token
+
+    # Live settings (env read on every call unless fixed in the constructor).
+    @property
+    def enabled(self) -> bool:
+        return self._enabled if self._enabled is not None else _env_bool("KV_CACHE_LAYERING")
+
+    @property
+    def min_prefix_tokens(self) -> int:
+        return self._min_prefix if self._min_prefix is not None else _env_num("KV_CACHE_MIN_PREFIX_TOKENS", int)
+
+    @property
+    def min_context_tokens(self) -> int:
+        return self._min_context if self._min_context is not None else _env_num("KV_CACHE_MIN_CONTEXT_TOKENS", int)
+
+    @property
+    def min_history_turns(self) -> int:
+        return self._min_turns if self._min_turns is not None else _env_num("KV_CACHE_MIN_HISTORY_TURNS", int)
+
+    @property
+    def chars_per_token(self) -> float:
+        cpt = self._cpt if self._cpt is not None else _env_num("KV_CACHE_CHARS_PER_TOKEN", float)
+        if cpt <= 0:
+            raise ValueError("KV_CACHE_CHARS_PER_TOKEN must be positive")
+        return cpt
+
+    def estimate_tokens(self, text: str) -> int:
+        return int(len(text) / self.chars_per_token)
+
+    def decide(
+        self,
+        system_prompt: Optional[str] = None,
+        user_prompt: Optional[str] = None,
+        message_history: Optional[Sequence[Any]] = None,
+        rag_context: Optional[str | Sequence[str]] = None,
+        role: Optional[str] = None,
+    ) -> KVCacheDecision:
+        if not self.enabled:
+            return KVCacheDecision(True, False, 0.0, ["policy disabled (KV_CACHE_LAYERING=false)"],
+                                   {}, attach=False)  # fmt: skip
+        history = list(message_history or [])
+        rag = rag_context if isinstance(rag_context, str) else "".join(rag_context or [])
+        prefix_tokens = self.estimate_tokens(system_prompt or "")
+        history_tokens = sum(self.estimate_tokens(_text_of(m)) for m in history)
+        context_tokens = prefix_tokens + history_tokens + self.estimate_tokens(user_prompt or "") + self.estimate_tokens(rag)
+        turns = _prior_turns(history)
+        t_prefix, t_ctx, t_turns = self.min_prefix_tokens, self.min_context_tokens, self.min_history_turns
+        signals = {
+            "prefix_tokens": prefix_tokens,
+            "context_tokens": context_tokens,
+            "history_turns": turns,
+            "rag_tokens": self.estimate_tokens(rag),
+            "role": role,
+            "long_prefix": prefix_tokens >= t_prefix,
+            "multi_turn": turns >= t_turns,
+            "large_context": context_tokens >= t_ctx,
+            "reuse_heavy_role": (role or "").lower() in REUSE_HEAVY_ROLES,
+        }
+        reasons, score = [], 0.0
+        if signals["long_prefix"]:
+            reasons.append(f"long shared prefix: ~{prefix_tokens} >= {t_prefix} tokens")
+            score += 1.0
+        if signals["multi_turn"]:
+            reasons.append(f"multi-turn: {turns} >= {t_turns} prior turns")
+            score += 1.0
+        if signals["large_context"]:
+            reasons.append(f"large context: ~{context_tokens} >= {t_ctx} tokens")
+            score += 1.0
+        strong = score > 0
+        borderline = (prefix_tokens >= BORDERLINE_FRACTION * t_prefix
+                      or context_tokens >= BORDERLINE_FRACTION * t_ctx)  # fmt: skip
+        signals["borderline"] = borderline and not strong
+        worthy = strong
+        if signals["reuse_heavy_role"]:
+            score += 0.25
+            if not strong and borderline:
+                worthy = True
+                reasons.append(f"borderline execution tipped by reuse-heavy role {role!r}")
+            elif not strong:
+                reasons.append(f"reuse-heavy role {role!r} ignored: clear one-off")
+        if not worthy and not reasons:
+            reasons.append("one-off short single-shot prompt: no reuse signal")
+        return KVCacheDecision(worthy, not worthy, score, reasons, signals)
+
+
+def fold_kv_hint(extra_body: Optional[Mapping[str, Any]], decision: KVCacheDecision) -> dict:
+    """Return a copy of ``extra_body`` with ``kv_transfer_params["lmcache.skip_save"]`` set from
+    the decision; every other key (and other kv_transfer_params entries) is kept as it was."""
+    body = copy.deepcopy(dict(extra_body or {}))
+    if not decision.attach:
+        return body
+    kv = dict(body.get("kv_transfer_params") or {})
+    kv[SKIP_SAVE_KEY] = bool(decision.skip_save)
+    body["kv_transfer_params"] = kv
+    return body
