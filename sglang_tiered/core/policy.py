@@ -171,9 +171,14 @@ class AdaptivePolicy:
         # (admission x eviction order). The real cache runs the mode whose miniature wins.
         mini_cap = max(4, self.capacity_pages // (self.cfg.duel_sample_mask + 1))
         self._mini_cap = mini_cap
-        self.modes = [Mode(adm, ev) for ev in ("lru", "slru", "lfu") for adm in ("all", "tinylfu")]
-        self._minis = [(_MiniLFU if m.eviction == "lfu" else _MiniCache)(m, mini_cap) for m in self.modes]
-        self.scores = [0.0] * len(self.modes)
+        # lfu is not a duel candidate: page-level miniatures cannot tell it from slru (measured:
+        # identical scores), so it would only cost time. It stays available as a forced mode.
+        self.modes = [Mode(adm, ev) for ev in ("lru", "slru") for adm in ("all", "tinylfu")]
+        self.modes += [Mode(adm, "lfu") for adm in ("all", "tinylfu")]
+        self._dueling = 4
+        self._minis = [(_MiniLFU if m.eviction == "lfu" else _MiniCache)(m, mini_cap)
+                       for m in self.modes[: self._dueling]]  # fmt: skip
+        self.scores = [0.0] * self._dueling
         self.mode_index = 0  # admit everything, LRU: SGLang's default until evidence says otherwise
         self._decided = False
         if self.cfg.force_mode is not None:
@@ -242,8 +247,8 @@ class AdaptivePolicy:
         order by ``admit_margin`` (page-level miniatures overstate what filtering buys a radix
         tree, whose deep pages are useless once a parent is gone)."""
         scores, modes, cur = self.scores, self.modes, self.modes[self.mode_index]
-        idx = {(m.admission, m.eviction): i for i, m in enumerate(modes)}
-        orders = ("lru", "slru", "lfu")
+        idx = {(m.admission, m.eviction): i for i, m in enumerate(modes[: self._dueling])}
+        orders = ("lru", "slru")
         best = max(orders, key=lambda o: scores[idx[("all", o)]])
         order = cur.eviction
         # The first decision (once the miniatures are full) takes the best order outright.
@@ -336,7 +341,7 @@ class AdaptivePolicy:
             "thrashing": self.thrashing,
             "mode": str(self.mode),
             "admission_filtering": self.filtering,
-            "duel_scores": {str(m): round(x, 1) for m, x in zip(self.modes, self.scores)},
+            "duel_scores": {str(m): round(x, 1) for m, x in zip(self.modes[: self._dueling], self.scores)},
             "sketch_resets": self.sketch.resets,
             **{k: v for k, v in s.__dict__.items() if k != "extra"},
         }

@@ -140,6 +140,23 @@ class TieredRadixCache(RadixCache):
             n.tiered_hashes = chain_page_hashes(prev, n.key.raw_token_ids(), self.page_size)
             n.tiered_end = p.tiered_end + len(n.key)
 
+    def _attach_hashes(self, node, hashes: list) -> None:
+        """Give freshly inserted nodes on the path to ``node`` their slice of the request's page
+        hashes (already computed in checkpoint), instead of hashing the pages again."""
+        chain = []
+        while getattr(node, "tiered_hashes", None) is None:
+            chain.append(node)
+            node = node.parent
+        ps = self.page_size
+        end = node.tiered_end
+        for n in reversed(chain):
+            start, end = end, end + len(n.key)
+            if end // ps <= len(hashes):
+                n.tiered_hashes = hashes[start // ps : end // ps]
+                n.tiered_end = end
+            else:  # not covered by this request's hashes (cannot happen; be safe)
+                self._ensure_hashes(n)
+
     def path_hashes(self, node) -> list:
         self._ensure_hashes(node)
         parts = []
@@ -214,7 +231,7 @@ class TieredRadixCache(RadixCache):
         stored = (self.evictable_size_ + self.protected_size_ - before) // ps
         tc.admitted_pages += stored
         tc.resident_pages += stored
-        self._ensure_hashes(req.last_node)
+        self._attach_hashes(req.last_node, hashes)
         if self.debug_checks:
             self.check_invariants()
 
@@ -443,6 +460,17 @@ class TieredRadixCache(RadixCache):
             assert n.value is not None and len(n.value) == len(n.key), "value/key length mismatch"
             stack.extend(n.children.values())
         assert evictable == self.evictable_size_, (evictable, self.evictable_size_)
+        # Identity: every node's stored page hashes equal a fresh chain over its tokens.
+        stack = list(self.root_node.children.values())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if getattr(n, "tiered_hashes", None) is None:
+                continue
+            p = n.parent
+            prev = p.tiered_hashes[-1] if p.tiered_hashes else self._seed(n.key.extra_key, n.key.cache_salt)
+            assert n.tiered_hashes == chain_page_hashes(prev, n.key.raw_token_ids(), self.page_size), "stale page hashes"
+            assert n.tiered_end == p.tiered_end + len(n.key), "stale depth"
         assert protected == self.protected_size_, (protected, self.protected_size_)
 
     def flush_pending_backups(self) -> None:
