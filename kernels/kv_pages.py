@@ -1,0 +1,137 @@
+"""Move whole KV pages between SGLang's device pool and the canonical T1 layout.
+
+Per (K|V, layer), shapes are:
+  device pool  ``pool[slots, H_rank, D]``            (SGLang MHATokenToKVPool NHD layout; a page's
+                                                      ``page_size`` slots are contiguous)
+  canonical    ``host[H_total, P, page_size, D]``    (one (kv, layer) plane of the host pool)
+
+``scatter_pages``: host[head_offset + h, host_slots[i], t] = pool[pool_pages[i]*ps + t, h]
+``gather_pages``:  pool[pool_pages[i]*ps + t, h] = host[head_offset + h, host_slots[i], t]
+
+Each has a plain-torch ``*_ref`` here and a Triton kernel used for CUDA tensors (SGLang disables
+Triton on CPU, so the server's CPU path is the torch one). Launchers assert dtype, shape, stride
+and device contracts, never call ``.contiguous()`` on a pool, and use int64 offsets. A batch of
+pages moves in one launch per plane: whole runs, never page by page.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional (CPU-only installs may lack it)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+def _check(pool: torch.Tensor, host: torch.Tensor, pool_pages: torch.Tensor, host_slots: torch.Tensor,
+           head_offset: int, page_size: int) -> None:  # fmt: skip
+    if pool.dtype != host.dtype:
+        raise TypeError(f"dtype mismatch: pool {pool.dtype} vs host {host.dtype}")
+    if pool.dim() != 3 or host.dim() != 4:
+        raise ValueError(f"expected pool [slots, H, D] and host [H, P, ps, D], got {tuple(pool.shape)} and {tuple(host.shape)}")
+    if pool.stride(2) != 1 or pool.stride(1) != pool.shape[2] and pool.shape[1] > 1:
+        raise ValueError("pool rows must be contiguous [H, D] blocks (no .contiguous() copy is made)")
+    if host.stride(3) != 1 or host.stride(2) != host.shape[3]:
+        raise ValueError("host pages must be contiguous [page_size, D] blocks")
+    if pool.shape[2] != host.shape[3]:
+        raise ValueError(f"head_dim mismatch: {pool.shape[2]} vs {host.shape[3]}")
+    if host.shape[2] != page_size:
+        raise ValueError(f"host page_size {host.shape[2]} != {page_size}")
+    if not 0 <= head_offset or head_offset + pool.shape[1] > host.shape[0]:
+        raise ValueError(f"heads [{head_offset}, {head_offset + pool.shape[1]}) outside host's {host.shape[0]}")
+    for name, ids in (("pool_pages", pool_pages), ("host_slots", host_slots)):
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise TypeError(f"{name} must be a 1-D int64 tensor")
+    if pool_pages.numel() != host_slots.numel():
+        raise ValueError("pool_pages and host_slots differ in length")
+    if not (pool.device == pool_pages.device and host.device == host_slots.device):
+        raise ValueError("ids must live on the device of the tensor they index")
+
+
+def scatter_pages_ref(pool, pool_pages, host, host_slots, head_offset: int, page_size: int) -> None:
+    if pool_pages.numel() == 0:
+        return
+    hr = pool.shape[1]
+    tok = (pool_pages.to(pool.device)[:, None] * page_size + torch.arange(page_size, device=pool.device)).reshape(-1)
+    src = pool[tok].view(-1, page_size, hr, pool.shape[2]).permute(2, 0, 1, 3)  # [Hr, n, ps, D]
+    host[head_offset : head_offset + hr].index_copy_(1, host_slots.to(host.device), src.to(host.device))
+
+
+def gather_pages_ref(host, host_slots, pool, pool_pages, head_offset: int, page_size: int) -> None:
+    if pool_pages.numel() == 0:
+        return
+    hr = pool.shape[1]
+    src = host[head_offset : head_offset + hr].index_select(1, host_slots.to(host.device))  # [Hr, n, ps, D]
+    rows = src.permute(1, 2, 0, 3).reshape(-1, hr, pool.shape[2]).to(pool.device)
+    tok = (pool_pages.to(pool.device)[:, None] * page_size + torch.arange(page_size, device=pool.device)).reshape(-1)
+    pool[tok] = rows
+
+
+if triton is not None:
+
+    @triton.jit
+    def _page_copy_kernel(
+        src_ptr, dst_ptr, src_pages_ptr, dst_pages_ptr,
+        s_page, s_tok, s_head, d_page, d_tok, d_head, src_head0, dst_head0,
+        PS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """Copy one (page, head) tile of PS x D elements between two strided layouts."""
+        i = tl.program_id(0)
+        h = tl.program_id(1).to(tl.int64)
+        sp = tl.load(src_pages_ptr + i).to(tl.int64)
+        dp = tl.load(dst_pages_ptr + i).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        t = (offs // D).to(tl.int64)
+        d = (offs % D).to(tl.int64)
+        mask = offs < PS * D
+        src = src_ptr + sp * s_page + t * s_tok + (src_head0 + h) * s_head + d
+        dst = dst_ptr + dp * d_page + t * d_tok + (dst_head0 + h) * d_head + d
+        tl.store(dst, tl.load(src, mask=mask), mask=mask)
+
+
+def _launch(src, dst, src_pages, dst_pages, src_strides, dst_strides, src_head0, dst_head0, heads, ps, d):
+    block = triton.next_power_of_2(ps * d)
+    grid = (src_pages.numel(), heads)
+    _page_copy_kernel[grid](src, dst, src_pages, dst_pages, *src_strides, *dst_strides,
+                            src_head0, dst_head0, PS=ps, D=d, BLOCK=block)  # fmt: skip
+
+
+def _use_triton(*tensors) -> bool:
+    import os
+
+    if triton is None:
+        return False
+    return all(t.is_cuda for t in tensors) or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def scatter_pages(pool, pool_pages, host, host_slots, head_offset: int, page_size: int, *, force_ref=False):
+    """Device pool pages -> canonical host slots (see module doc)."""
+    _check(pool, host, pool_pages, host_slots, head_offset, page_size)
+    if len(set(host_slots.tolist())) != host_slots.numel():
+        raise ValueError("duplicate host_slots: two pages would race for one slot")
+    if pool_pages.numel() == 0:
+        return
+    if force_ref or not _use_triton(pool, host):
+        return scatter_pages_ref(pool, pool_pages, host, host_slots, head_offset, page_size)
+    hr, d = pool.shape[1], pool.shape[2]
+    # src page stride = ps rows; dst page stride = host.stride(1)
+    _launch(pool, host, pool_pages, host_slots,
+            (page_size * pool.stride(0), pool.stride(0), pool.stride(1)),
+            (host.stride(1), host.stride(2), host.stride(0)), 0, head_offset, hr, page_size, d)  # fmt: skip
+
+
+def gather_pages(host, host_slots, pool, pool_pages, head_offset: int, page_size: int, *, force_ref=False):
+    """Canonical host slots -> this rank's heads in the device pool (see module doc)."""
+    _check(pool, host, pool_pages, host_slots, head_offset, page_size)
+    if len(set(pool_pages.tolist())) != pool_pages.numel():
+        raise ValueError("duplicate pool_pages: two host pages would race for one device page")
+    if pool_pages.numel() == 0:
+        return
+    if force_ref or not _use_triton(pool, host):
+        return gather_pages_ref(host, host_slots, pool, pool_pages, head_offset, page_size)
+    hr, d = pool.shape[1], pool.shape[2]
+    _launch(host, pool, host_slots, pool_pages,
+            (host.stride(1), host.stride(2), host.stride(0)),
+            (page_size * pool.stride(0), pool.stride(0), pool.stride(1)), head_offset, 0, hr, page_size, d)  # fmt: skip
