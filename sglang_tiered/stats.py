@@ -25,6 +25,7 @@ class TenantStats(msgspec.Struct, kw_only=True):
     invalidated_pages: int = 0
     no_store_requests: int = 0
     resident_pages: int = 0
+    promoted_pages: int = 0
 
 
 class TierStats(msgspec.Struct, kw_only=True):
@@ -38,6 +39,9 @@ class TierStats(msgspec.Struct, kw_only=True):
     protected_tokens: int = 0
     demotions: int = 0
     promotions: int = 0
+    demote_skipped_pages: int = 0
+    failed_promotions: int = 0
+    failed_demotions: int = 0
     decision: str = ""
 
 

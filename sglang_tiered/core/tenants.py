@@ -35,6 +35,7 @@ class TenantCounters:
     invalidated_pages: int = 0
     no_store_requests: int = 0
     resident_pages: int = 0
+    promoted_pages: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)

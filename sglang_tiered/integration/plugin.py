@@ -41,6 +41,17 @@ def tiered_cache_factory(ctx):
 
 def register() -> None:
     """Entry point: check compatibility, then register the ``tiered`` backend once per process."""
+    from sglang_tiered.config import ConfigError, load_config
+
+    try:
+        load_config()
+    except ConfigError as exc:
+        # Bad configuration fails fast, before the model loads: stop the launch itself (SGLang
+        # only swallows Exception subclasses).
+        msg = f"sglang-tiered: invalid configuration: {exc}"
+        logger.error(msg)
+        print(msg, file=sys.stderr, flush=True)
+        raise SystemExit(2) from exc
     try:
         from sglang_tiered.integration.compat import check_compat
 

@@ -17,8 +17,9 @@ import logging
 import time
 from typing import Optional
 
+import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
-from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes
 from sglang_tiered.core.policy import AdaptivePolicy, PolicyConfig
@@ -60,6 +61,10 @@ class TieredRadixCache(RadixCache):
         self.versions: dict[str, str] = {}  # identity names an invalidation may target
         self.last_invalidation: dict = {}
         self.metrics = None
+        self.host = None  # HostTier when T1 is on
+        self.host_decision = "off"
+        self._pending_host: dict = {}  # rid -> (node, page hashes) probed in match_prefix
+        self._load_locks: list = []
         if getattr(params, "enable_metrics", False) and tp_rank == 0:
             from sglang_tiered.integration.metrics import TieredMetrics
 
@@ -71,8 +76,12 @@ class TieredRadixCache(RadixCache):
     def from_build_context(cls, ctx) -> "TieredRadixCache":
         from sglang_tiered.integration.identity import cache_key_from_context
 
+        from sglang_tiered.config import load_config
+
+        cfg = load_config()
         key = cache_key_from_context(ctx)
-        cache = cls(ctx.params, cache_key=key, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+        cache = cls(ctx.params, cache_key=key, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size, debug_checks=cfg.debug)
+        cache._setup_host_tier(ctx, cfg)
         cache.versions = {
             "model_id": key.model_id,
             "weights_digest": key.weights_digest,
@@ -102,6 +111,11 @@ class TieredRadixCache(RadixCache):
                     capacity_tokens=alloc.size, debug_checks=debug_checks)  # fmt: skip
         cache.driver = CacheDriver(cache, alloc, pool)
         return cache
+
+    def _setup_host_tier(self, ctx, cfg) -> None:
+        from sglang_tiered.integration.host_setup import build_host_tier
+
+        self.host, self.host_decision = build_host_tier(self, ctx, cfg)
 
     def describe(self) -> str:
         return (
@@ -262,6 +276,7 @@ class TieredRadixCache(RadixCache):
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         self._counted.pop(req.rid, None)
+        self._pending_host.pop(req.rid, None)
         tc = self.tenants.get(tenant_of(req.cache_salt))
         tc.requests += 1
         tc.prompt_tokens += len(req.origin_input_ids)
@@ -287,7 +302,95 @@ class TieredRadixCache(RadixCache):
                     device_prefix_len=last.tiered_end,
                     last_device_node=last, last_host_node=last, best_match_node=last,
                 )  # fmt: skip
+        if self.host is not None and params.req is not None:
+            result = self._probe_host(params, result)
         return result
+
+    def _probe_host(self, params, result):
+        """Count the pages right after the device match that T1 holds (by chained page hash)."""
+        key = params.key
+        if getattr(key, "is_bigram", False):
+            return result
+        node = result.last_device_node
+        if getattr(node, "tiered_invalid", False):
+            return result
+        ps = self.page_size
+        toks = key.raw_token_ids()
+        start = result.device_prefix_len
+        n_pages = (len(toks) - start) // ps
+        if n_pages <= 0:
+            return result
+        self._ensure_hashes(node)
+        prev = node.tiered_hashes[-1] if node.tiered_hashes else self._seed(key.extra_key, key.cache_salt)
+        hashes = []
+        contains = self.host.pool.contains
+        for i in range(n_pages):  # hash only as far as T1 has pages
+            h = chain_page_hashes(prev, toks[start + i * ps : start + (i + 1) * ps], ps)[0]
+            if not contains(h):
+                break
+            hashes.append(h)
+            prev = h
+        if not hashes:
+            self._pending_host.pop(params.req.rid, None)
+            return result
+        self._pending_host[params.req.rid] = (node, hashes, toks[start : start + len(hashes) * ps])
+        return result._replace(host_hit_length=len(hashes) * ps, best_match_node=node)
+
+    def init_load_back(self, params):
+        """Promote the T1 pages probed for this request into new device pages, all or nothing.
+        Returns (loaded_tokens, new_last_node); (0, node) is a clean miss (recompute)."""
+        node = params.best_match_node
+        req = params.req
+        pending = self._pending_host.pop(getattr(req, "rid", None), None)
+        if self.host is None or pending is None or pending[0] is not node:
+            return 0, node
+        _, hashes, toks = pending
+        n = len(hashes) * self.page_size
+        if n != params.host_hit_length:
+            hashes = hashes[: params.host_hit_length // self.page_size]
+            toks = toks[: len(hashes) * self.page_size]
+            n = len(toks)
+        if n == 0:
+            return 0, node
+        key = RadixKey(toks, req.extra_key, cache_salt=req.cache_salt)
+        if key.child_key(self.page_size) in node.children:
+            return 0, node  # the device got these pages meanwhile: nothing to promote
+        lock = self.lock(node)  # allocation below may evict; keep the matched path
+        alloc = self.token_to_kv_pool_allocator
+        try:
+            if alloc.available_size() < n:
+                self.evict(EvictParams(num_tokens=n - alloc.available_size()))
+            slots = alloc.alloc(n) if alloc.available_size() >= n else None
+            if slots is None:
+                self.unlock(lock)
+                return None  # cannot allocate now: the scheduler retries later
+            if not self.host.load(hashes, slots[:: self.page_size] // self.page_size):
+                alloc.free(slots)
+                self.unlock(lock)
+                return 0, node  # failed transfer: a clean miss, never partial KV
+            new = TreeNode(priority=node.priority)
+            new.parent = node
+            new.key = key
+            new.value = slots.to(dtype=torch.int64).clone()
+            new.hit_count = 1
+            new.tiered_hashes = list(hashes)
+            new.tiered_end = node.tiered_end + n
+            node.children[key.child_key(self.page_size)] = new
+            self.evictable_size_ += n
+            self._update_leaf_status(node)
+            self._update_leaf_status(new)
+            self.kv_events.record_store(new)
+            tc = self.tenants.get(tenant_of(req.cache_salt))
+            tc.resident_pages += len(hashes)
+            tc.promoted_pages += len(hashes)
+            # Hold the new node until the batch that uses it has run (the scheduler locks
+            # req.last_node when it commits the admission); released in flush_pending_backups.
+            self._load_locks.append(self.lock(new))
+        finally:
+            self.unlock(lock)
+        if self.debug_checks:
+            self.check_invariants()
+        return n, new
 
     def invalidate(self, *, tenant_hash: Optional[int] = None, version_hash: Optional[int] = None,
                    everything: bool = False) -> dict:  # fmt: skip
@@ -300,6 +403,11 @@ class TieredRadixCache(RadixCache):
             if everything or (tenant_hash is not None and name_hash(tenant_of(child.key.cache_salt)) == tenant_hash):
                 targets.append(child)
         dropped = deferred = 0
+        if self.host is not None:
+            if everything:
+                dropped += self.host.pool.clear() * self.page_size
+            elif tenant_hash is not None:
+                dropped += self.host.drop_tenant(tenant_hash) * self.page_size
         for top in targets:
             stack, order = [top], []
             while stack:
@@ -421,6 +529,9 @@ class TieredRadixCache(RadixCache):
                 was_pinned = True
             else:
                 break
+            if self.host is not None and not getattr(x, "tiered_invalid", False) and x.tiered_hashes:
+                self.host.demote(x.value[::ps] // ps, x.tiered_hashes,
+                                 name_hash(tenant_of(x.key.cache_salt)))  # fmt: skip
             free_segment(x.value, start_pos=0)
             num_evicted += len(x.value)
             policy.on_evict(len(x.key) // ps, pinned=was_pinned)
@@ -476,6 +587,8 @@ class TieredRadixCache(RadixCache):
     def flush_pending_backups(self) -> None:
         """Called by the scheduler after every batch: publish metrics (no host backups yet)."""
         super().flush_pending_backups()
+        while self._load_locks:
+            self.unlock(self._load_locks.pop())
         if self.metrics is not None:
             self.metrics.publish(self)
 
@@ -498,6 +611,8 @@ class TieredRadixCache(RadixCache):
                     "protected_tokens": self.protected_size_,
                     "decision": "device radix tree",
                 },
+                self.host.snapshot() if self.host is not None else
+                {"name": "host", "enabled": False, "decision": self.host_decision},
             ],
             "policy": {k: pol[k] for k in (
                 "mode", "admission_filtering", "thrashing", "thrash_windows", "admissions_refused",

@@ -1,0 +1,129 @@
+"""Build the T1 host tier for a running server, and decide whether it pays off (seed R1).
+
+With ``SGLANG_TIERED_HOST=auto`` a short shadow measurement at start-up compares this machine's
+host->device copy bandwidth with the break-even bandwidth of this model (KV bytes per token per
+rank over the measured recompute time per token); T1 is enabled only where it wins. Every TP rank
+measures, and they agree on the most conservative answer (all-reduce MIN), so all ranks keep
+identical trees. ``on``/``off`` override the measurement. The decision is logged and reported in
+``/cache/stats`` (tiers[].decision).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from sglang_tiered.core.planner import estimate_params
+from sglang_tiered.tier.host_pool import HostPoolError, PoolLayout
+from sglang_tiered.tier.host_tier import HostTier
+
+logger = logging.getLogger("sglang_tiered")
+
+
+def measure_copy_gbps(device: torch.device, nbytes: int = 64 << 20, reps: int = 3) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src)  # warm up
+    best = float("inf")
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=device.type == "cuda")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def measure_flops(device: torch.device, dtype: torch.dtype, n: int = 512, reps: int = 3) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    (a @ b).sum().item()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        (a @ b).sum().item()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def _agree(value: int, group) -> int:
+    if group is None:
+        return value
+    try:
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        return int(t.item())
+    except Exception:  # noqa: BLE001 - no process group: single rank
+        return value
+
+
+def build_host_tier(cache, ctx, cfg):
+    """Return (HostTier or None, decision text)."""
+    if cfg.host_mode == "off":
+        return None, "off: SGLANG_TIERED_HOST=off"
+    kv = cache.token_to_kv_pool_allocator.get_kvcache()
+    if not hasattr(kv, "k_buffer") or not hasattr(kv, "v_buffer"):
+        return None, f"off: unsupported KV pool {type(kv).__name__} (MHA pools only)"
+    k0 = kv.k_buffer[0]
+    ps = cache.page_size
+    total_heads = ctx.model_config.get_total_num_kv_heads()
+    layout = PoolLayout(1, len(kv.k_buffer), total_heads, ps, k0.shape[2], str(k0.dtype).replace("torch.", ""))
+    device_pages = cache.capacity_tokens // ps
+    pages = int(cfg.host_gb * 1e9 // layout.page_bytes) if cfg.host_gb else int(device_pages * cfg.host_ratio)
+    if pages <= 0:
+        return None, "off: host tier size rounds to zero pages"
+
+    decision = "on: SGLANG_TIERED_HOST=on"
+    on = True
+    if cfg.host_mode == "auto":
+        hf = ctx.model_config.hf_config
+        hf_dict = hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
+        try:
+            params = estimate_params(hf_dict)
+        except KeyError:
+            params = None
+        gbps = measure_copy_gbps(k0.device)
+        flops = measure_flops(k0.device, k0.dtype if k0.dtype.is_floating_point else torch.bfloat16)
+        kv_bytes = 2 * len(kv.k_buffer) * k0.shape[1] * k0.shape[2] * k0.element_size()  # this rank
+        if params:
+            recompute_s = 2.0 * params / (flops * max(1, ctx.tp_size))
+            break_even = kv_bytes / recompute_s / 1e9
+            on = gbps > break_even
+            decision = (f"{'on' if on else 'off'}: measured copy {gbps:.1f} GB/s vs break-even "
+                        f"{break_even:.2f} GB/s (recompute {recompute_s * 1e6:.1f} us/token at "
+                        f"{flops / 1e9:.0f} GFLOP/s, {kv_bytes} KV bytes/token/rank)")  # fmt: skip
+        else:
+            decision = f"on: measured copy {gbps:.1f} GB/s; model size unknown, assuming T1 wins"
+        agreed = _agree(1 if on else 0, getattr(ctx.params, "tp_cache_group", None))
+        if agreed != (1 if on else 0):
+            on = bool(agreed)
+            decision += f" (overridden by another TP rank: {'on' if on else 'off'})"
+    if not on:
+        logger.info("sglang-tiered: T1 %s", decision)
+        return None, decision
+
+    name = cfg.host_name or (f"auto-{os.getppid()}" if ctx.tp_size > 1 else None)
+    fence = None
+    if k0.is_cuda:
+        fs = ctx.tp_worker.model_runner.forward_stream
+        fence = fs.synchronize
+    try:
+        tier = HostTier.build(kv, page_size=ps, total_kv_heads=total_heads, tp_size=ctx.tp_size,
+                              tp_rank=ctx.tp_rank, capacity_pages=pages, name=name, stream_fence=fence)  # fmt: skip
+    except (HostPoolError, ValueError) as exc:
+        logger.warning("sglang-tiered: T1 disabled: %s", exc)
+        return None, f"off: {exc}"
+    restored = tier.pool.resident
+    decision += f"; {pages} pages ({pages * layout.page_bytes / 1e9:.2f} GB)"
+    if name:
+        decision += f" in shared memory {tier.pool.path}" + (f", {restored} pages restored" if restored else "")
+    logger.info("sglang-tiered: T1 %s", decision)
+    tier.decision = decision
+    return tier, decision

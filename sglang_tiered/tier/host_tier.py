@@ -1,0 +1,139 @@
+"""Glue between a device KV pool (this TP rank's heads) and the shared canonical ``HostPool``.
+
+``demote`` copies whole device pages (all layers, K and V, this rank's heads) into host slots;
+``load`` copies host slots into freshly allocated device pages. Both move every page of a batch in
+one launch per (K|V, layer) plane. A failed copy leaves nothing published: ``demote`` commits the
+host index only after every plane is written, and ``load`` reports failure so the caller frees
+the device pages and treats the request as a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_tiered.kernels.kv_pages import gather_pages, scatter_pages
+from sglang_tiered.tier.host_pool import HostPool, PoolLayout, heads_for_rank
+
+logger = logging.getLogger("sglang_tiered")
+
+
+@dataclass
+class HostTierStats:
+    demoted_pages: int = 0
+    demote_skipped_pages: int = 0
+    promoted_pages: int = 0
+    failed_promotions: int = 0
+    failed_demotions: int = 0
+    host_evicted_pages: int = 0
+    demote_seconds: float = 0.0
+    promote_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class HostTier:
+    def __init__(self, pool: HostPool, k_buffers, v_buffers, *, page_size: int, total_kv_heads: int,
+                 tp_size: int, tp_rank: int, layer_offset: int = 0, stream_fence=None):  # fmt: skip
+        self.pool = pool
+        self.k_buffers = k_buffers
+        self.v_buffers = v_buffers
+        self.page_size = page_size
+        self.heads = heads_for_rank(total_kv_heads, tp_size, tp_rank)
+        if len(self.heads) != k_buffers[0].shape[1]:
+            raise ValueError(f"rank {tp_rank} holds {k_buffers[0].shape[1]} KV heads, expected {len(self.heads)}")
+        self.layer_offset = layer_offset
+        self.stream_fence = stream_fence  # callable: order copies after the forward stream (CUDA)
+        self.stats = HostTierStats()
+        self.tenant_of: dict[bytes, int] = {}
+        self.decision = "on"
+
+    @classmethod
+    def build(cls, kvcache, *, page_size: int, total_kv_heads: int, tp_size: int, tp_rank: int,
+              capacity_pages: int, name: str | None, stream_fence=None) -> "HostTier":  # fmt: skip
+        k0 = kvcache.k_buffer[0]
+        dtype = str(k0.dtype).replace("torch.", "")
+        layout = PoolLayout(capacity_pages, len(kvcache.k_buffer), total_kv_heads, page_size, k0.shape[2], dtype)
+        pool = HostPool(layout, name=name, pin_memory=k0.is_cuda)
+        return cls(pool, kvcache.k_buffer, kvcache.v_buffer, page_size=page_size,
+                   total_kv_heads=total_kv_heads, tp_size=tp_size, tp_rank=tp_rank,
+                   stream_fence=stream_fence)  # fmt: skip
+
+    def _fence(self) -> None:
+        if self.stream_fence is not None:
+            self.stream_fence()
+
+    def demote(self, device_pages: torch.Tensor, hashes: list[bytes], tenant: int = 0) -> int:
+        """Copy device pages to T1 (skipping pages already there). Returns pages written."""
+        t0 = time.perf_counter()
+        pairs = self.pool.reserve(hashes)
+        wanted = sum(1 for h in hashes if not self.pool.contains(h))
+        self.stats.demote_skipped_pages += max(0, wanted - len(pairs))
+        if not pairs:
+            return 0
+        pos = {h: i for i, h in enumerate(hashes)}
+        src = device_pages[[pos[h] for h, _ in pairs]].to(torch.int64)
+        dst = torch.tensor([s for _, s in pairs], dtype=torch.int64)
+        h0 = self.heads.start
+        try:
+            self._fence()
+            for layer, (kb, vb) in enumerate(zip(self.k_buffers, self.v_buffers)):
+                scatter_pages(kb, src.to(kb.device), self.pool.data[0, layer], dst, h0, self.page_size)
+                scatter_pages(vb, src.to(vb.device), self.pool.data[1, layer], dst, h0, self.page_size)
+            if kb.is_cuda:
+                torch.cuda.current_stream(kb.device).synchronize()
+        except Exception:  # noqa: BLE001 - a failed transfer is a skipped demotion, never partial
+            self.pool.abort(pairs)
+            self.stats.failed_demotions += len(pairs)
+            logger.exception("sglang-tiered: demotion of %d pages failed; skipped", len(pairs))
+            return 0
+        self.pool.commit(pairs)
+        for h, _ in pairs:
+            self.tenant_of[h] = tenant
+        self.stats.demoted_pages += len(pairs)
+        self.stats.demote_seconds += time.perf_counter() - t0
+        return len(pairs)
+
+    def load(self, hashes: list[bytes], device_pages: torch.Tensor) -> bool:
+        """Copy T1 pages into the given device pages. All or nothing: False means use none."""
+        t0 = time.perf_counter()
+        if any(not self.pool.contains(h) for h in hashes):
+            self.stats.failed_promotions += 1
+            return False
+        slots = torch.tensor(self.pool.slots_for(hashes), dtype=torch.int64)
+        pages = device_pages.to(torch.int64)
+        h0 = self.heads.start
+        try:
+            self._fence()
+            for layer, (kb, vb) in enumerate(zip(self.k_buffers, self.v_buffers)):
+                gather_pages(self.pool.data[0, layer], slots, kb, pages.to(kb.device), h0, self.page_size)
+                gather_pages(self.pool.data[1, layer], slots, vb, pages.to(vb.device), h0, self.page_size)
+        except Exception:  # noqa: BLE001
+            self.stats.failed_promotions += 1
+            logger.exception("sglang-tiered: promotion of %d pages failed; recomputing", len(hashes))
+            return False
+        self.stats.promoted_pages += len(hashes)
+        self.stats.promote_seconds += time.perf_counter() - t0
+        return True
+
+    def drop_tenant(self, tenant: int) -> int:
+        return self.pool.drop([h for h, t in self.tenant_of.items() if t == tenant])
+
+    def snapshot(self) -> dict:
+        p = self.pool
+        return {
+            "name": "host",
+            "enabled": True,
+            "capacity_pages": p.capacity,
+            "resident_pages": p.resident,
+            "capacity_bytes": p.layout.data_bytes,
+            "resident_bytes": p.resident * p.layout.page_bytes,
+            "demotions": self.stats.demoted_pages,
+            "promotions": self.stats.promoted_pages,
+            "demote_skipped_pages": self.stats.demote_skipped_pages,
+            "failed_promotions": self.stats.failed_promotions,
+            "failed_demotions": self.stats.failed_demotions,
+            "decision": self.decision,
+        }
