@@ -66,6 +66,34 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0 if server.proc.returncode in (0, -15, None) else server.proc.returncode
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from sglang_tiered.core.planner import GPU_BF16_DENSE_FLOPS, ModelShape, load_config_json, plan
+
+    cfg = load_config_json(args.model_config)
+    params = args.params_b * 1e9 if args.params_b else None
+    shape = ModelShape.from_config(cfg, params)
+    flops = args.flops if args.flops else GPU_BF16_DENSE_FLOPS[args.gpu]
+    tiers = dict(t.split("=", 1) for t in args.tier) if args.tier else None
+    tiers = {k: float(v) for k, v in tiers.items()} if tiers else None
+    out = plan(shape, flops_per_gpu=flops, tp=args.tp, kv_dtype=args.kv_dtype, tiers=tiers, tokens=args.tokens)
+    if args.json:
+        print(json.dumps({"model": shape.__dict__, "flops_per_gpu": flops, "tp": args.tp, **out}, indent=2))
+        return 0
+    print(f"model: {shape.layers} layers, {shape.kv_heads} KV heads x {shape.head_dim}, "
+          f"{shape.params / 1e9:.1f} B params; GPU {flops / 1e12:.1f} TFLOP/s x TP{args.tp}; KV {args.kv_dtype}")
+    print(f"KV bytes per token          {out['kv_bytes_per_token']:>12,d}  ({out['kv_kib_per_token']:.0f} KiB)")
+    print(f"recompute time per token    {out['recompute_us_per_token']:>12.1f}  us")
+    print(f"break-even tier bandwidth   {out['break_even_gbps']:>12.1f}  GB/s")
+    print(f"\nreading {out['tokens']} tokens instead of recomputing them:")
+    print(f"{'tier':<16}{'GB/s':>8}{'read ms':>10}{'recompute ms':>14}  latency  GPU-cost")
+    for t in out["tiers"]:
+        print(f"{t['name']:<16}{t['bandwidth_gbps']:>8.1f}{t['read_ms']:>10.1f}{t['recompute_ms']:>14.1f}"
+              f"  {'wins' if t['wins_latency'] else 'loses':<8} {'wins' if t['wins_gpu_cost'] else 'loses'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sglang-tiered", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -87,6 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--start-timeout", type=float, default=300.0)
     s.add_argument("sglang_args", nargs=argparse.REMAINDER, help="extra sglang.launch_server args after --")
     s.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("plan", help="break-even table: when does reading KV from a tier beat recomputing it")
+    p.add_argument("--model-config", required=True, help="the model's config.json")
+    p.add_argument("--params-b", type=float, help="parameter count in billions (default: from the config)")
+    p.add_argument("--gpu", default="h100", choices=["h100", "h200", "a100", "l40s", "b200"])
+    p.add_argument("--flops", type=float, help="dense bf16 FLOP/s per GPU (overrides --gpu)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--kv-dtype", default="fp16", choices=["fp16", "bf16", "fp8", "fp32"])
+    p.add_argument("--tokens", type=int, default=2000)
+    p.add_argument("--tier", action="append", help="NAME=GB/s (repeatable; default host-pcie5, nvme, network-100g)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_plan)
 
     args = ap.parse_args(argv)
     if getattr(args, "sglang_args", None) and args.sglang_args[0] == "--":

@@ -19,9 +19,10 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 class SimPageAllocator:
     """Page-granular token slot allocator with the parts of SGLang's allocator API the tree uses."""
 
-    def __init__(self, capacity_tokens: int, page_size: int):
+    def __init__(self, capacity_tokens: int, page_size: int, kv: "SimKVCache | None" = None):
         if capacity_tokens < page_size:
             raise ValueError("capacity_tokens must hold at least one page")
+        self._kv = kv
         self.page_size = page_size
         self.num_pages = capacity_tokens // page_size
         self.size = self.num_pages * page_size
@@ -32,6 +33,9 @@ class SimPageAllocator:
 
     def available_size(self) -> int:
         return len(self.free_pages) * self.page_size
+
+    def get_kvcache(self):
+        return self._kv
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         n_pages = -(-num_tokens // self.page_size)
@@ -49,6 +53,31 @@ class SimPageAllocator:
     def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
         assert start_pos % self.page_size == 0, f"segment start {start_pos} is not page-aligned"
         self.free(free_index)
+
+
+class SimKVCache:
+    """Small real K/V buffers in SGLang's NHD layout (``k_buffer[layer][slot, head, dim]``), so the
+    host tier can move real bytes in simulation and tests can check what a hit serves."""
+
+    def __init__(self, size: int, page_size: int, layers: int = 2, heads: int = 2, head_dim: int = 4):
+        shape = (size + page_size, heads, head_dim)
+        self.k_buffer = [torch.zeros(shape) for _ in range(layers)]
+        self.v_buffer = [torch.zeros(shape) for _ in range(layers)]
+        self.head_num, self.head_dim, self.layer_num = heads, head_dim, layers
+
+
+def expected_kv(token_ids, tenant, layers: int, heads: int, head_dim: int) -> torch.Tensor:
+    """What "recomputation" produces for each position: a value that depends on the tenant and the
+    whole prefix up to that position (causal), per layer/head/dim. Shape [n, layers, 2, heads, dim]."""
+    acc = sum(map(ord, tenant or "")) % 997
+    vals = []
+    for t in token_ids:
+        acc = (acc * 31 + int(t) + 7) % (1 << 20)
+        vals.append(acc)
+    base = torch.tensor(vals, dtype=torch.float32)[:, None, None, None, None]
+    offs = (torch.arange(layers)[:, None, None, None] * 0.25 + torch.arange(2)[None, :, None, None] * 0.5
+            + torch.arange(heads)[None, None, :, None] * 0.125 + torch.arange(head_dim) * 0.0625)
+    return base + offs
 
 
 class SimReqToTokenPool:
@@ -98,11 +127,13 @@ class RequestOutcome:
 class CacheDriver:
     """Runs requests one at a time through a tree cache in the scheduler's call order."""
 
-    def __init__(self, cache, allocator: SimPageAllocator, req_pool: SimReqToTokenPool):
+    def __init__(self, cache, allocator: SimPageAllocator, req_pool: SimReqToTokenPool, verify_kv=False):
         self.cache = cache
         self.allocator = allocator
         self.req_pool = req_pool
+        self.verify_kv = verify_kv and allocator.get_kvcache() is not None
         self._n = 0
+        self.host_loaded_tokens = 0
 
     def run(self, token_ids, *, tenant=None, no_store=False) -> RequestOutcome:
         cache, alloc = self.cache, self.allocator
@@ -114,6 +145,20 @@ class CacheDriver:
         m = cache.match_prefix(MatchPrefixParams(key=key, req=req))
         prefix_len = m.device_prefix_len
         req.last_node = m.last_device_node
+        host_loaded = 0
+        if m.host_hit_length > 0:  # as the scheduler does: PrefillAdder -> init_load_back
+            from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+            loaded = cache.init_load_back(
+                InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length, req=req)
+            )
+            if loaded is not None:
+                host_loaded, node = loaded
+                assert host_loaded in (0, m.host_hit_length), "partial load-back"
+                if host_loaded:
+                    req.last_node = node
+                    prefix_len += host_loaded
+                    self.host_loaded_tokens += host_loaded
         req.lock = cache.lock(req.last_node)
         prefix_idx = cache.path_device_indices(req.last_node) if prefix_len else None
         need = n - prefix_len
@@ -133,6 +178,8 @@ class CacheDriver:
         req.kv.cache_protected_len = prefix_len
         req.kv.kv_allocated_len = n
         # --- the forward pass would run here ---
+        if self.verify_kv:
+            self._forward(req, rt[row, :n], prefix_len)
         t1 = time.perf_counter()
         if not req.skip_radix_cache_insert:
             cache.checkpoint(req, up_to=n)
@@ -145,7 +192,20 @@ class CacheDriver:
         self.req_pool.free_row(row)
         req.cached_tokens = prefix_len
         cache.on_release(req, checkpointed=True)
+        cache.flush_pending_backups()  # the scheduler calls it after every batch
         return RequestOutcome(n, prefix_len, spent)
+
+    def _forward(self, req, slots: torch.Tensor, prefix_len: int) -> None:
+        """Check the cached prefix holds exactly what recomputation gives, then 'compute' the rest."""
+        kv = self.allocator.get_kvcache()
+        L, H, D = len(kv.k_buffer), kv.head_num, kv.head_dim
+        want = expected_kv(req.origin_input_ids, req.cache_salt, L, H, D)
+        for layer in range(L):
+            for j, buf in enumerate((kv.k_buffer[layer], kv.v_buffer[layer])):
+                if prefix_len:
+                    got = buf[slots[:prefix_len]]
+                    assert torch.equal(got, want[:prefix_len, layer, j]), "cache hit differs from recomputation"
+                buf[slots[prefix_len:]] = want[prefix_len:, layer, j]
 
     def device_accounting(self) -> tuple[int, int, int, int]:
         """(available, evictable, protected, total) device tokens."""
@@ -153,10 +213,12 @@ class CacheDriver:
         return (self.allocator.available_size(), c.evictable_size(), c.protected_size(), self.allocator.size)
 
 
-def make_params(capacity_tokens: int, page_size: int, max_len: int = 1 << 15, eviction_policy="lru"):
+def make_params(capacity_tokens: int, page_size: int, max_len: int = 1 << 15, eviction_policy="lru",
+                with_kv: bool = False):  # fmt: skip
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-    allocator = SimPageAllocator(capacity_tokens, page_size)
+    kv = SimKVCache(capacity_tokens // page_size * page_size + page_size, page_size) if with_kv else None
+    allocator = SimPageAllocator(capacity_tokens, page_size, kv)
     pool = SimReqToTokenPool(4, max_len)
     params = CacheInitParams(
         disable=False,

@@ -98,6 +98,8 @@ class TieredRadixCache(RadixCache):
         cache_key: Optional[CacheKey] = None,
         max_request_tokens: int = 1 << 17,
         debug_checks: bool = False,
+        host_pages: int = 0,
+        verify_kv: bool = False,
     ) -> "TieredRadixCache":
         """A ``TieredRadixCache`` over a simulated page allocator, without a model.
 
@@ -106,10 +108,18 @@ class TieredRadixCache(RadixCache):
         evaluate the policy on your own traces (see bench/trace_replay.py)."""
         from sglang_tiered.integration.simulate import CacheDriver, make_params
 
-        params, alloc, pool = make_params(capacity_tokens, page_size, max_request_tokens)
+        params, alloc, pool = make_params(capacity_tokens, page_size, max_request_tokens,
+                                          with_kv=bool(host_pages or verify_kv))  # fmt: skip
         cache = cls(params, cache_key=cache_key, policy_config=policy_config,
                     capacity_tokens=alloc.size, debug_checks=debug_checks)  # fmt: skip
-        cache.driver = CacheDriver(cache, alloc, pool)
+        if host_pages:
+            from sglang_tiered.tier.host_tier import HostTier
+
+            kv = alloc.get_kvcache()
+            cache.host = HostTier.build(kv, page_size=page_size, total_kv_heads=kv.head_num, tp_size=1,
+                                        tp_rank=0, capacity_pages=host_pages, name=None)  # fmt: skip
+            cache.host_decision = cache.host.decision = "on: simulated"
+        cache.driver = CacheDriver(cache, alloc, pool, verify_kv=verify_kv)
         return cache
 
     def _setup_host_tier(self, ctx, cfg) -> None:

@@ -49,6 +49,9 @@ class HostTier:
         self.stats = HostTierStats()
         self.tenant_of: dict[bytes, int] = {}
         self.decision = "on"
+        # When T1 is full: True replaces its least recently used pages (a victim cache); False
+        # skips the demotion (counted in demote_skipped_pages).
+        self.replace_when_full = True
 
     @classmethod
     def build(cls, kvcache, *, page_size: int, total_kv_heads: int, tp_size: int, tp_rank: int,
@@ -68,7 +71,7 @@ class HostTier:
     def demote(self, device_pages: torch.Tensor, hashes: list[bytes], tenant: int = 0) -> int:
         """Copy device pages to T1 (skipping pages already there). Returns pages written."""
         t0 = time.perf_counter()
-        pairs = self.pool.reserve(hashes)
+        pairs = self.pool.reserve(hashes, evict=self.replace_when_full)
         wanted = sum(1 for h in hashes if not self.pool.contains(h))
         self.stats.demote_skipped_pages += max(0, wanted - len(pairs))
         if not pairs:

@@ -1,0 +1,195 @@
+"""T1: host pool accounting, tier-state machine with KV checked against recomputation, faults."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+from sglang_tiered.core.tenants import name_hash, tenant_of
+from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+from sglang_tiered.tier.host_pool import HostPool, PoolLayout, heads_for_rank
+
+PAGE = 4
+BLOCKS = [[b * 10 + i for i in range(PAGE)] for b in range(1, 8)]
+TENANTS = [None, "acme"]
+
+
+def tokens_of(blocks, tail=1):
+    return [t for b in blocks for t in BLOCKS[b]] + [900 + i for i in range(tail)]
+
+
+def test_heads_for_rank_matches_sglang_contiguous_sharding():
+    # SGLang 0.5.23 linear.py: shard_id = kv_tp_rank // replicas; start = shard_id * shard_size
+    from sglang.srt.layers.linear import QKVParallelLinear  # noqa: F401  (the code we mirror)
+
+    assert [list(heads_for_rank(8, 4, r)) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [list(heads_for_rank(2, 4, r)) for r in range(4)] == [[0], [0], [1], [1]]  # replicated
+    assert list(heads_for_rank(4, 1, 0)) == [0, 1, 2, 3]
+    with pytest.raises(ValueError):
+        heads_for_rank(6, 4, 0)
+
+
+def test_page_written_at_tp1_reads_back_at_tp2_and_back():
+    """Canonical layout is TP-agnostic: a TP=1 rank's pages load into TP=2 ranks' views and vice versa."""
+    from sglang_tiered.kernels.kv_pages import gather_pages, scatter_pages
+
+    L, H, D, ps = 2, 4, 8, 4
+    pool = HostPool(PoolLayout(6, L, H, ps, D, "float32"))
+    dev1 = [torch.randn(5 * ps, H, D) for _ in range(L)]  # TP=1: all heads
+    for layer in range(L):
+        scatter_pages(dev1[layer], torch.tensor([2, 3]), pool.data[0, layer], torch.tensor([0, 1]), 0, ps)
+    for r in range(2):  # TP=2 ranks read their own contiguous halves
+        heads = heads_for_rank(H, 2, r)
+        dev2 = torch.zeros(5 * ps, len(heads), D)
+        gather_pages(pool.data[0, 1], torch.tensor([0, 1]), dev2, torch.tensor([1, 4]), heads.start, ps)
+        assert torch.equal(dev2[ps : 2 * ps], dev1[1][2 * ps : 3 * ps, heads.start : heads.stop])
+        assert torch.equal(dev2[4 * ps : 5 * ps], dev1[1][3 * ps : 4 * ps, heads.start : heads.stop])
+        # ...and write back from the TP=2 view into another slot; TP=1 then reads the whole page.
+        scatter_pages(dev2, torch.tensor([1]), pool.data[1, 0], torch.tensor([5]), heads.start, ps)
+    back = torch.zeros(5 * ps, H, D)
+    gather_pages(pool.data[1, 0], torch.tensor([5]), back, torch.tensor([0]), 0, ps)
+    assert torch.equal(back[:ps], dev1[1][2 * ps : 3 * ps])
+
+
+def test_shared_memory_pool_survives_reattach(tmp_path, monkeypatch):
+    import sglang_tiered.tier.host_pool as hp
+
+    monkeypatch.setattr(hp, "SHM_DIR", tmp_path)
+    layout = PoolLayout(8, 1, 2, 4, 4, "float32")
+    a = HostPool(layout, name="t")
+    pairs = a.reserve([b"x" * 16, b"y" * 16])
+    a.data[0, 0, :, pairs[0][1]] = 3.0
+    a.commit(pairs)
+    b = HostPool(layout, name="t")  # another process / a restart
+    assert b.attached and b.leading_hits([b"x" * 16, b"y" * 16, b"z" * 16]) == 2
+    assert torch.all(b.data[0, 0, :, b.slot_of[b"x" * 16]] == 3.0)
+    b.check_invariants()
+    c = HostPool(PoolLayout(8, 1, 2, 4, 8, "float32"), name="t")  # other layout: starts empty
+    assert not c.attached and c.resident == 0
+    c.close(unlink=True)
+
+
+class TierMachine(RuleBasedStateMachine):
+    """Page tier states (device, host, both, none) against a model of what was ever computed."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = TieredRadixCache.create_simulated(12 * PAGE, PAGE, host_pages=10, verify_kv=True,
+                                                      debug_checks=True)  # fmt: skip
+        self.computed = {t: set() for t in TENANTS}  # page hashes ever stored, per tenant
+
+    def _hashes(self, toks, tenant):
+        from sglang_tiered.core.keys import chain_page_hashes
+
+        return chain_page_hashes(self.cache._seed(None, tenant), toks, PAGE)
+
+    @rule(blocks=st.lists(st.integers(0, len(BLOCKS) - 1), max_size=5), tenant=st.sampled_from(TENANTS))
+    def request(self, blocks, tenant):
+        toks = tokens_of(blocks)
+        out = self.cache.driver.run(toks, tenant=tenant)  # the driver checks KV == recomputation
+        if out.served:
+            self.computed[tenant].update(self._hashes(toks, tenant))
+
+    @rule(n=st.integers(1, 12 * PAGE))
+    def evict(self, n):
+        self.cache.evict(EvictParams(num_tokens=n))
+
+    @rule(tenant=st.sampled_from(TENANTS))
+    def invalidate(self, tenant):
+        self.cache.invalidate(tenant_hash=name_hash(tenant_of(tenant)))
+        gone = self.computed[tenant]
+        assert not any(self.cache.host.pool.contains(h) for h in gone)
+        self.computed[tenant] = set()
+
+    @rule()
+    @precondition(lambda self: self.cache.host.pool.resident)
+    def fail_next_promotion(self):
+        """A failed transfer must be a clean miss: arm a one-shot failure in the page mover."""
+        import sglang_tiered.tier.host_tier as ht
+
+        real = ht.gather_pages
+
+        def boom(*a, **k):
+            ht.gather_pages = real
+            raise RuntimeError("injected transfer failure")
+
+        ht.gather_pages = boom
+
+    @invariant()
+    def tier_states_are_consistent(self):
+        host = self.cache.host.pool
+        host.check_invariants()
+        avail, evictable, protected, total = self.cache.driver.device_accounting()
+        assert avail + evictable + protected == total
+        every = set().union(*self.computed.values())
+        device = set()
+        stack = list(self.cache.root_node.children.values())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            device.update(n.tiered_hashes or [])
+        # Each page is in {device, host, both, none}; a page in any tier was computed before.
+        assert device <= every and set(host.slot_of) <= every
+
+    def teardown(self):
+        import sglang_tiered.tier.host_tier as ht
+        from sglang_tiered.kernels.kv_pages import gather_pages
+
+        ht.gather_pages = gather_pages
+
+
+TierMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestTiers = TierMachine.TestCase
+
+
+def test_full_t1_skips_and_counts_demotions():
+    cache = TieredRadixCache.create_simulated(8 * PAGE, PAGE, host_pages=2, verify_kv=True)
+    cache.host.replace_when_full = False
+    for b in range(6):
+        cache.driver.run(tokens_of([b, (b + 1) % 7]), tenant=None)
+    cache.evict(EvictParams(num_tokens=8 * PAGE))
+    s = cache.host.snapshot()
+    assert s["resident_pages"] == 2 and s["demote_skipped_pages"] > 0
+    cache.host.pool.check_invariants()
+
+
+def test_failed_promotion_is_a_clean_miss(monkeypatch):
+    import sglang_tiered.tier.host_tier as ht
+
+    cache = TieredRadixCache.create_simulated(4 * PAGE, PAGE, host_pages=16, verify_kv=True)
+    toks = tokens_of([0, 1, 2])
+    cache.driver.run(toks)
+    cache.evict(EvictParams(num_tokens=4 * PAGE))  # demote everything
+    assert cache.host.pool.resident == 3
+
+    def boom(*a, **k):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(ht, "gather_pages", boom)
+    out = cache.driver.run(toks)  # KV verified inside: recomputed, never partial
+    assert out.cached_len == 0 and cache.host.stats.failed_promotions == 1
+    monkeypatch.undo()
+    cache.evict(EvictParams(num_tokens=4 * PAGE))
+    assert cache.driver.run(toks).cached_len == 3 * PAGE  # and T1 still serves later
+
+
+def test_host_allocation_failure_disables_t1_with_one_warning(caplog):
+    from sglang_tiered.config import TieredConfig
+    from sglang_tiered.integration.host_setup import build_host_tier
+
+    cache = TieredRadixCache.create_simulated(8 * PAGE, PAGE, verify_kv=True)
+    ctx = SimpleNamespace(model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2), tp_size=1,
+                          tp_rank=0, params=SimpleNamespace())  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="sglang_tiered"):
+        tier, decision = build_host_tier(cache, ctx, TieredConfig(host_mode="on", host_gb=1e9))
+    assert tier is None and decision.startswith("off:")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "T1 disabled" in warnings[0].getMessage()
