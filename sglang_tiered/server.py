@@ -170,7 +170,10 @@ class Server:
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 body = r.read()
-                return r.status, (json.loads(body) if body else None)
+                try:
+                    return r.status, (json.loads(body) if body else None)
+                except ValueError:
+                    return r.status, body.decode(errors="replace")
         except urllib.error.HTTPError as e:
             body = e.read()
             try:

@@ -134,6 +134,10 @@ class TieredRadixCache(RadixCache):
         )
 
     def reset(self):
+        # /flush_cache empties the device tree; with T1 on, its pages go to T1 first (so a flush
+        # before shutdown leaves everything in a named T1 for a warm restart).
+        if getattr(self, "host", None) is not None and getattr(self, "root_node", None) is not None:
+            self.evict(EvictParams(num_tokens=self.evictable_size_))
         super().reset()
         self.root_node.tiered_hashes = []
         self.root_node.tiered_end = 0
