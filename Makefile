@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env model serve test test-fast clean
+.PHONY: env model serve demo test test-fast bench clean
 
 env:
 	@bash scripts/setup_env.sh
@@ -13,6 +13,15 @@ model: env
 # MODEL=path serves another model; SGLANG_ARGS="..." passes extra launch_server flags.
 serve: env
 	@$(PY) -m sglang_tiered.cli serve $(if $(MODEL),--model $(MODEL)) $(if $(PORT),--port $(PORT)) -- $(SGLANG_ARGS)
+
+# Stock SGLang vs sglang-tiered (+T1) on the same device pool, a seeded multi-tenant workload,
+# outputs checked against a no-cache server; table + JSON/CSV/PNG under bench/results/.
+demo: env
+	@$(PY) bench/live_compare.py $(DEMO_ARGS)
+
+# Trace replay (no model): tiered vs every SGLang eviction policy, Belady, infinite cache.
+bench: env
+	@$(PY) bench/trace_replay.py
 
 test: env
 	@$(PY) -m pytest $(PYTEST_ARGS)

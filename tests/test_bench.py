@@ -1,0 +1,56 @@
+"""The benchmarks run end to end (small sizes) and write their artifacts."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_trace_replay_small(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "trace_replay.py"), "--limit", "300", "--fractions", "0.05",
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads((tmp_path / "trace_replay.json").read_text())
+    assert {r["workload"] for r in doc["rows"]} == {"mooncake", "multitenant"}
+    assert all(0 <= r["tiered"] <= r["infinite"] + 1e-9 and r["belady"] <= r["infinite"] + 1e-9 for r in doc["rows"])
+    assert (tmp_path / "trace_replay.png").stat().st_size > 0
+
+
+def test_kernel_bench_cpu():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_bench.py")], capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "scatter_d2d_gbps" in out.stdout
+
+
+@pytest.mark.server
+def test_live_trace_against_a_server(tiered_server, tmp_path):
+    csv_path = tmp_path / "live.csv"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "live_trace.py"), "--url", tiered_server.url, "--limit", "30",
+         "--time-scale", "1000", "--out", str(csv_path)], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = csv_path.read_text().splitlines()
+    assert len(rows) == 31 and rows[0].startswith("i,trace_arrival_s")
+    assert any(int(r.split(",")[4]) > 0 for r in rows[1:])  # the shared system prompt hits
+
+
+@pytest.mark.server
+def test_demo_small(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "live_compare.py"), "--requests", "40", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    doc = json.loads((tmp_path / "demo.json").read_text())
+    assert doc["table"]["tiered"]["outputs_match_reference"] and doc["table"]["stock"]["outputs_match_reference"]
+    assert (tmp_path / "demo.png").stat().st_size > 0
