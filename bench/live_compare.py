@@ -95,8 +95,15 @@ def main(argv=None) -> int:
     ap.add_argument("--pool-tokens", type=int, default=4096, help="device KV pool of both servers")
     ap.add_argument("--host-ratio", type=float, default=8.0, help="T1 size as a multiple of the pool")
     ap.add_argument("--scale", type=float, default=0.2, help="prompt length scale of the generator")
-    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="requests in flight; >1 batches requests differently per server, and bf16 "
+                         "batch shapes can flip greedy tokens even without a cache")  # fmt: skip
+    ap.add_argument("--layers", type=int, default=16,
+                    help="layers of the built-in model variant (more layers: prefill dominates TTFT)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32",
+                    help="serving dtype; in bf16, prefill over a cached prefix rounds differently from a "
+                         "full recompute and flips some greedy tokens of a random model (stock SGLang too)")
     ap.add_argument("--model", help="model folder (default: the built-in tiny model)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--name", default="demo")
@@ -104,7 +111,9 @@ def main(argv=None) -> int:
 
     from sglang_tiered.models.tiny import build_model
 
-    model = args.model or str(build_model())
+    from sglang_tiered.models.tiny import TinyModelSpec
+
+    model = args.model or str(build_model(TinyModelSpec(num_layers=args.layers)))
     reqs = multi_tenant(n_requests=args.requests, seed=args.seed, scale=args.scale)
     for r in reqs:
         r.max_new_tokens = 8
@@ -114,17 +123,17 @@ def main(argv=None) -> int:
     logs = pathlib.Path(args.out) / "logs"
     runs = {}
     specs = {
-        "stock": ServerSpec(model_path=model, backend=None, max_total_tokens=args.pool_tokens),
-        "tiered": ServerSpec(model_path=model, backend="tiered", max_total_tokens=args.pool_tokens,
+        "stock": ServerSpec(model_path=model, backend=None, max_total_tokens=args.pool_tokens, dtype=args.dtype),
+        "tiered": ServerSpec(model_path=model, backend="tiered", max_total_tokens=args.pool_tokens, dtype=args.dtype,
                              env={"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_RATIO": str(args.host_ratio)}),
         "reference": ServerSpec(model_path=model, backend=None, disable_radix_cache=True,
-                                max_total_tokens=args.pool_tokens),
+                                max_total_tokens=args.pool_tokens, dtype=args.dtype),
     }  # fmt: skip
     tier_stats = None
     for name, spec in specs.items():  # one server at a time: 2 cores
         print(f"[{name}] starting server ...", flush=True)
         with Server(spec, logs / f"{args.name}-{name}.log") as server:
-            results, wall = replay(server, reqs, 1 if name == "reference" else args.concurrency, name)
+            results, wall = replay(server, reqs, args.concurrency, name)
             if name == "tiered":
                 tier_stats = server.request("GET", "/cache/stats")[1]
         runs[name] = (results, wall)
