@@ -175,7 +175,9 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
-    doc = {"environment": env, "args": vars(args), "table": table, "ratios_tiered_over_stock": ratios,
+    # No machine paths in results: folders by name only.
+    shown_args = {**vars(args), "out": pathlib.Path(args.out).name, "model": pathlib.Path(model).name}
+    doc = {"environment": env, "args": shown_args, "table": table, "ratios_tiered_over_stock": ratios,
            "tiered_cache_stats": tier_stats}  # fmt: skip
     (out / f"{args.name}.json").write_text(json.dumps(doc, indent=2))
     with open(out / f"{args.name}.csv", "w", newline="") as f:
