@@ -126,3 +126,24 @@ def test_weights_digest_changes_with_any_byte(tmp_path, monkeypatch):
     w.write_bytes(bytes(data))
     assert weights_digest(str(m)) != d1
     assert weights_digest("org/remote-model").startswith("name:")
+
+
+def test_stats_schema_covers_every_tenant_counter():
+    from dataclasses import fields
+
+    from sglang_tiered.core.tenants import TenantCounters
+    from sglang_tiered.stats import _COUNTERS
+
+    assert [f.name for f in fields(TenantCounters)] == _COUNTERS
+
+
+def test_aggregate_sums_ranks_and_filters_tenant():
+    from sglang_tiered.stats import aggregate
+
+    rank = {"page_size": 16, "tenants": {"a": {"requests": 2, "prompt_tokens": 100, "cached_tokens": 50},
+                                         "b": {"requests": 1, "prompt_tokens": 10}},
+            "tiers": [{"name": "device", "enabled": True, "resident_pages": 3}]}  # fmt: skip
+    s = aggregate([rank, rank])
+    assert s.ranks == 2 and s.totals.requests == 6 and s.totals.token_hit_rate == 100 / 220
+    assert s.tiers[0].resident_pages == 6
+    assert list(aggregate([rank], tenant="zz").tenants) == ["zz"]
