@@ -585,6 +585,8 @@ class TieredRadixCache(RadixCache):
             assert n.value is not None and len(n.value) == len(n.key), "value/key length mismatch"
             stack.extend(n.children.values())
         assert evictable == self.evictable_size_, (evictable, self.evictable_size_)
+        if self.host is not None:
+            self.host.pool.check_invariants()  # host: free + resident == capacity
         # Identity: every node's stored page hashes equal a fresh chain over its tokens.
         stack = list(self.root_node.children.values())
         while stack:
