@@ -106,6 +106,16 @@ def _use_triton(*tensors) -> bool:
     return all(t.is_cuda for t in tensors) or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _pool_strides(pool, page_size: int) -> tuple[int, int, int]:
+    """(page, token, head) element strides of the device pool: a page is ``page_size`` rows."""
+    return page_size * pool.stride(0), pool.stride(0), pool.stride(1)
+
+
+def _host_strides(host) -> tuple[int, int, int]:
+    """(page, token, head) element strides of one canonical plane ``[H, P, ps, D]``."""
+    return host.stride(1), host.stride(2), host.stride(0)
+
+
 def scatter_pages(pool, pool_pages, host, host_slots, head_offset: int, page_size: int, *, force_ref=False):
     """Device pool pages -> canonical host slots (see module doc)."""
     _check(pool, host, pool_pages, host_slots, head_offset, page_size)
@@ -115,11 +125,8 @@ def scatter_pages(pool, pool_pages, host, host_slots, head_offset: int, page_siz
         return
     if force_ref or not _use_triton(pool, host):
         return scatter_pages_ref(pool, pool_pages, host, host_slots, head_offset, page_size)
-    hr, d = pool.shape[1], pool.shape[2]
-    # src page stride = ps rows; dst page stride = host.stride(1)
-    _launch(pool, host, pool_pages, host_slots,
-            (page_size * pool.stride(0), pool.stride(0), pool.stride(1)),
-            (host.stride(1), host.stride(2), host.stride(0)), 0, head_offset, hr, page_size, d)  # fmt: skip
+    _launch(pool, host, pool_pages, host_slots, _pool_strides(pool, page_size), _host_strides(host),
+            0, head_offset, pool.shape[1], page_size, pool.shape[2])  # fmt: skip
 
 
 def gather_pages(host, host_slots, pool, pool_pages, head_offset: int, page_size: int, *, force_ref=False):
@@ -131,7 +138,5 @@ def gather_pages(host, host_slots, pool, pool_pages, head_offset: int, page_size
         return
     if force_ref or not _use_triton(pool, host):
         return gather_pages_ref(host, host_slots, pool, pool_pages, head_offset, page_size)
-    hr, d = pool.shape[1], pool.shape[2]
-    _launch(host, pool, host_slots, pool_pages,
-            (host.stride(1), host.stride(2), host.stride(0)),
-            (page_size * pool.stride(0), pool.stride(0), pool.stride(1)), head_offset, 0, hr, page_size, d)  # fmt: skip
+    _launch(host, pool, host_slots, pool_pages, _host_strides(host), _pool_strides(pool, page_size),
+            head_offset, 0, pool.shape[1], page_size, pool.shape[2])  # fmt: skip

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sglang_tiered.core.sketch import FrequencySketch
 
@@ -152,7 +152,6 @@ class PolicyStats:
     evicted_pinned: int = 0
     thrash_windows: int = 0
     no_store_requests: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class AdaptivePolicy:
@@ -343,5 +342,5 @@ class AdaptivePolicy:
             "admission_filtering": self.filtering,
             "duel_scores": {str(m): round(x, 1) for m, x in zip(self.modes[: self._dueling], self.scores)},
             "sketch_resets": self.sketch.resets,
-            **{k: v for k, v in s.__dict__.items() if k != "extra"},
+            **s.__dict__,
         }

@@ -334,10 +334,17 @@ class TieredRadixCache(RadixCache):
         n_pages = (len(toks) - start) // ps
         if n_pages <= 0:
             return result
+        contains = self.host.pool.contains
+        rid = params.req.rid
+        pending = self._pending_host.get(rid)
+        if pending is not None and pending[0] is node and all(contains(h) for h in pending[1]):
+            # match_prefix runs on every admission attempt: reuse this request's hashes from the
+            # last attempt instead of hashing the same pages again.
+            hashes = pending[1]
+            return result._replace(host_hit_length=len(hashes) * ps, best_match_node=node)
         self._ensure_hashes(node)
         prev = node.tiered_hashes[-1] if node.tiered_hashes else self._seed(key.extra_key, key.cache_salt)
         hashes = []
-        contains = self.host.pool.contains
         for i in range(n_pages):  # hash only as far as T1 has pages
             h = chain_page_hashes(prev, toks[start + i * ps : start + (i + 1) * ps], ps)[0]
             if not contains(h):
@@ -345,9 +352,9 @@ class TieredRadixCache(RadixCache):
             hashes.append(h)
             prev = h
         if not hashes:
-            self._pending_host.pop(params.req.rid, None)
+            self._pending_host.pop(rid, None)
             return result
-        self._pending_host[params.req.rid] = (node, hashes, toks[start : start + len(hashes) * ps])
+        self._pending_host[rid] = (node, hashes, toks[start : start + len(hashes) * ps])
         return result._replace(host_hit_length=len(hashes) * ps, best_match_node=node)
 
     def init_load_back(self, params):

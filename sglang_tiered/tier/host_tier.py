@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +31,6 @@ class HostTierStats:
     host_evicted_pages: int = 0
     demote_seconds: float = 0.0
     promote_seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 class HostTier:
