@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from array import array
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -146,3 +147,24 @@ class TreeMachine(RuleBasedStateMachine):
 
 TreeMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestTree = TreeMachine.TestCase
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.05])
+def test_replayed_workload_keeps_invariants_and_serves_exact_kv(fraction):
+    """Real traffic shapes (system prompts, chats, agents, RAG, one-shot scans, 6 tenants) through
+    the adaptive policy with T1 on: invariants (incl. the victim queue) after every cache call,
+    and every hit's KV equal to recomputation."""
+    from sglang_tiered.workloads import multi_tenant, unique_pages
+
+    reqs = multi_tenant(n_requests=600, scale=0.25)
+    ps = 16
+    cap = max(int(unique_pages(reqs, ps) * fraction), max(len(r.tokens) for r in reqs) // ps + 1) * ps
+    cache = TieredRadixCache.create_simulated(cap, ps, debug_checks=True, verify_kv=True, host_pages=cap // ps)
+    hits = 0
+    for r in reqs:
+        out = cache.driver.run(r.tokens, tenant=r.tenant)
+        hits += out.cached_len
+    cache.check_invariants()
+    snap = cache.policy.snapshot()
+    assert hits > 0 and snap["evicted_pages"] > 0, snap
+    assert cache.protected_size_ == 0

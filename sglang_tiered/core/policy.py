@@ -1,17 +1,28 @@
 """Admission and eviction policy for the device tier (pure Python; page hashes in, decisions out).
 
 What it does, and why (the Mooncake trace measured plain W-TinyLFU *losing* to LRU above ~3 %
-capacity, DESIGN.md decision 2; we measured an ARC-style recency/frequency split losing to LRU at
-5-20 % too, so it is not here):
+capacity, DESIGN.md decision 2; SGLang's own slru/lfu lose to its lru there by 7-9 points, while
+on multi-tenant traffic they beat lru by 1-13 points):
 
+* **Adaptive protection of reused context (eviction order).** A tree node reused by two or more
+  requests is *protected*: it is evicted as if it had been used ``boost`` requests later than it
+  was, with ``boost = k x`` the cache's own LRU cycle time (the mean age, in requests, of the
+  leaves it evicts). ``k = 0`` is LRU, ``k = inf`` is SGLang's slru; ``k`` is learned online from
+  *ghost hits*, ARC-style: the first page hash of every evicted leaf is remembered (as many pages
+  as the cache holds) with whether it was protected. A request that misses on a remembered
+  protected leaf says protection was too weak (``k`` up); one that misses on an unprotected leaf
+  says recency was starved (``k`` down). Steps are weighted by the leaf's pages and by the ghost
+  sizes (ARC's balancing), on a log scale in ``[1/64, 64]``. Everything is in request counts
+  (a logical clock), never wall time, so every TP rank keeps the same order.
 * **Adaptive admission by set dueling.** Two miniature page caches run beside the real one over a
   hash-sampled 1-in-8 subset of pages, each with 1/8 of the capacity (SHARDS-style spatial
-  sampling): one admits everything (LRU), one admits by TinyLFU (a new page enters only if its
-  sketch frequency beats the LRU victim's). Their hit counts decay per sampled reference. While the
-  filtering miniature is winning, the real cache filters admissions the same way (a request's new
-  pages are kept only while their frequency beats the next eviction victim's); otherwise it admits
-  everything and behaves exactly like LRU. So it is selective where the workload thrashes (small
-  caches, scans) and LRU-like where reuse is recency-driven, and it finds out which by itself.
+  sampling), both with the real cache's current eviction order: one admits everything, one admits
+  by TinyLFU (a new page enters only if its sketch frequency beats the victim's). Their hit counts
+  decay per sampled reference. While the filtering miniature wins by ``admit_margin``, the real
+  cache filters admissions the same way (a request's new pages are kept only while their
+  frequency beats the next eviction victim's); otherwise it admits everything. So it is selective
+  where the workload thrashes (small caches, scans) and admits freely where reuse is
+  recency-driven (conversations, whose first turn is seen once), and it finds out which by itself.
 * **Pinning small hot prefixes.** Leaves within ``pin_max_tokens`` of the root whose sketch
   frequency reaches ``pin_min_freq`` are evicted only when nothing else is left (bounded budget),
   so one-shot prompts cannot evict system prompts.
@@ -19,22 +30,29 @@ capacity, DESIGN.md decision 2; we measured an ARC-style recency/frequency split
 * Reuse is counted once per request (in ``checkpoint``), never in ``match_prefix``.
 * Everything is driven by event counts and deterministic hashes, so every TP rank reaches identical
   decisions.
+
+Page-level miniatures model the tree exactly for these orders: a parent is used whenever its child
+is, so its recency and reuse count are never lower and it is never evicted before its children.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from sglang_tiered.core.sketch import FrequencySketch
 
 
+EVICTION_ORDERS = ("adaptive", "lru", "slru", "lfu")
+UNPROTECTED, PROTECTED, COLD = 0, 1, 2  # kinds of evicted leaves (ghost list)
+
+
 @dataclass(frozen=True)
 class Mode:
     admission: str  # "all" | "tinylfu"
-    # "lru"; "slru": pages reused by >= 2 requests go after all others; "lfu": fewest requests
-    # first, then least recent (SGLang's lfu order)
+    # "adaptive": LRU with protected (reused) nodes aged k x the LRU cycle time later, k learned;
+    # "lru"; "slru": reused nodes after all others (k = inf); "lfu": fewest requests first, then
+    # least recent (SGLang's lfu order). The fixed orders are for experiments (force_mode).
     eviction: str
 
     def __str__(self) -> str:
@@ -42,84 +60,47 @@ class Mode:
 
 
 class _MiniCache:
-    """A page-level miniature of the device cache under one mode (for set dueling)."""
+    """A page-level miniature of the device cache (for set dueling): probationary pages (reused
+    by < 2 requests) and protected pages, each in LRU order, valued by the tick of their last use;
+    the victim is whichever head is older once protected ones are shifted by ``boost``."""
 
-    def __init__(self, mode: Mode, capacity: int):
-        self.mode = mode
+    __slots__ = ("tinylfu", "cap", "prob", "prot", "age")
+
+    def __init__(self, tinylfu: bool, capacity: int):
+        self.tinylfu = tinylfu
         self.cap = capacity
-        self.prob: OrderedDict[bytes, None] = OrderedDict()  # reused by < 2 requests
-        self.prot: OrderedDict[bytes, None] = OrderedDict()  # reused by >= 2 (slru only)
+        self.prob: OrderedDict[bytes, int] = OrderedDict()
+        self.prot: OrderedDict[bytes, int] = OrderedDict()
+        self.age = 0.0  # mean age of victims, in requests (this miniature's LRU cycle time)
 
     def full(self) -> bool:
         return len(self.prob) + len(self.prot) >= 0.75 * self.cap
 
-    def _victim(self):
-        if self.prob:
-            return self.prob, next(iter(self.prob))
-        return self.prot, next(iter(self.prot))
+    def _victim(self, tick: int, k: float):
+        prob, prot = self.prob, self.prot
+        if prob:
+            h = next(iter(prob))
+            if not prot or prob[h] <= prot[next(iter(prot))] + k * self.age:
+                return prob, h
+        return prot, next(iter(prot))
 
-    def access(self, h: bytes, est, refusing: bool = False) -> float:
+    def access(self, h: bytes, tick: int, k: float, est, refusing: bool = False) -> float:
         """1.0 on a hit, 0.0 on an admitted miss, -1.0 on a refused miss."""
         prob, prot = self.prob, self.prot
         if h in prot:
             prot.move_to_end(h)
+            prot[h] = tick
             return 1.0
         if h in prob:
-            if self.mode.eviction == "slru":
-                del prob[h]
-                prot[h] = None
-            else:
-                prob.move_to_end(h)
+            del prob[h]
+            prot[h] = tick
             return 1.0
         if len(prob) + len(prot) >= self.cap:
-            where, victim = self._victim()
-            if self.mode.admission == "tinylfu" and (refusing or est(h) <= est(victim)):
+            where, victim = self._victim(tick, k)
+            if self.tinylfu and (refusing or est(h) <= est(victim)):
                 return -1.0
-            del where[victim]
-        prob[h] = None
-        return 0.0
-
-
-class _MiniLFU:
-    """LFU miniature: evict the page reused by the fewest requests, least recent first."""
-
-    def __init__(self, mode: Mode, capacity: int):
-        self.mode = mode
-        self.cap = capacity
-        self.entries: dict[bytes, tuple[int, int]] = {}
-        self.heap: list[tuple[int, int, bytes]] = []
-        self.clock = 0
-
-    def full(self) -> bool:
-        return len(self.entries) >= 0.75 * self.cap
-
-    def _peek(self) -> bytes:
-        heap, entries = self.heap, self.entries
-        while True:
-            hits, t, h = heap[0]
-            if entries.get(h) == (hits, t):
-                return h
-            heapq.heappop(heap)
-
-    def access(self, h: bytes, est, refusing: bool = False) -> float:
-        self.clock += 1
-        e = self.entries.get(h)
-        if e is not None:
-            new = (e[0] + 1, self.clock)
-            self.entries[h] = new
-            heapq.heappush(self.heap, (new[0], new[1], h))
-            return 1.0
-        if len(self.entries) >= self.cap:
-            victim = self._peek()
-            if self.mode.admission == "tinylfu" and (refusing or est(h) <= est(victim)):
-                return -1.0
-            heapq.heappop(self.heap)
-            del self.entries[victim]
-        self.entries[h] = (1, self.clock)
-        heapq.heappush(self.heap, (1, self.clock, h))
-        if len(self.heap) > 4 * self.cap + 64:  # drop stale entries
-            self.heap = [(v[0], v[1], k) for k, v in self.entries.items()]
-            heapq.heapify(self.heap)
+            self.age += 0.01 * (tick - where.pop(victim) - self.age)
+        prob[h] = tick
         return 0.0
 
 
@@ -133,12 +114,20 @@ class PolicyConfig:
     thrash_sustain: int = 2  # consecutive windows above the ratio to enter (and below to leave)
     sketch_sample_factor: int = 10
     sketch_sample_mask: int = 3  # count pages whose first hash byte & mask == 0 (1 in 4)
-    force_mode: str | None = None  # e.g. "tinylfu+slru": disable the duel, always use this mode
+    force_mode: str | None = None  # e.g. "tinylfu+slru": disable both adaptations, use this mode
     # miniature caches see pages whose first hash byte & mask == 0 (1 in 8, a subset of the
     # counted pages, so their TinyLFU estimates are exact-sketch ones)
     duel_sample_mask: int = 7
     duel_decay: float = 0.9995  # per sampled reference; ~2,000-reference memory
     admit_margin: float = 1.1  # TinyLFU admission must beat admit-all by this factor to switch on
+    # adaptive protection: log2(k) starts here, moves by this much per ghost hit of an average
+    # leaf (scaled by the leaf's pages and ARC's ghost-size balance), within +-protect_log_bound
+    protect_log_k0: float = 0.0
+    # cold prompts (no cached prefix at all) enter c x the LRU cycle time old; log2(c) learned
+    cold_log_c0: float = 0.0
+    cold_log_bound: float = 6.0
+    protect_step: float = 0.02
+    protect_log_bound: float = 6.0
 
 
 @dataclass
@@ -165,28 +154,39 @@ class AdaptivePolicy:
         self._win_events = 0
         self._hot_windows: deque[bool] = deque(maxlen=self.cfg.thrash_sustain)
         self.thrashing = False
-        # Set dueling between miniature page caches over a hash-sampled 1-in-8 subset of pages,
-        # each with capacity/8 (SHARDS-style spatial sampling), one per candidate mode
-        # (admission x eviction order). The real cache runs the mode whose miniature wins.
-        mini_cap = max(4, self.capacity_pages // (self.cfg.duel_sample_mask + 1))
-        self._mini_cap = mini_cap
-        # lfu is not a duel candidate: page-level miniatures cannot tell it from slru (measured:
-        # identical scores), so it would only cost time. It stays available as a forced mode.
-        self.modes = [Mode(adm, ev) for ev in ("lru", "slru") for adm in ("all", "tinylfu")]
-        self.modes += [Mode(adm, "lfu") for adm in ("all", "tinylfu")]
-        self._dueling = 4
-        self._minis = [(_MiniLFU if m.eviction == "lfu" else _MiniCache)(m, mini_cap)
-                       for m in self.modes[: self._dueling]]  # fmt: skip
-        self.scores = [0.0] * self._dueling
-        self.mode_index = 0  # admit everything, LRU: SGLang's default until evidence says otherwise
-        self._decided = False
-        if self.cfg.force_mode is not None:
+        self.tick = 0  # logical clock: requests begun
+        # adaptive protection (see the module docstring)
+        self.log_k = self.cfg.protect_log_k0
+        self.k = 2.0**self.log_k
+        self.cycle = 0.0  # mean age (requests since last use) of evicted leaves
+        self.log_c = self.cfg.cold_log_c0
+        self.c = 2.0**self.log_c
+        # ghost lists (first page hash -> (kind, pages)), each as many pages as the cache holds:
+        # warm leaves (unprotected + protected) and cold ones, so one-shot scans cannot push the
+        # evidence about reused context out
+        self._ghosts: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        self._cold_ghosts: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        self._ghost_pages = [0, 0, 0]  # pages remembered from [unprotected, protected, cold] leaves
+        self.modes = [Mode(adm, ev) for ev in EVICTION_ORDERS for adm in ("all", "tinylfu")]
+        self.mode_index = 0  # admit everything, adaptive order
+        self._adapt = self.cfg.force_mode is None
+        if not self._adapt:
             names = [str(m) for m in self.modes]
             if self.cfg.force_mode not in names:
                 raise ValueError(f"force_mode must be one of {names}, got {self.cfg.force_mode!r}")
             self.mode_index = names.index(self.cfg.force_mode)
+            self.k = {"lru": 0.0, "slru": float("inf")}.get(self.mode.eviction, self.k)
+        # Set dueling on admission: miniatures over a hash-sampled 1-in-8 subset of pages, each
+        # with capacity/8 (SHARDS-style spatial sampling), both under the real eviction order.
+        self._mini_cap = max(4, self.capacity_pages // (self.cfg.duel_sample_mask + 1))
+        self._minis = [_MiniCache(False, self._mini_cap), _MiniCache(True, self._mini_cap)]
+        self.scores = [0.0, 0.0]
 
     # --- per request (called once per request, from checkpoint) -----------------------------
+    def begin_request(self) -> int:
+        self.tick += 1
+        return self.tick
+
     def observe(self, page_hashes: list[bytes], device_hit_pages: int) -> None:
         """Count the request's pages in the sketch (once per request) and feed the duel."""
         self.stats.requests += 1
@@ -197,7 +197,7 @@ class AdaptivePolicy:
                 inc(h)
         if page_hashes and page_hashes[-1][0] & m:
             inc(page_hashes[-1])  # the request's last page is always counted
-        if self.cfg.force_mode is None:
+        if self._adapt:
             self._duel(page_hashes)
 
     @property
@@ -212,22 +212,31 @@ class AdaptivePolicy:
     def eviction_order(self) -> str:
         return self.modes[self.mode_index].eviction
 
+    def protection_boost(self) -> float:
+        """Requests by which a protected (reused) node's last use is shifted for eviction."""
+        return self.k * self.cycle
+
+    def cold_age(self) -> float:
+        """Requests by which a cold prompt's pages are aged at insertion."""
+        return self.c * self.cycle
+
     def _duel(self, page_hashes: list[bytes]) -> None:
         mask = self.cfg.duel_sample_mask
         est, decay = self.sketch.estimate, self.cfg.duel_decay
+        tick, k = self.tick, self.k
         minis, scores = self._minis, self.scores
         # Like the real tree: a miniature that refuses a page of this request refuses the rest of
         # it too (admission is prefix-consistent), and only the leading run of hits counts (a
         # page past a miss cannot be reused by a radix prefix match).
-        refused = [False] * len(minis)
-        missed = [False] * len(minis)
+        refused = [False, False]
+        missed = [False, False]
         sampled = False
         for h in page_hashes:
             if h[0] & mask:
                 continue
             sampled = True
-            for i, mini in enumerate(minis):
-                r = mini.access(h, est, refused[i])
+            for i in (0, 1):
+                r = minis[i].access(h, tick, k, est, refused[i])
                 if r < 0:
                     refused[i] = True
                 if r <= 0:
@@ -238,26 +247,66 @@ class AdaptivePolicy:
                 scores[i] = scores[i] * decay + r
         if not sampled or not minis[0].full():  # decide once the miniatures are nearly full
             return
-        self._choose_mode()
+        # TinyLFU admission only if its miniature beats admit-everything by ``admit_margin``
+        # (page-level miniatures overstate what filtering buys a radix tree, whose deep pages
+        # are useless once a parent is gone); hysteresis: leaving needs it to fall below par.
+        margin = 1.0 if self.filtering else self.cfg.admit_margin
+        self.mode_index = 1 if scores[1] > scores[0] * margin else 0
 
-    def _choose_mode(self) -> None:
-        """Two stages, each with hysteresis: the eviction order whose admit-everything miniature
-        wins, then TinyLFU admission only if its miniature beats admit-everything under that
-        order by ``admit_margin`` (page-level miniatures overstate what filtering buys a radix
-        tree, whose deep pages are useless once a parent is gone)."""
-        scores, modes, cur = self.scores, self.modes, self.modes[self.mode_index]
-        idx = {(m.admission, m.eviction): i for i, m in enumerate(modes[: self._dueling])}
-        orders = ("lru", "slru")
-        best = max(orders, key=lambda o: scores[idx[("all", o)]])
-        order = cur.eviction
-        # The first decision (once the miniatures are full) takes the best order outright.
-        switch = 1.0 if not self._decided else 1.02
-        if scores[idx[("all", best)]] > scores[idx[("all", order)]] * switch:
-            order = best
-        self._decided = True
-        base, filt = scores[idx[("all", order)]], scores[idx[("tinylfu", order)]]
-        margin = 1.0 if (cur.admission == "tinylfu" and cur.eviction == order) else self.cfg.admit_margin
-        self.mode_index = idx[("tinylfu" if filt > base * margin else "all", order)]
+    # --- adaptive protection ------------------------------------------------------------------
+    def on_miss(self, first_new_hash: bytes) -> None:
+        """A request's first uncached page (once per request): learn from a ghost hit."""
+        g = self._ghosts.pop(first_new_hash, None)
+        if g is None:
+            g = self._cold_ghosts.pop(first_new_hash, None)
+            if g is None:
+                return
+        kind, pages = g
+        gp = self._ghost_pages
+        gp[kind] -= pages
+        if self.eviction_order != "adaptive":
+            return
+        # a leaf of average size (over the ghost lists, this one included) moves log2 k by one step
+        n_ghosts = len(self._ghosts) + len(self._cold_ghosts) + 1
+        step = self.cfg.protect_step * pages * n_ghosts / (gp[0] + gp[1] + gp[2] + pages)
+        # ARC's balance: a hit in the smaller ghost list counts for the size ratio.
+        if kind == COLD:  # a cold prompt came back: age cold prompts less
+            self.log_c -= step * max(1.0, (gp[0] + gp[1]) / max(1, gp[2]))
+        else:
+            self.log_c += step * max(1.0, gp[2] / max(1, gp[0] + gp[1]))
+            if kind == PROTECTED:
+                self.log_k += step * max(1.0, gp[0] / max(1, gp[1]))
+            else:
+                self.log_k -= step * max(1.0, gp[1] / max(1, gp[0]))
+        bk, bc = self.cfg.protect_log_bound, self.cfg.cold_log_bound
+        self.log_k = min(bk, max(-bk, self.log_k))
+        self.log_c = min(bc, max(-bc, self.log_c))
+        self.k = 2.0**self.log_k
+        self.c = 2.0**self.log_c
+
+    def on_evict(self, n_pages: int, pinned: bool = False, first_hash: bytes | None = None,
+                 kind: int = UNPROTECTED, last_tick: float | None = None) -> None:  # fmt: skip
+        """A leaf of ``n_pages`` left the device; ``kind`` is UNPROTECTED, PROTECTED or COLD."""
+        self.stats.evicted_pages += n_pages
+        if pinned:
+            self.stats.evicted_pinned += n_pages
+        self._record(evicts=n_pages)
+        if last_tick is not None:
+            self.cycle += 0.01 * (max(0.0, self.tick - last_tick) - self.cycle)
+        if first_hash is not None and n_pages:
+            gp = self._ghost_pages
+            for g in (self._ghosts, self._cold_ghosts):
+                old = g.pop(first_hash, None)
+                if old is not None:
+                    gp[old[0]] -= old[1]
+            cold = kind == COLD
+            g = self._cold_ghosts if cold else self._ghosts
+            g[first_hash] = (kind, n_pages)
+            gp[kind] += n_pages
+            cap = self.capacity_pages
+            while (gp[2] if cold else gp[0] + gp[1]) > cap:
+                kd, n = g.popitem(last=False)[1]
+                gp[kd] -= n
 
     def frequency(self, page_hash: bytes) -> int:
         return self.sketch.estimate(page_hash)
@@ -310,12 +359,6 @@ class AdaptivePolicy:
     def pin_budget_pages(self) -> int:
         return int(self.capacity_pages * self.cfg.pin_budget_share)
 
-    def on_evict(self, n_pages: int, pinned: bool = False) -> None:
-        self.stats.evicted_pages += n_pages
-        if pinned:
-            self.stats.evicted_pinned += n_pages
-        self._record(evicts=n_pages)
-
     # --- thrash detection -------------------------------------------------------------------
     def _record(self, stores: int = 0, evicts: int = 0) -> None:
         self._win_stores += stores
@@ -340,7 +383,10 @@ class AdaptivePolicy:
             "thrashing": self.thrashing,
             "mode": str(self.mode),
             "admission_filtering": self.filtering,
-            "duel_scores": {str(m): round(x, 1) for m, x in zip(self.modes[: self._dueling], self.scores)},
+            "duel_scores": {"all": round(self.scores[0], 1), "tinylfu": round(self.scores[1], 1)},
+            "protection_k": round(self.k, 3),
+            "cold_age_c": round(self.c, 3),
+            "lru_cycle_requests": round(self.cycle, 1),
             "sketch_resets": self.sketch.resets,
             **s.__dict__,
         }

@@ -1,8 +1,9 @@
 """Frequency sketch for TinyLFU: a count-min sketch of 4-bit saturating counters plus a doorkeeper.
 
-* Depth 4, width a power of two; the four row indices come from the 16-byte page hash itself
-  (no rehashing). Counters saturate at 15 (4 bits); they are stored one per byte for speed in pure
-  Python, which costs 2x the memory of nibble packing and nothing else.
+* Depth 4, width a power of two; the four row indices (bits 0, 32, 64, 96) and the two
+  doorkeeper bits (bits 16, 80) come from the 16-byte page hash itself (no rehashing). Counters
+  saturate at 15 (4 bits); they are stored one per byte for speed in pure Python, which costs 2x
+  the memory of nibble packing and nothing else.
 * Doorkeeper: a Bloom filter that absorbs the first sighting of a key, so one-hit wonders never
   reach the counters. ``estimate = min(row counters) + (1 if in doorkeeper)``.
 * Aging by events, never wall-clock time: after ``sample_size`` increments every counter is
@@ -30,17 +31,12 @@ class FrequencySketch:
         self.additions = 0
         self.resets = 0
 
-    def _slots(self, key: bytes) -> tuple[int, int, int, int, int, int]:
-        """Four counter indices and two doorkeeper bits, all from the key's own 128 bits."""
-        v = int.from_bytes(key[:16], "little")
-        m = self.mask
-        n = self.door_bits
-        return (v & m, (v >> 32) & m, (v >> 64) & m, (v >> 96) & m, (v >> 16) % n, (v >> 80) % n)
-
     def estimate(self, key: bytes) -> int:
-        i0, i1, i2, i3, a, b = self._slots(key)
-        r = self.rows
-        est = min(r[0][i0], r[1][i1], r[2][i2], r[3][i3])
+        v = int.from_bytes(key, "little")  # rows and doorkeeper bits come from the key itself
+        m, n = self.mask, self.door_bits
+        r0, r1, r2, r3 = self.rows
+        est = min(r0[v & m], r1[(v >> 32) & m], r2[(v >> 64) & m], r3[(v >> 96) & m])
+        a, b = (v >> 16) % n, (v >> 80) % n
         door = self.door
         if door[a >> 3] & (1 << (a & 7)) and door[b >> 3] & (1 << (b & 7)):
             est += 1
@@ -48,12 +44,16 @@ class FrequencySketch:
 
     def increment(self, key: bytes) -> None:
         self.additions += 1
-        i0, i1, i2, i3, a, b = self._slots(key)
+        v = int.from_bytes(key, "little")  # rows and doorkeeper bits come from the key itself
+        n = self.door_bits
+        a, b = (v >> 16) % n, (v >> 80) % n
         door = self.door
         if not (door[a >> 3] & (1 << (a & 7)) and door[b >> 3] & (1 << (b & 7))):
             door[a >> 3] |= 1 << (a & 7)
             door[b >> 3] |= 1 << (b & 7)
         else:
+            m = self.mask
+            i0, i1, i2, i3 = v & m, (v >> 32) & m, (v >> 64) & m, (v >> 96) & m
             r0, r1, r2, r3 = self.rows
             c0, c1, c2, c3 = r0[i0], r1[i1], r2[i2], r3[i3]
             low = min(c0, c1, c2, c3)

@@ -22,11 +22,103 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes
-from sglang_tiered.core.policy import AdaptivePolicy, PolicyConfig
+from sglang_tiered.core.policy import COLD, PROTECTED, UNPROTECTED, AdaptivePolicy, PolicyConfig
 from sglang_tiered.core.tenants import TenantTable, name_hash, tenant_of
 
 logger = logging.getLogger("sglang_tiered")
 
+# Defaults for the attributes we keep on SGLang's tree nodes (class attributes only add defaults;
+# nothing of SGLang's changes): page hashes and depth (set lazily), the logical time of last use,
+# and the cold / invalidated flags.
+TreeNode.tiered_hashes = None
+TreeNode.tiered_tick = 0
+TreeNode.tiered_cold = False
+TreeNode.tiered_invalid = False
+TreeNode.tiered_entry = None  # (tick, protected) of the node's live entry in the victim queue
+
+
+
+class _VictimQueue:
+    """Eviction order for the adaptive mode, kept across ``evict`` calls: two lazy heaps of
+    (tick of last use, node id, node), one for unprotected leaves and one for protected (reused)
+    leaves. The victim is the older head once protected ones are shifted by the policy's boost.
+
+    Entries are pushed when a node becomes an evictable leaf; an entry whose node has since been
+    used, re-classed, locked or deleted is dropped when it reaches the top (and the node, if still
+    evictable, re-queued with its current state), so eviction costs O(log n) per victim instead
+    of SGLang's O(n) heap rebuild per call. A node's live entry is ``node.tiered_entry``."""
+
+    def __init__(self, leaves: set):
+        self.leaves = leaves  # the tree's evictable_leaves (SGLang keeps it current)
+        self.heaps: tuple[list, list] = ([], [])
+
+    def clear(self) -> None:
+        self.heaps[0].clear()
+        self.heaps[1].clear()
+
+    def offer(self, node) -> None:
+        prot = node.hit_count >= 2
+        entry = (node.tiered_tick, prot)
+        if node.tiered_entry != entry:
+            node.tiered_entry = entry
+            heapq.heappush(self.heaps[prot], (node.tiered_tick, node.id, node))
+            if len(self.heaps[0]) + len(self.heaps[1]) > 4 * len(self.leaves) + 1024:
+                self._rebuild()
+
+    def _rebuild(self) -> None:
+        self.clear()
+        for n in self.leaves:
+            prot = n.hit_count >= 2
+            n.tiered_entry = (n.tiered_tick, prot)
+            self.heaps[prot].append((n.tiered_tick, n.id, n))
+        heapq.heapify(self.heaps[0])
+        heapq.heapify(self.heaps[1])
+
+    def _head(self, i: int):
+        heap, leaves = self.heaps[i], self.leaves
+        while heap:
+            tick, _, node = heap[0]
+            if node in leaves and node.tiered_tick == tick and (node.hit_count >= 2) == bool(i):
+                return heap[0]
+            heapq.heappop(heap)
+            if node.tiered_entry == (tick, bool(i)):
+                node.tiered_entry = None  # that was its live entry
+            if node in leaves:  # stale: used or re-classed since; queue it afresh
+                self.offer(node)
+        return None
+
+    def peek(self, boost: float):
+        a, b = self._head(0), self._head(1)
+        if a is None and b is None:
+            return None, -1
+        if b is None or (a is not None and a[0] <= b[0] + boost):
+            return a[2], 0
+        return b[2], 1
+
+    def pop(self, boost: float):
+        node, i = self.peek(boost)
+        if node is not None:
+            heapq.heappop(self.heaps[i])
+            node.tiered_entry = None
+        return node
+
+
+class _RebuiltQueue:
+    """The fixed orders (force_mode experiments): a heap rebuilt per ``evict`` call, like SGLang."""
+
+    def __init__(self, items: list, priority):
+        heapq.heapify(items)
+        self.heap = items
+        self.priority = priority
+
+    def offer(self, node) -> None:
+        heapq.heappush(self.heap, (self.priority(node), node.id, node))
+
+    def peek(self, boost: float):
+        return (self.heap[0][2], 0) if self.heap else (None, -1)
+
+    def pop(self, boost: float):
+        return heapq.heappop(self.heap)[2] if self.heap else None
 
 
 class TieredRadixCache(RadixCache):
@@ -61,6 +153,7 @@ class TieredRadixCache(RadixCache):
         self.versions: dict[str, str] = {}  # identity names an invalidation may target
         self.last_invalidation: dict = {}
         self.metrics = None
+        self._queue: Optional[_VictimQueue] = None
         self.host = None  # HostTier when T1 is on
         self.host_decision = "off"
         self._pending_host: dict = {}  # rid -> (node, page hashes) probed in match_prefix
@@ -139,6 +232,7 @@ class TieredRadixCache(RadixCache):
         if getattr(self, "host", None) is not None and getattr(self, "root_node", None) is not None:
             self.evict(EvictParams(num_tokens=self.evictable_size_))
         super().reset()
+        self._queue = _VictimQueue(self.evictable_leaves)
         self.root_node.tiered_hashes = []
         self.root_node.tiered_end = 0
         self._counted.clear()
@@ -159,7 +253,7 @@ class TieredRadixCache(RadixCache):
     def _ensure_hashes(self, node) -> None:
         """Give ``node`` and its ancestors their page hashes (top-down, only where missing)."""
         chain = []
-        while getattr(node, "tiered_hashes", None) is None:
+        while node.tiered_hashes is None:
             chain.append(node)
             node = node.parent
         for n in reversed(chain):
@@ -172,7 +266,7 @@ class TieredRadixCache(RadixCache):
         """Give freshly inserted nodes on the path to ``node`` their slice of the request's page
         hashes (already computed in checkpoint), instead of hashing the pages again."""
         chain = []
-        while getattr(node, "tiered_hashes", None) is None:
+        while node.tiered_hashes is None:
             chain.append(node)
             node = node.parent
         ps = self.page_size
@@ -198,10 +292,11 @@ class TieredRadixCache(RadixCache):
 
     def _split_node(self, key, child, split_len: int):
         new_node = super()._split_node(key, child, split_len)
-        if getattr(child, "tiered_invalid", False):
+        new_node.tiered_tick = child.tiered_tick
+        if child.tiered_invalid:
             new_node.tiered_invalid = True
             self._invalid_nodes += 1
-        hashes = getattr(child, "tiered_hashes", None)
+        hashes = child.tiered_hashes
         if hashes is not None:
             k = split_len // self.page_size
             new_node.tiered_hashes, child.tiered_hashes = hashes[:k], hashes[k:]
@@ -223,7 +318,8 @@ class TieredRadixCache(RadixCache):
         first = counted is None
         if first:
             self._counted[req.rid] = 0
-        if no_store or getattr(anchor, "tiered_invalid", False) or self._next_is_invalid(anchor, req, cpl):
+            self.policy.begin_request()
+        if no_store or anchor.tiered_invalid or self._next_is_invalid(anchor, req, cpl):
             # Refuse: leave row, lock, last_node and cache_protected_len alone; release_kv_cache
             # frees [cache_protected_len, owned). No-store requests leave no trace (not even in
             # the sketch); paths through invalidated entries are never extended.
@@ -239,6 +335,8 @@ class TieredRadixCache(RadixCache):
         hashes = base + new
 
         counted = counted or 0
+        if first and new:
+            self.policy.on_miss(new[0])  # ghost hit? (adapts the eviction order)
         if len(hashes) > counted:
             self.policy.observe(hashes[counted:], max(0, len(base) - counted))
             self._counted[req.rid] = len(hashes)
@@ -260,6 +358,15 @@ class TieredRadixCache(RadixCache):
         tc.admitted_pages += stored
         tc.resident_pages += stored
         self._attach_hashes(req.last_node, hashes)
+        self._stamp(req.last_node)
+        if cpl == 0 and self.policy.eviction_order == "adaptive":
+            # A cold prompt (nothing of it cached): its new nodes enter aged, so a one-shot prompt
+            # cannot push out reused context; one that comes back is stamped fresh on use.
+            n, old = req.last_node, self.policy.tick - self.policy.cold_age()
+            while n is not self.root_node and n.hit_count < 2:
+                n.tiered_tick = old
+                n.tiered_cold = True
+                n = n.parent
         if self.debug_checks:
             self.check_invariants()
 
@@ -281,7 +388,15 @@ class TieredRadixCache(RadixCache):
 
         key = RadixKey(tokens[cpl : cpl + self.page_size], req.extra_key, cache_salt=req.cache_salt)
         child = anchor.children.get(key.child_key(self.page_size))
-        return child is not None and getattr(child, "tiered_invalid", False)
+        return child is not None and child.tiered_invalid
+
+    def _stamp(self, node) -> None:
+        """Record the logical time of use on ``node`` and its ancestors (stops at the first one
+        already stamped this request: its ancestors are too)."""
+        tick, root = self.policy.tick, self.root_node
+        while node is not root and node.tiered_tick != tick:
+            node.tiered_tick = tick
+            node = node.parent
 
     def _bump_hits(self, node) -> None:
         while node is not self.root_node:
@@ -302,11 +417,12 @@ class TieredRadixCache(RadixCache):
     # ------------------------------------------------------------------ invalidation
     def match_prefix(self, params):
         result = super().match_prefix(params)
+        self._stamp(result.last_device_node)
         if self._invalid_nodes and result.device_prefix_len:
             # Never hand out an invalidated entry: cut the match before the shallowest one.
             node, cut = result.last_device_node, None
             while node is not self.root_node:
-                if getattr(node, "tiered_invalid", False):
+                if node.tiered_invalid:
                     cut = node
                 node = node.parent
             if cut is not None:
@@ -326,7 +442,7 @@ class TieredRadixCache(RadixCache):
         if getattr(key, "is_bigram", False):
             return result
         node = result.last_device_node
-        if getattr(node, "tiered_invalid", False):
+        if node.tiered_invalid:
             return result
         ps = self.page_size
         toks = key.raw_token_ids()
@@ -396,6 +512,7 @@ class TieredRadixCache(RadixCache):
             new.hit_count = 1
             new.tiered_hashes = list(hashes)
             new.tiered_end = node.tiered_end + n
+            new.tiered_tick = self.policy.tick
             node.children[key.child_key(self.page_size)] = new
             self.evictable_size_ += n
             self._update_leaf_status(node)
@@ -436,7 +553,7 @@ class TieredRadixCache(RadixCache):
                 order.append(n)
                 stack.extend(n.children.values())
             for n in order:
-                if not getattr(n, "tiered_invalid", False):
+                if not n.tiered_invalid:
                     n.tiered_invalid = True
                     self._invalid_nodes += 1
             for n in reversed(order):  # children before parents
@@ -479,7 +596,7 @@ class TieredRadixCache(RadixCache):
             # Free invalidated entries the moment their last holder lets go.
             while node is not self.root_node and node is not None:
                 parent = node.parent
-                if getattr(node, "tiered_invalid", False) and node.lock_ref == 0 and not node.children:
+                if node.tiered_invalid and node.lock_ref == 0 and not node.children:
                     self._drop_node(node)
                 node = parent
         return result
@@ -503,73 +620,87 @@ class TieredRadixCache(RadixCache):
             return lambda n: n.hit_count
         return lambda n: 0
 
-    def _victim_frequency(self) -> Optional[int]:
+    @staticmethod
+    def _kind(node) -> int:
+        if node.hit_count >= 2:
+            return PROTECTED
+        return COLD if node.tiered_cold else UNPROTECTED
+
+    def _update_leaf_status(self, node):
+        super()._update_leaf_status(node)
+        q = self._queue
+        if q is not None and node in self.evictable_leaves and self.policy.eviction_order == "adaptive":
+            q.offer(node)
+
+    def _victims(self):
+        """The eviction order: the persistent queue (adaptive) or a heap built now (fixed)."""
+        if self.policy.eviction_order == "adaptive":
+            return self._queue
         order = self._order_key()
-        best = best_key = None
-        for leaf in self.evictable_leaves:
-            k = (order(leaf), leaf.last_access_time)
-            if best is None or k < best_key:
-                best, best_key = leaf, k
+        priority = lambda n: (order(n), n.last_access_time)  # noqa: E731
+        return _RebuiltQueue([(priority(n), n.id, n) for n in self.evictable_leaves], priority)
+
+    def _victim_frequency(self) -> Optional[int]:
+        best, _ = self._victims().peek(self.policy.protection_boost())
         if best is None:
             return None
         self._ensure_hashes(best)
         return self.policy.node_frequency(best.tiered_hashes) if best.tiered_hashes else 0
 
     def evict(self, params: EvictParams) -> EvictResult:
-        """Least recently used leaf first (slru mode: leaves reused by >= 2 requests after all
-        others; lfu mode: fewest requests first), pinned hot prefixes last; same mechanics as
-        RadixCache.evict (free the leaf's slots, delete it, offer its parent)."""
+        """Least recently used leaf first, leaves reused by >= 2 requests aged by the policy's
+        learned protection boost (forced modes: lru; slru: reused leaves after all others; lfu:
+        fewest requests first), pinned hot prefixes last; same mechanics as RadixCache.evict
+        (free the leaf's slots, delete it, offer its parent). Evicted leaves feed the policy's
+        ghost list."""
         if self.disable:
             return EvictResult()
         start_time = time.perf_counter()
         num_tokens = params.num_tokens
         ps = self.page_size
         pin_hits = self.policy.cfg.pin_min_freq
-        order = self._order_key()  # the duel's eviction order: lru, slru or lfu
-        heap, pinned = [], []
+        queue = self._victims()
+        boost = self.policy.protection_boost()
+        # Pinned prefixes are set aside as the queue reaches them (oldest first, within budget)
+        # and evicted only once nothing else is left.
+        pinned = []
         pinned_pages = 0
-        for node in self.evictable_leaves:
-            if node.hit_count >= pin_hits and self._is_pinned(node, pinned_pages):
-                pinned_pages += len(node.key) // ps
-                pinned.append((node.last_access_time, node.id, node))
-            else:
-                heap.append((order(node), node.last_access_time, node.id, node))
-        heapq.heapify(heap)
-        heapq.heapify(pinned)
 
         num_evicted = 0
         policy = self.policy
         free_segment = self.token_to_kv_pool_allocator.free_segment
         root = self.root_node
         while num_evicted < num_tokens:
-            if heap:
-                x = heapq.heappop(heap)[-1]
+            x = queue.pop(boost)
+            if x is not None:
+                if x.hit_count >= pin_hits and self._is_pinned(x, pinned_pages):
+                    pinned_pages += len(x.key) // ps
+                    heapq.heappush(pinned, (x.last_access_time, x.id, x))
+                    continue
                 was_pinned = False
             elif pinned:
                 _, _, x = heapq.heappop(pinned)
                 was_pinned = True
             else:
                 break
-            if self.host is not None and not getattr(x, "tiered_invalid", False) and x.tiered_hashes:
+            if self.host is not None and not x.tiered_invalid and x.tiered_hashes:
                 self.host.demote(x.value[::ps] // ps, x.tiered_hashes,
                                  name_hash(tenant_of(x.key.cache_salt)))  # fmt: skip
             free_segment(x.value, start_pos=0)
             num_evicted += len(x.value)
-            policy.on_evict(len(x.key) // ps, pinned=was_pinned)
+            policy.on_evict(len(x.key) // ps, pinned=was_pinned,
+                            first_hash=x.tiered_hashes[0] if x.tiered_hashes else None,
+                            kind=self._kind(x), last_tick=x.tiered_tick)  # fmt: skip
             tc = self.tenants.get(tenant_of(x.key.cache_salt))
             tc.evicted_pages += len(x.key) // ps
             tc.resident_pages -= len(x.key) // ps
             parent = x.parent
             self._delete_leaf(x)
             if parent is not root and len(parent.children) == 0 and parent.lock_ref == 0:
-                if parent.hit_count >= pin_hits and self._is_pinned(parent, pinned_pages):
-                    pinned_pages += len(parent.key) // ps
-                    heapq.heappush(pinned, (parent.last_access_time, parent.id, parent))
-                else:
-                    heapq.heappush(
-                        heap, (order(parent), parent.last_access_time, parent.id, parent)
-                    )
+                queue.offer(parent)
             self.kv_events.record_remove(x)
+        for _, _, x in pinned:  # spared: back in the queue for next time
+            queue.offer(x)
 
         self.update_eviction_metrics(num_evicted, start_time)
         if self.debug_checks:
@@ -599,13 +730,20 @@ class TieredRadixCache(RadixCache):
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
-            if getattr(n, "tiered_hashes", None) is None:
+            if n.tiered_hashes is None:
                 continue
             p = n.parent
             prev = p.tiered_hashes[-1] if p.tiered_hashes else self._seed(n.key.extra_key, n.key.cache_salt)
             assert n.tiered_hashes == chain_page_hashes(prev, n.key.raw_token_ids(), self.page_size), "stale page hashes"
             assert n.tiered_end == p.tiered_end + len(n.key), "stale depth"
         assert protected == self.protected_size_, (protected, self.protected_size_)
+        if self.policy.eviction_order == "adaptive":
+            # Every evictable leaf has a live entry in the victim queue (possibly stale, then
+            # re-queued when it reaches the top), so nothing evictable is ever lost to eviction.
+            live = {(e[1], e[0], i) for i in (0, 1) for e in self._queue.heaps[i]}
+            for n in self.evictable_leaves:
+                assert n.tiered_entry is not None, "evictable leaf without a queue entry"
+                assert (n.id, n.tiered_entry[0], int(n.tiered_entry[1])) in live, "queue entry lost"
 
     def flush_pending_backups(self) -> None:
         """Called by the scheduler after every batch: publish metrics (no host backups yet)."""
