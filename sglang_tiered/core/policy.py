@@ -192,13 +192,14 @@ class AdaptivePolicy:
         self.stats.requests += 1
         inc = self.sketch.increment
         m = self.cfg.sketch_sample_mask
-        for h in page_hashes:
-            if not h[0] & m:
-                inc(h)
+        counted = [h for h in page_hashes if not h[0] & m]
+        for h in counted:
+            inc(h)
         if page_hashes and page_hashes[-1][0] & m:
             inc(page_hashes[-1])  # the request's last page is always counted
         if self._adapt:
-            self._duel(page_hashes)
+            dm = self.cfg.duel_sample_mask  # a subset of the counted pages
+            self._duel([h for h in counted if not h[0] & dm])
 
     @property
     def mode(self) -> "Mode":
@@ -220,32 +221,36 @@ class AdaptivePolicy:
         """Requests by which a cold prompt's pages are aged at insertion."""
         return self.c * self.cycle
 
-    def _duel(self, page_hashes: list[bytes]) -> None:
-        mask = self.cfg.duel_sample_mask
-        est, decay = self.sketch.estimate, self.cfg.duel_decay
-        tick, k = self.tick, self.k
-        minis, scores = self._minis, self.scores
+    def _duel(self, sampled: list[bytes]) -> None:
+        """Run the request's sampled pages through both miniatures; score hits with decay."""
+        if not sampled:
+            return
+        est, tick, k = self.sketch.estimate, self.tick, self.k
+        all_, lfu = self._minis
         # Like the real tree: a miniature that refuses a page of this request refuses the rest of
         # it too (admission is prefix-consistent), and only the leading run of hits counts (a
         # page past a miss cannot be reused by a radix prefix match).
-        refused = [False, False]
-        missed = [False, False]
-        sampled = False
-        for h in page_hashes:
-            if h[0] & mask:
-                continue
-            sampled = True
-            for i in (0, 1):
-                r = minis[i].access(h, tick, k, est, refused[i])
-                if r < 0:
-                    refused[i] = True
-                if r <= 0:
-                    missed[i] = True
-                    r = 0.0
-                elif missed[i]:
-                    r = 0.0
-                scores[i] = scores[i] * decay + r
-        if not sampled or not minis[0].full():  # decide once the miniatures are nearly full
+        hits_a = hits_f = 0
+        run_a = run_f = True  # still in the leading run of hits
+        refused = False
+        for h in sampled:
+            r = all_.access(h, tick, k, est)
+            if run_a and r > 0:
+                hits_a += 1
+            else:
+                run_a = False
+            r = lfu.access(h, tick, k, est, refused)
+            if r < 0:
+                refused = True
+            if run_f and r > 0:
+                hits_f += 1
+            else:
+                run_f = False
+        d = self.cfg.duel_decay ** len(sampled)
+        scores = self.scores
+        scores[0] = scores[0] * d + hits_a
+        scores[1] = scores[1] * d + hits_f
+        if not all_.full():  # decide once the miniatures are nearly full
             return
         # TinyLFU admission only if its miniature beats admit-everything by ``admit_margin``
         # (page-level miniatures overstate what filtering buys a radix tree, whose deep pages
