@@ -158,6 +158,8 @@ def main(argv=None) -> int:
                     default=[0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2])  # fmt: skip
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
     ap.add_argument("--seed", type=int, default=0, help="multi-tenant generator seed")
+    ap.add_argument("--mooncake-from", type=float, default=0.0,
+                    help="replay the Mooncake trace from this fraction on (0.5: its second half only)")
     ap.add_argument("--timing-runs", type=int, default=2,
                     help="extra interleaved lru/tiered replays for the overhead ratio (min is kept)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -166,7 +168,8 @@ def main(argv=None) -> int:
 
     workloads = {}
     if args.workload in ("mooncake", "both"):
-        workloads["mooncake"] = load_mooncake(limit=args.limit)
+        mc = load_mooncake(limit=args.limit)
+        workloads["mooncake"] = mc[int(len(mc) * args.mooncake_from):]
     if args.workload in ("multitenant", "both"):
         workloads["multitenant"] = multi_tenant(n_requests=args.limit or 4000, seed=args.seed)
 
@@ -222,7 +225,7 @@ def main(argv=None) -> int:
         w.writerows(rows)
     (out / f"{args.name}.json").write_text(
         json.dumps({"environment": env, "page_size": PAGE, "skipped_policies": SKIPPED,
-                    "multitenant_seed": args.seed, "timing": f"min of {args.timing_runs + 1} replays each",
+                    "multitenant_seed": args.seed, "mooncake_from": args.mooncake_from, "timing": f"min of {args.timing_runs + 1} replays each",
                     "rows": rows}, indent=2))  # fmt: skip
     _plot(rows, out / f"{args.name}.png", env)
     ok = all(r["beats_best"] for r in rows)

@@ -56,6 +56,9 @@ class PolicyStats(msgspec.Struct, kw_only=True):
     evicted_pages: int
     evicted_pinned: int
     sketch_resets: int
+    protection_k: float = 0.0  # learned: reused nodes age k x the LRU cycle later (0 = LRU)
+    cold_age_c: float = 0.0  # learned: cold prompts enter c x the LRU cycle old
+    lru_cycle_requests: float = 0.0  # mean age, in requests, of evicted leaves
 
 
 class CacheStats(msgspec.Struct, kw_only=True):
@@ -100,7 +103,8 @@ def aggregate(rank_stats: list[dict], tenant: Optional[str] = None) -> CacheStat
                 if isinstance(v, int) and not isinstance(v, bool):
                     acc[k] = acc.get(k, 0) + v
         if "policy" in rs:
-            policies.append(PolicyStats(**{k: rs["policy"][k] for k in PolicyStats.__struct_fields__}))
+            policies.append(PolicyStats(**{k: rs["policy"][k] for k in PolicyStats.__struct_fields__
+                                           if k in rs["policy"]}))  # fmt: skip
     finished = {name: _finish(c) for name, c in sorted(tenants.items())}
     if tenant is not None:
         finished = {tenant: finished.get(tenant, TenantStats())}

@@ -189,3 +189,36 @@ def test_aggregate_sums_ranks_and_filters_tenant():
     assert s.ranks == 2 and s.totals.requests == 6 and s.totals.token_hit_rate == 100 / 220
     assert s.tiers[0].resident_pages == 6
     assert list(aggregate([rank], tenant="zz").tenants) == ["zz"]
+
+
+def test_thrash_is_eviction_work_that_buys_no_hits():
+    """Evictions ~ stores is what any full cache does; thrash is when that buys (almost) no
+    hits. It is entered and left over sustained windows, and makes admission selective at par."""
+    pol = AdaptivePolicy(capacity_pages=64)
+    for i in range(300):  # full, every request stores 4 pages and evicts 4, and half its pages hit
+        pol.begin_request()
+        pol.observe([_k(i * 8 + j) for j in range(8)], device_hit_pages=4)
+        pol.admit_pages([_k(i * 8 + j) for j in range(4, 8)], None)
+        pol.on_evict(4)
+    assert not pol.thrashing and pol.stats.thrash_windows == 0
+    for i in range(300, 600):  # same eviction work, no hits: thrash
+        pol.begin_request()
+        pol.observe([_k(i * 8 + j) for j in range(8)], device_hit_pages=0)
+        pol.admit_pages([_k(i * 8 + j) for j in range(8)], None)
+        pol.on_evict(8)
+    assert pol.thrashing and pol.stats.thrash_windows > 0
+    pol._duel([_k(100_000 + i) for i in range(pol._mini_cap)])  # miniatures full: duel decides
+    pol.mode_index = 0
+    pol.scores = [10.0, 10.5]  # TinyLFU ahead, but by less than admit_margin (1.1) ...
+    pol._duel([_k(200_000)])
+    assert pol.filtering  # ... which is enough while thrashing
+    pol.thrashing, pol.mode_index, pol.scores = False, 0, [10.0, 10.5]
+    pol._duel([_k(200_001)])
+    assert not pol.filtering  # and not otherwise
+    pol.thrashing = True
+    for i in range(600, 900):  # hits come back: thrash ends
+        pol.begin_request()
+        pol.observe([_k(i * 8 + j) for j in range(8)], device_hit_pages=6)
+        pol.admit_pages([_k(i * 8 + j) for j in range(6, 8)], None)
+        pol.on_evict(2)
+    assert not pol.thrashing

@@ -42,7 +42,8 @@ class TreeMachine(RuleBasedStateMachine):
         self.inserted: dict = {t: [] for t in TENANTS}  # model: sequences stored per tenant
         self.held = []  # (lock, node, tenant, tokens, prefix_len, indices)
 
-    @rule(mode=st.sampled_from(["all+lru", "tinylfu+lru", "all+slru", "tinylfu+slru", "all+lfu", "tinylfu+lfu", None]))
+    @rule(mode=st.sampled_from(["all+lru", "tinylfu+lru", "all+slru", "tinylfu+slru", "all+lfu", "tinylfu+lfu",
+                               "tinylfu+adaptive", None]))
     @precondition(lambda self: self.cache is None)
     def build(self, mode):
         self.cache = TieredRadixCache.create_simulated(

@@ -26,7 +26,10 @@ on multi-tenant traffic they beat lru by 1-13 points):
 * **Pinning small hot prefixes.** Leaves within ``pin_max_tokens`` of the root whose sketch
   frequency reaches ``pin_min_freq`` are evicted only when nothing else is left (bounded budget),
   so one-shot prompts cannot evict system prompts.
-* **Thrash detection** (evictions above 0.9x stores over sustained windows) is reported in stats.
+* **Thrash detection** (evictions above 0.9x stores while under 5 % of requested pages hit, over
+  sustained windows: eviction work that buys no hits) makes the policy more selective: while it
+  lasts, TinyLFU admission switches on as soon as its miniature is at par. It is reported in
+  stats and metrics.
 * Reuse is counted once per request (in ``checkpoint``), never in ``match_prefix``.
 * Everything is driven by event counts and deterministic hashes, so every TP rank reaches identical
   decisions.
@@ -112,6 +115,9 @@ class PolicyConfig:
     thrash_ratio: float = 0.9
     thrash_window: int = 64  # checkpoints per thrash measurement window
     thrash_sustain: int = 2  # consecutive windows above the ratio to enter (and below to leave)
+    # ... while pages hit in the window stay below this share: a full cache always evicts about
+    # what it stores; it thrashes when that work buys (almost) no hits (seed section 8)
+    thrash_hit_share: float = 0.05
     sketch_sample_factor: int = 10
     sketch_sample_mask: int = 3  # count pages whose first hash byte & mask == 0 (1 in 4)
     force_mode: str | None = None  # e.g. "tinylfu+slru": disable both adaptations, use this mode
@@ -152,6 +158,8 @@ class AdaptivePolicy:
         self._win_stores = 0
         self._win_evicts = 0
         self._win_events = 0
+        self._win_pages = 0
+        self._win_hits = 0
         self._hot_windows: deque[bool] = deque(maxlen=self.cfg.thrash_sustain)
         self.thrashing = False
         self.tick = 0  # logical clock: requests begun
@@ -190,6 +198,8 @@ class AdaptivePolicy:
     def observe(self, page_hashes: list[bytes], device_hit_pages: int) -> None:
         """Count the request's pages in the sketch (once per request) and feed the duel."""
         self.stats.requests += 1
+        self._win_pages += len(page_hashes)
+        self._win_hits += device_hit_pages
         inc = self.sketch.increment
         m = self.cfg.sketch_sample_mask
         counted = [h for h in page_hashes if not h[0] & m]
@@ -255,7 +265,8 @@ class AdaptivePolicy:
         # TinyLFU admission only if its miniature beats admit-everything by ``admit_margin``
         # (page-level miniatures overstate what filtering buys a radix tree, whose deep pages
         # are useless once a parent is gone); hysteresis: leaving needs it to fall below par.
-        margin = 1.0 if self.filtering else self.cfg.admit_margin
+        # Under sustained thrash the policy gets more selective (seed section 8): par suffices.
+        margin = 1.0 if (self.filtering or self.thrashing) else self.cfg.admit_margin
         self.mode_index = 1 if scores[1] > scores[0] * margin else 0
 
     # --- adaptive protection ------------------------------------------------------------------
@@ -371,7 +382,9 @@ class AdaptivePolicy:
         if stores or not evicts:
             self._win_events += 1
         if self._win_events >= self.cfg.thrash_window:
-            hot = self._win_evicts > self.cfg.thrash_ratio * max(1, self._win_stores)
+            cfg = self.cfg
+            hot = (self._win_evicts > cfg.thrash_ratio * max(1, self._win_stores)
+                   and self._win_hits < cfg.thrash_hit_share * self._win_pages)  # fmt: skip
             self._hot_windows.append(hot)
             if len(self._hot_windows) == self._hot_windows.maxlen:
                 if all(self._hot_windows):
@@ -380,7 +393,7 @@ class AdaptivePolicy:
                     self.thrashing = False
             if self.thrashing:
                 self.stats.thrash_windows += 1
-            self._win_stores = self._win_evicts = self._win_events = 0
+            self._win_stores = self._win_evicts = self._win_events = self._win_pages = self._win_hits = 0
 
     def snapshot(self) -> dict:
         s = self.stats
@@ -389,7 +402,7 @@ class AdaptivePolicy:
             "mode": str(self.mode),
             "admission_filtering": self.filtering,
             "duel_scores": {"all": round(self.scores[0], 1), "tinylfu": round(self.scores[1], 1)},
-            "protection_k": round(self.k, 3),
+            "protection_k": round(min(self.k, 1e9), 3),
             "cold_age_c": round(self.c, 3),
             "lru_cycle_requests": round(self.cycle, 1),
             "sketch_resets": self.sketch.resets,

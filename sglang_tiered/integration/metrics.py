@@ -40,6 +40,10 @@ class TieredMetrics:
                                multiprocess_mode="livemax")  # fmt: skip
         self.thrashing = Gauge("sglang_tiered_thrashing", "1 while thrash is detected",
                                multiprocess_mode="livemax")  # fmt: skip
+        self.protection_k = Gauge("sglang_tiered_protection_k", "Learned protection of reused context "
+                                  "(0 = LRU; reused nodes age k LRU cycles later)", multiprocess_mode="livemax")  # fmt: skip
+        self.cold_age_c = Gauge("sglang_tiered_cold_age_c", "Learned age, in LRU cycles, at which cold "
+                                "prompts enter", multiprocess_mode="livemax")  # fmt: skip
         self._last: dict[tuple[str, str], int] = {}
         self._labels: dict[str, str] = {}
 
@@ -68,3 +72,5 @@ class TieredMetrics:
         self.tier_tokens.labels(tier="device", state="protected").set(cache.protected_size_)
         self.filtering.set(1 if cache.policy.filtering else 0)
         self.thrashing.set(1 if cache.policy.thrashing else 0)
+        self.protection_k.set(min(cache.policy.k, 1e9))
+        self.cold_age_c.set(cache.policy.c)

@@ -777,5 +777,6 @@ class TieredRadixCache(RadixCache):
             ],
             "policy": {k: pol[k] for k in (
                 "mode", "admission_filtering", "thrashing", "thrash_windows", "admissions_refused",
-                "pages_admitted", "pages_rejected", "evicted_pages", "evicted_pinned", "sketch_resets")},
+                "pages_admitted", "pages_rejected", "evicted_pages", "evicted_pinned", "sketch_resets",
+                "protection_k", "cold_age_c", "lru_cycle_requests")},
         }  # fmt: skip
