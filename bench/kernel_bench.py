@@ -2,7 +2,8 @@
 device pool) against the measured copy ceilings on this machine (device-to-device, and pinned
 host-to-device on CUDA). On CPU the torch path is what the server uses; on CUDA the Triton kernels.
 
-    .venv/bin/python bench/kernel_bench.py            # writes bench/results/kernel_bench.json
+    .venv/bin/python bench/kernel_bench.py            # writes bench/results/kernel_bench_{cpu,cuda}.json
+    .venv/bin/python bench/kernel_bench.py --out DIR  # elsewhere
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def main() -> int:
         results["gather_h2d_ratio"] = results["gather_h2d_gbps"] / results["copy_ceiling_h2d_pinned_gbps"]
     results["scatter_ratio_vs_d2d"] = results["scatter_d2d_gbps"] / results["copy_ceiling_d2d_gbps"]
     results["gather_ratio_vs_d2d"] = results["gather_d2d_gbps"] / results["copy_ceiling_d2d_gbps"]
-    out = ROOT / "bench" / "results" / ("kernel_bench_cuda.json" if cuda else "kernel_bench_cpu.json")
+    out_dir = pathlib.Path(sys.argv[sys.argv.index("--out") + 1]) if "--out" in sys.argv else ROOT / "bench" / "results"
+    out = out_dir / ("kernel_bench_cuda.json" if cuda else "kernel_bench_cpu.json")
     out.write_text(json.dumps(results, indent=2))
     for k, v in results.items():
         if k != "environment":

@@ -4,6 +4,7 @@ offline optimum (Belady with bypass, page granularity) and the infinite-cache bo
 
     .venv/bin/python bench/trace_replay.py                    # both workloads, 7 capacities
     .venv/bin/python bench/trace_replay.py --workload mooncake --fractions 0.01 0.05 --limit 3000
+    .venv/bin/python bench/trace_replay.py --workload multitenant --seed 1 --name heldout   # held out
 
 Writes bench/results/trace_replay.{csv,json,png} with the machine, versions and git sha.
 """
@@ -225,7 +226,8 @@ def main(argv=None) -> int:
         w.writerows(rows)
     (out / f"{args.name}.json").write_text(
         json.dumps({"environment": env, "page_size": PAGE, "skipped_policies": SKIPPED,
-                    "multitenant_seed": args.seed, "mooncake_from": args.mooncake_from, "timing": f"min of {args.timing_runs + 1} replays each",
+                    "multitenant_seed": args.seed, "mooncake_from": args.mooncake_from,
+                    "timing": f"min of {args.timing_runs + 1} replays each",
                     "rows": rows}, indent=2))  # fmt: skip
     _plot(rows, out / f"{args.name}.png", env)
     ok = all(r["beats_best"] for r in rows)

@@ -24,11 +24,12 @@ def test_trace_replay_small(tmp_path):
     assert (tmp_path / "trace_replay.png").stat().st_size > 0
 
 
-def test_kernel_bench_cpu():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_bench.py")], capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+def test_kernel_bench_cpu(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_bench.py"), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "scatter_d2d_gbps" in out.stdout
+    assert "scatter_d2d_gbps" in json.loads((tmp_path / "kernel_bench_cpu.json").read_text())
 
 
 @pytest.mark.server

@@ -154,7 +154,7 @@ TestTree = TreeMachine.TestCase
 def test_replayed_workload_keeps_invariants_and_serves_exact_kv(fraction):
     """Real traffic shapes (system prompts, chats, agents, RAG, one-shot scans, 6 tenants) through
     the adaptive policy with T1 on: invariants (incl. the victim queue) after every cache call,
-    and every hit's KV equal to recomputation."""
+    and every hit's KV, device or promoted from T1, equal to recomputation."""
     from sglang_tiered.workloads import multi_tenant, unique_pages
 
     reqs = multi_tenant(n_requests=600, scale=0.25)
@@ -166,6 +166,8 @@ def test_replayed_workload_keeps_invariants_and_serves_exact_kv(fraction):
         out = cache.driver.run(r.tokens, tenant=r.tenant)
         hits += out.cached_len
     cache.check_invariants()
-    snap = cache.policy.snapshot()
+    snap, host = cache.policy.snapshot(), cache.host.snapshot()
     assert hits > 0 and snap["evicted_pages"] > 0, snap
+    # refused pages went to T1 and came back from there, checked against recomputation
+    assert snap["pages_rejected"] > 0 and host["promotions"] > 0, (snap, host)
     assert cache.protected_size_ == 0

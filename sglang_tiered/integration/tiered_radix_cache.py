@@ -37,7 +37,6 @@ TreeNode.tiered_invalid = False
 TreeNode.tiered_entry = None  # (tick, protected) of the node's live entry in the victim queue
 
 
-
 class _VictimQueue:
     """Eviction order for the adaptive mode, kept across ``evict`` calls: two lazy heaps of
     (tick of last use, node id, node), one for unprotected leaves and one for protected (reused)
@@ -88,7 +87,11 @@ class _VictimQueue:
         return None
 
     def peek(self, boost: float):
-        a, b = self._head(0), self._head(1)
+        while True:  # cleaning one heap may re-queue a node into the other: settle both tops
+            a = self._head(0)
+            b = self._head(1)
+            if self._head(0) is a:
+                break
         if a is None and b is None:
             return None, -1
         if b is None or (a is not None and a[0] <= b[0] + boost):
@@ -346,6 +349,8 @@ class TieredRadixCache(RadixCache):
         tc = self.tenants.get(tenant_of(req.cache_salt))
         tc.rejected_pages += len(new) - n_admit
         admit_len = cpl + n_admit * ps
+        if n_admit < len(new) and self.host is not None:
+            self._demote_refused(req, admit_len, new[n_admit:])
         if admit_len <= cpl:
             if first:
                 self._bump_hits(anchor)  # still count the prefix reuse
@@ -369,6 +374,14 @@ class TieredRadixCache(RadixCache):
                 n = n.parent
         if self.debug_checks:
             self.check_invariants()
+
+    def _demote_refused(self, req, start: int, hashes: list) -> None:
+        """Pages the device refused go to T1 instead (the host tier is the victim buffer in which
+        frequency evidence accumulates): a later request promotes them like any demoted page.
+        Their KV is complete (``checkpoint`` runs after the forward pass that wrote it)."""
+        ps = self.page_size
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start : start + len(hashes) * ps]
+        self.host.demote(row[::ps] // ps, hashes, name_hash(tenant_of(req.cache_salt)))
 
     @staticmethod
     def _no_store(req) -> bool:
