@@ -1,8 +1,8 @@
 """Admission and eviction policy for the device tier (pure Python; page hashes in, decisions out).
 
 What it does, and why (the Mooncake trace measured plain W-TinyLFU *losing* to LRU above ~3 %
-capacity, DESIGN.md decision 2; SGLang's own slru/lfu lose to its lru there by 7-9 points, while
-on multi-tenant traffic they beat lru by 1-13 points):
+capacity, DESIGN.md decision 2; SGLang's own slru/lfu lose to its lru there by 4-9 points at
+5-20 %, while on multi-tenant traffic they beat lru by 1-15 points):
 
 * **Adaptive protection of reused context (eviction order).** A tree node reused by two or more
   requests is *protected*: it is evicted as if it had been used ``boost`` requests later than it
