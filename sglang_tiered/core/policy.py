@@ -79,7 +79,7 @@ class _MiniCache:
     def full(self) -> bool:
         return len(self.prob) + len(self.prot) >= 0.75 * self.cap
 
-    def _victim(self, tick: int, k: float):
+    def _victim(self, k: float):
         prob, prot = self.prob, self.prot
         if prob:
             h = next(iter(prob))
@@ -99,7 +99,7 @@ class _MiniCache:
             prot[h] = tick
             return 1.0
         if len(prob) + len(prot) >= self.cap:
-            where, victim = self._victim(tick, k)
+            where, victim = self._victim(k)
             if self.tinylfu and (refusing or est(h) <= est(victim)):
                 return -1.0
             self.age += 0.01 * (tick - where.pop(victim) - self.age)
