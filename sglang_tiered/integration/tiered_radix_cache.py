@@ -235,7 +235,9 @@ class TieredRadixCache(RadixCache):
         if getattr(self, "host", None) is not None and getattr(self, "root_node", None) is not None:
             self.evict(EvictParams(num_tokens=self.evictable_size_))
         super().reset()
-        self._queue = _VictimQueue(self.evictable_leaves)
+        # the adaptive order's persistent victim queue (fixed orders rebuild a heap per evict)
+        adaptive = self.policy.eviction_order == "adaptive"
+        self._queue = _VictimQueue(self.evictable_leaves) if adaptive else None
         self.root_node.tiered_hashes = []
         self.root_node.tiered_end = 0
         self._counted.clear()
@@ -642,12 +644,12 @@ class TieredRadixCache(RadixCache):
     def _update_leaf_status(self, node):
         super()._update_leaf_status(node)
         q = self._queue
-        if q is not None and node in self.evictable_leaves and self.policy.eviction_order == "adaptive":
+        if q is not None and node in self.evictable_leaves:
             q.offer(node)
 
     def _victims(self):
         """The eviction order: the persistent queue (adaptive) or a heap built now (fixed)."""
-        if self.policy.eviction_order == "adaptive":
+        if self._queue is not None:
             return self._queue
         order = self._order_key()
         priority = lambda n: (order(n), n.last_access_time)  # noqa: E731
@@ -750,7 +752,7 @@ class TieredRadixCache(RadixCache):
             assert n.tiered_hashes == chain_page_hashes(prev, n.key.raw_token_ids(), self.page_size), "stale page hashes"
             assert n.tiered_end == p.tiered_end + len(n.key), "stale depth"
         assert protected == self.protected_size_, (protected, self.protected_size_)
-        if self.policy.eviction_order == "adaptive":
+        if self._queue is not None:
             # Every evictable leaf has a live entry in the victim queue (possibly stale, then
             # re-queued when it reaches the top), so nothing evictable is ever lost to eviction.
             live = {(e[1], e[0], i) for i in (0, 1) for e in self._queue.heaps[i]}
