@@ -41,6 +41,20 @@ class CacheKey:
         return CacheKey(tenant or "default", self.model_id, self.weights_digest, self.kv_dtype,
                         self.rope_hash, self.attn_impl)  # fmt: skip
 
+    def namespace_seed(self, cache_salt, extra_key) -> bytes:
+        """Seed of one radix-tree namespace: (cache_salt or none, extra_key or none).
+
+        SGLang's tree keeps every (extra_key, cache_salt) pair apart (``RadixKey.child_key_at``;
+        an empty salt is no salt, ``io_struct._normalize_cache_salt``), so every tier must too.
+        The pair is encoded structurally (JSON, ``null`` for none), never joined as text: salt
+        ``"default"`` is not "no salt", and salt ``"a|x"`` is not salt ``a`` with extra key ``x``
+        (issue #10, finding 4). ``extra_key`` carries SGLang's LoRA id: KV computed under one
+        adapter must never serve another."""
+        ns = [cache_salt or None, extra_key]
+        blob = json.dumps({"key": asdict(self), "ns": ns}, sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=True, default=repr)  # fmt: skip
+        return hashlib.blake2b(b"sglang-tiered/v2|" + blob.encode(), digest_size=DIGEST_SIZE).digest()
+
 
 def _token_bytes(tokens) -> bytes:
     arr = tokens if isinstance(tokens, array) and tokens.typecode == "q" else array("q", tokens)

@@ -6,6 +6,8 @@ does it. Used by ``TieredRadixCache.create_simulated``, the trace benchmark and 
 
 from __future__ import annotations
 
+import hashlib
+
 import time
 from array import array
 from dataclasses import dataclass
@@ -68,8 +70,14 @@ class SimKVCache:
 
 def expected_kv(token_ids, tenant, layers: int, heads: int, head_dim: int) -> torch.Tensor:
     """What "recomputation" produces for each position: a value that depends on the tenant and the
-    whole prefix up to that position (causal), per layer/head/dim. Shape [n, layers, 2, heads, dim]."""
-    acc = sum(map(ord, tenant or "")) % 997
+    whole prefix up to that position (causal), per layer/head/dim. Shape [n, layers, 2, heads, dim].
+    ``tenant`` is the namespace: a salt, or (salt, extra_key) as a LoRA adapter would be; distinct
+    namespaces give distinct values (a stable hash), so serving one's KV to another is caught."""
+    ns = tenant if isinstance(tenant, tuple) else (tenant or None, None)
+    if ns[1] is None:
+        ns = (ns[0] or None,)
+    digest = hashlib.blake2b(repr(ns).encode(), digest_size=4).digest()
+    acc = int.from_bytes(digest, "little") % 997
     vals = []
     for t in token_ids:
         acc = (acc * 31 + int(t) + 7) % (1 << 20)
@@ -135,10 +143,10 @@ class CacheDriver:
         self._n = 0
         self.host_loaded_tokens = 0
 
-    def run(self, token_ids, *, tenant=None, no_store=False) -> RequestOutcome:
+    def run(self, token_ids, *, tenant=None, no_store=False, extra_key=None) -> RequestOutcome:
         cache, alloc = self.cache, self.allocator
         self._n += 1
-        req = SimReq(f"sim-{self._n}", token_ids, cache_salt=tenant, no_store=no_store)
+        req = SimReq(f"sim-{self._n}", token_ids, cache_salt=tenant, extra_key=extra_key, no_store=no_store)
         n = len(req.origin_input_ids)
         t0 = time.perf_counter()
         key = RadixKey(req.origin_input_ids, req.extra_key, cache_salt=req.cache_salt)
@@ -199,7 +207,7 @@ class CacheDriver:
         """Check the cached prefix holds exactly what recomputation gives, then 'compute' the rest."""
         kv = self.allocator.get_kvcache()
         L, H, D = len(kv.k_buffer), kv.head_num, kv.head_dim
-        want = expected_kv(req.origin_input_ids, req.cache_salt, L, H, D)
+        want = expected_kv(req.origin_input_ids, (req.cache_salt, req.extra_key), L, H, D)
         for layer in range(L):
             for j, buf in enumerate((kv.k_buffer[layer], kv.v_buffer[layer])):
                 if prefix_len:
