@@ -42,6 +42,7 @@ class TierStats(msgspec.Struct, kw_only=True):
     demote_skipped_pages: int = 0
     failed_promotions: int = 0
     failed_demotions: int = 0
+    foreign_slots: int = 0
     decision: str = ""
 
 
@@ -107,7 +108,9 @@ def aggregate(rank_stats: list[dict], tenant: Optional[str] = None) -> CacheStat
                                            if k in rs["policy"]}))  # fmt: skip
     finished = {name: _finish(c) for name, c in sorted(tenants.items())}
     if tenant is not None:
-        finished = {tenant: finished.get(tenant, TenantStats())}
+        from sglang_tiered.core.tenants import tenant_label
+
+        finished = {tenant: finished.get(tenant_label(tenant), TenantStats())}
     total: dict = {}
     for c in tenants.values():
         for k in _COUNTERS:

@@ -39,12 +39,36 @@ def tiered_cache_factory(ctx):
     return cache
 
 
+def _claim_named_host_tier(cfg) -> None:
+    """In the launcher: own the named T1 for this server's lifetime (one writer per file), before
+    any scheduler starts; a second live server with the same name stops here with exit code 2."""
+    import multiprocessing
+
+    if not cfg.host_name or cfg.host_mode == "off":
+        return
+    import os
+
+    from sglang_tiered.config import ConfigError
+    from sglang_tiered.tier.host_pool import OWNER_ENV, HostPoolError, acquire_owner
+
+    if multiprocessing.current_process().name != "MainProcess" or os.environ.get(OWNER_ENV, "").startswith(
+        f"{cfg.host_name}:"
+    ):
+        return  # a process of this server: schedulers check the launcher's token when they map T1
+
+    try:
+        acquire_owner(cfg.host_name, export=True)
+    except HostPoolError as exc:
+        raise ConfigError(f"SGLANG_TIERED_HOST_NAME={cfg.host_name!r}: {exc}") from None
+
+
 def register() -> None:
     """Entry point: check compatibility, then register the ``tiered`` backend once per process."""
     from sglang_tiered.config import ConfigError, load_config
 
     try:
-        load_config()
+        cfg = load_config()
+        _claim_named_host_tier(cfg)
     except ConfigError as exc:
         # Bad configuration fails fast, before the model loads: stop the launch itself (SGLang
         # only swallows Exception subclasses).

@@ -9,15 +9,32 @@
   and writes identical index entries; data is written before the valid byte.
 * Page identity is the chained page hash (sglang_tiered/core/keys.py), which includes the exact
   weights digest, KV dtype and RoPE config: a restart with other weights finds nothing.
+* Each slot's index entry also carries the 62-bit hash of the tenant that stored it, so tenant
+  invalidation reaches pages restored after a restart, and the per-slot table is bounded by the
+  pool's size.
+* **One server per named T1** (issue #10, finding 1): two live servers writing one file would
+  overwrite each other's slots. The launcher takes an exclusive ``flock`` on
+  ``sglang-tiered-<name>.lock`` (``acquire_owner``) and hands its token to its own scheduler
+  processes through the environment; a second server fails fast at launch. The kernel drops the
+  lock when the owner dies (also on ``kill -9``), so a restart can attach. Promotions re-check
+  every slot's stored hash (and valid byte) before and after the copy: a slot that does not hold
+  the page asked for is a clean miss, never foreign KV.
+* The file's space is reserved at creation (``posix_fallocate``): a T1 larger than the tmpfs behind
+  it (Docker's default ``/dev/shm`` is 64 MB) fails there and T1 turns off with one warning,
+  instead of a SIGBUS when the pages are first written (finding 2). Private T1 memory is checked
+  against ``MemAvailable`` before it is allocated.
 * Accounting: ``free + resident == capacity`` always (``check_invariants``).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
 import pathlib
+import secrets
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
@@ -26,7 +43,9 @@ import torch
 logger = logging.getLogger("sglang_tiered")
 HASH_BYTES = 16
 SHM_DIR = pathlib.Path(os.environ.get("SGLANG_TIERED_SHM_DIR", "/dev/shm"))
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
+OWNER_ENV = "SGLANG_TIERED_T1_OWNER"  # "name:token" of the named T1 this server's launcher owns
+_owned: dict[str, tuple[int, str]] = {}  # name -> (lock fd, token) held by this process
 
 
 @dataclass(frozen=True)
@@ -73,16 +92,99 @@ class HostPoolError(RuntimeError):
     pass
 
 
+def _lock_path(name: str) -> pathlib.Path:
+    return SHM_DIR / f"sglang-tiered-{name}.lock"
+
+
+def acquire_owner(name: str, export: bool = False) -> str:
+    """Take exclusive ownership of the named T1 for this process (and, with ``export``, for the
+    processes it starts, through ``OWNER_ENV``). Idempotent per process. Raises
+    ``HostPoolError`` naming the owner when another live process holds it."""
+    if name in _owned:
+        token = _owned[name][1]
+        if export:
+            os.environ[OWNER_ENV] = f"{name}:{token}"
+        return token
+    path = _lock_path(name)
+    try:
+        SHM_DIR.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise HostPoolError(f"cannot open T1 lock {path}: {exc}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 256, 0).decode(errors="replace").strip()
+        os.close(fd)
+        if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise HostPoolError(
+                f"T1 {name!r} is in use by another live server ({holder or 'unknown owner'}); "
+                "give each server its own SGLANG_TIERED_HOST_NAME, or stop the other one first"
+            ) from None
+        raise HostPoolError(f"cannot lock T1 {path}: {exc}") from exc
+    token = f"pid={os.getpid()} token={secrets.token_hex(8)}"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, token.encode(), 0)
+    _owned[name] = (fd, token)
+    if export:
+        os.environ[OWNER_ENV] = f"{name}:{token}"
+    return token
+
+
+def release_owner(name: str) -> None:
+    """Give up ownership taken by this process (tests; the kernel does it at exit)."""
+    entry = _owned.pop(name, None)
+    if entry is not None:
+        os.close(entry[0])
+        if os.environ.get(OWNER_ENV, "").startswith(f"{name}:"):
+            del os.environ[OWNER_ENV]
+
+
+def check_owner(name: str) -> None:
+    """A process about to map the named T1 must own it, or belong to the server that does
+    (its launcher's token in ``OWNER_ENV`` equals the token in the lock file). Otherwise it
+    tries to take the lock itself (library use, one process)."""
+    if name in _owned:
+        return
+    want = os.environ.get(OWNER_ENV, "")
+    if want.startswith(f"{name}:"):
+        try:
+            holder = _lock_path(name).read_text().strip()
+        except OSError:
+            holder = ""
+        if holder == want[len(name) + 1 :]:
+            return
+        raise HostPoolError(f"T1 {name!r} is now owned by another server ({holder or 'nobody'}); not attaching")
+    acquire_owner(name)
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _align(n: int, a: int = 64) -> int:
+    return (n + a - 1) // a * a
+
+
 class HostPool:
     def __init__(self, layout: PoolLayout, *, name: str | None = None, pin_memory: bool = False):
         self.layout = layout
         self.name = name
         L, H, P, ps, D = layout.layers, layout.kv_heads, layout.num_pages, layout.page_size, layout.head_dim
-        elem = torch.empty((), dtype=layout.torch_dtype).element_size()
-        index_bytes = P * (HASH_BYTES + 1)
-        total = layout.data_bytes + index_bytes
+        off_hash = _align(layout.data_bytes)
+        off_tenant = off_hash + P * HASH_BYTES
+        off_valid = off_tenant + P * 8
+        total = off_valid + P
         self.attached = False
         if name:
+            check_owner(name)
             path = SHM_DIR / f"sglang-tiered-{name}"
             meta_path = path.with_suffix(".json")
             meta = {"version": LAYOUT_VERSION, **asdict(layout)}
@@ -97,6 +199,20 @@ class HostPool:
                     logger.warning("sglang-tiered: T1 file %s has another layout; recreating it", path)
                     path.unlink(missing_ok=True)
             try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, total)  # reserve now: no SIGBUS when pages are written
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                if not self.attached:
+                    path.unlink(missing_ok=True)
+                raise HostPoolError(
+                    f"cannot reserve {total / 1e9:.3f} GB for T1 in {path} ({exc.strerror or exc}); "
+                    f"the filesystem behind {SHM_DIR} is too small (a container's /dev/shm is often "
+                    "64 MB: enlarge it, e.g. docker --shm-size, or lower SGLANG_TIERED_HOST_GB/RATIO)"
+                ) from None
+            try:
                 storage = torch.UntypedStorage.from_file(str(path), True, total)
             except (OSError, RuntimeError) as exc:
                 raise HostPoolError(f"cannot map T1 shared memory {path} ({total} bytes): {exc}") from exc
@@ -106,6 +222,9 @@ class HostPool:
             raw = torch.empty(0, dtype=torch.uint8).set_(storage)
         else:
             self.path = None
+            avail = _mem_available()
+            if avail is not None and total > 0.9 * avail:
+                raise HostPoolError(f"T1 needs {total / 1e9:.2f} GB but only {avail / 1e9:.2f} GB of host memory is available")
             try:
                 raw = torch.zeros(total, dtype=torch.uint8, pin_memory=pin_memory)
             except RuntimeError as exc:
@@ -113,13 +232,13 @@ class HostPool:
         self.raw = raw
         data = raw[: layout.data_bytes].view(layout.torch_dtype)
         self.data = data.view(2, L, H, P, ps, D)
-        self.index_hashes = raw[layout.data_bytes : layout.data_bytes + P * HASH_BYTES].view(P, HASH_BYTES)
-        self.index_valid = raw[layout.data_bytes + P * HASH_BYTES : total]
+        self.index_hashes = raw[off_hash:off_tenant].view(P, HASH_BYTES)
+        self.index_tenant = raw[off_tenant:off_valid].view(torch.int64)  # tenant hash per slot
+        self.index_valid = raw[off_valid:total]
         self.slot_of: dict[bytes, int] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # resident slots, least recent first
         self.free: list[int] = []
         self._load_index()
-        del elem
 
     # ------------------------------------------------------------------ index
     def _load_index(self) -> None:
@@ -183,13 +302,31 @@ class HostPool:
             out.append((h, slot))
         return out
 
-    def commit(self, pairs: list[tuple[bytes, int]]) -> None:
-        """Publish slots whose data has been written."""
+    def commit(self, pairs: list[tuple[bytes, int]], tenant: int = 0) -> None:
+        """Publish slots whose data has been written (hash and tenant first, valid byte last)."""
         for h, slot in pairs:
             self.index_hashes[slot] = torch.frombuffer(bytearray(h), dtype=torch.uint8)
+            self.index_tenant[slot] = tenant
             self.index_valid[slot] = 1
             self.slot_of[h] = slot
             self.lru[slot] = None
+
+    def verify(self, hashes: list[bytes], slots: list[int]) -> bool:
+        """True when every slot is valid and stores exactly the page hash asked for (checked
+        against the shared index itself, not this process's dict)."""
+        if not slots:
+            return True
+        idx = torch.tensor(slots, dtype=torch.int64)
+        if not bool(torch.all(self.index_valid[idx] == 1)):
+            return False
+        want = torch.frombuffer(bytearray(b"".join(hashes)), dtype=torch.uint8).view(-1, HASH_BYTES)
+        return bool(torch.equal(self.index_hashes[idx], want))
+
+    def slots_of_tenant(self, tenant: int) -> list[int]:
+        resident = torch.tensor(list(self.lru), dtype=torch.int64)
+        if not len(resident):
+            return []
+        return resident[self.index_tenant[resident] == tenant].tolist()
 
     def abort(self, pairs: list[tuple[bytes, int]]) -> None:
         for _, slot in pairs:
@@ -201,6 +338,15 @@ class HostPool:
         if self.slot_of.get(h) == slot:
             del self.slot_of[h]
         self.free.append(slot)
+
+    def drop_slots(self, slots) -> int:
+        n = 0
+        for slot in slots:
+            if slot in self.lru:
+                del self.lru[slot]
+                self._forget(slot)
+                n += 1
+        return n
 
     def drop(self, hashes) -> int:
         n = 0

@@ -28,6 +28,7 @@ class HostTierStats:
     promoted_pages: int = 0
     failed_promotions: int = 0
     failed_demotions: int = 0
+    foreign_slots: int = 0  # promotions refused because a slot held another page than indexed
     host_evicted_pages: int = 0
     demote_seconds: float = 0.0
     promote_seconds: float = 0.0
@@ -46,7 +47,6 @@ class HostTier:
         self.layer_offset = layer_offset
         self.stream_fence = stream_fence  # callable: order copies after the forward stream (CUDA)
         self.stats = HostTierStats()
-        self.tenant_of: dict[bytes, int] = {}
         self.decision = "on"
         # When T1 is full: True replaces its least recently used pages (a victim cache); False
         # skips the demotion (counted in demote_skipped_pages).
@@ -91,9 +91,7 @@ class HostTier:
             self.stats.failed_demotions += len(pairs)
             logger.exception("sglang-tiered: demotion of %d pages failed; skipped", len(pairs))
             return 0
-        self.pool.commit(pairs)
-        for h, _ in pairs:
-            self.tenant_of[h] = tenant
+        self.pool.commit(pairs, tenant)
         self.stats.demoted_pages += len(pairs)
         self.stats.demote_seconds += time.perf_counter() - t0
         return len(pairs)
@@ -104,7 +102,10 @@ class HostTier:
         if any(not self.pool.contains(h) for h in hashes):
             self.stats.failed_promotions += 1
             return False
-        slots = torch.tensor(self.pool.slots_for(hashes), dtype=torch.int64)
+        slot_list = self.pool.slots_for(hashes)
+        if not self.pool.verify(hashes, slot_list):
+            return self._foreign_slots(len(hashes))
+        slots = torch.tensor(slot_list, dtype=torch.int64)
         pages = device_pages.to(torch.int64)
         h0 = self.heads.start
         try:
@@ -112,16 +113,30 @@ class HostTier:
             for layer, (kb, vb) in enumerate(zip(self.k_buffers, self.v_buffers)):
                 gather_pages(self.pool.data[0, layer], slots, kb, pages.to(kb.device), h0, self.page_size)
                 gather_pages(self.pool.data[1, layer], slots, vb, pages.to(vb.device), h0, self.page_size)
+            if kb.is_cuda:
+                torch.cuda.current_stream(kb.device).synchronize()
         except Exception:  # noqa: BLE001
             self.stats.failed_promotions += 1
             logger.exception("sglang-tiered: promotion of %d pages failed; recomputing", len(hashes))
             return False
+        if not self.pool.verify(hashes, slot_list):  # overwritten while we copied
+            return self._foreign_slots(len(hashes))
         self.stats.promoted_pages += len(hashes)
         self.stats.promote_seconds += time.perf_counter() - t0
         return True
 
+    def _foreign_slots(self, n: int) -> bool:
+        """A slot no longer holds the page this process indexed (another writer, or a corrupted
+        index): a clean miss, counted and logged once."""
+        self.stats.failed_promotions += 1
+        self.stats.foreign_slots += 1
+        if self.stats.foreign_slots == 1:
+            logger.warning("sglang-tiered: T1 slots hold other pages than indexed (another writer?); "
+                           "treating %d pages as a miss", n)  # fmt: skip
+        return False
+
     def drop_tenant(self, tenant: int) -> int:
-        return self.pool.drop([h for h, t in self.tenant_of.items() if t == tenant])
+        return self.pool.drop_slots(self.pool.slots_of_tenant(tenant))
 
     def snapshot(self) -> dict:
         p = self.pool
@@ -137,5 +152,6 @@ class HostTier:
             "demote_skipped_pages": self.stats.demote_skipped_pages,
             "failed_promotions": self.stats.failed_promotions,
             "failed_demotions": self.stats.failed_demotions,
+            "foreign_slots": self.stats.foreign_slots,
             "decision": self.decision,
         }
