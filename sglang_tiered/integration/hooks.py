@@ -67,8 +67,20 @@ def _after_update_handlers(handlers, controller, *args, **kwargs):
 
 
 def _before_http_server(*args, **kwargs):
-    from sglang_tiered.integration.http import install
+    import os
 
+    from sglang_tiered.integration.http import TENANT_HEADER_ENV, install
+
+    server_args = args[0] if args else kwargs.get("server_args")
+    workers = int(getattr(server_args, "tokenizer_worker_num", 1) or 1)
+    if workers > 1:
+        # Extra tokenizer workers re-import SGLang's app without our middleware and routes.
+        msg = ("sglang-tiered: --tokenizer-worker-num > 1 serves HTTP from worker processes that do "
+               "not carry the tenant-header middleware or /cache/* routes")  # fmt: skip
+        if os.environ.get(TENANT_HEADER_ENV):
+            logger.error("%s; refusing to start with %s set (tenant isolation would be off)", msg, TENANT_HEADER_ENV)
+            raise SystemExit(2)
+        logger.warning(msg)
     install()
     return None
 

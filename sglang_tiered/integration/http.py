@@ -30,7 +30,6 @@ logger = logging.getLogger("sglang_tiered")
 _installed = False
 _nonce = itertools.count(int(time.time() * 1000) % (1 << 40))
 
-HINT_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 TENANT_HEADER_ENV = "SGLANG_TIERED_TENANT_HEADER"
 
 
@@ -128,54 +127,134 @@ def add_routes(app) -> None:
     app.add_api_route("/cache/invalidate", cache_invalidate, methods=["POST"])
 
 
+# Routes that carry SGLang's ``cache_salt`` to the scheduler (GenerateReqInput, the OpenAI
+# completion, chat and responses requests; SageMaker's /invocations is a chat request).
+SALT_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
+# Routes that reach the scheduler (and so the shared prefix cache) but cannot carry a salt: with a
+# trusted tenant header configured they would put every tenant into one namespace, so they are
+# refused (403) rather than silently shared.
+UNSALTED_PATHS = (
+    "/v1/messages", "/api/chat", "/api/generate", "/vertex_generate", "/encode", "/v1/embeddings",
+    "/classify", "/v1/classify", "/v1/score", "/v1/rerank", "/v1/decisions", "/v1/systemone",
+    "/v1/audio/transcriptions",
+)  # fmt: skip
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
 class HintMiddleware:
     """Pure ASGI middleware: fold LMCache's no-store hint and a trusted tenant header into the
-    request body fields SGLang carries to the scheduler. Anything it cannot parse passes through
-    untouched (SGLang then answers it as usual)."""
+    request body fields SGLang carries to the scheduler.
+
+    It is installed *innermost* (next to the routes, after SGLang's own middlewares such as
+    request decompression), so the body it checks is byte for byte the body the route parses.
+    With a tenant header configured, every body on a salted route is parsed and re-encoded with
+    the header's tenant as ``cache_salt`` (a client's own salt is removed when the header is
+    absent); a body it cannot parse, a repeated or non-UTF-8 header, and routes that cannot carry
+    a tenant get a 4xx with a message, never a pass-through. Without a tenant header only bodies
+    that carry ``kv_transfer_params`` are rewritten. No input makes it raise (issue #10)."""
 
     def __init__(self, app, tenant_header: str | None = None):
         self.app = app
         self.tenant_header = (tenant_header or "").lower().encode() or None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in HINT_PATHS:
+        if scope["type"] != "http" or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        if headers.get(b"content-encoding"):
+        path = scope.get("path", "")
+        tenant_mode = self.tenant_header is not None
+        if tenant_mode and path in UNSALTED_PATHS:
+            return await _reply(scope, receive, send, 403, f"{path} cannot carry a tenant and is disabled while "
+                                f"SGLANG_TIERED_TENANT_HEADER is set (tenants would share one cache namespace)")  # fmt: skip
+        if path not in SALT_PATHS:
             return await self.app(scope, receive, send)
         chunks, more = [], True
         while more:
             msg = await receive()
+            if msg["type"] != "http.request":  # client went away: let the app see it as usual
+                return await self.app(scope, _replay(b"".join(chunks), receive, msg), send)
             chunks.append(msg.get("body", b""))
             more = msg.get("more_body", False)
         raw = b"".join(chunks)
-        tenant = headers.get(self.tenant_header).decode() if self.tenant_header and self.tenant_header in headers else None
-        new = rewrite_body(raw, scope["path"], tenant)
+        try:
+            tenant = self._tenant(scope) if tenant_mode else None
+            if tenant_mode or b"kv_transfer_params" in raw:
+                new = rewrite_body(raw, path, tenant, tenant_mode)
+            else:
+                new = raw
+        except BadRequest as exc:
+            return await _reply(scope, receive, send, exc.status, str(exc))
         if new is not raw:
             scope = dict(scope)
             scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-length"] + [
                 (b"content-length", str(len(new)).encode())
             ]
-        sent = False
+        return await self.app(scope, _replay(new, receive), send)
 
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": new, "more_body": False}
-            return await receive()
+    def _tenant(self, scope) -> str | None:
+        values = [v for k, v in scope.get("headers") or [] if k.lower() == self.tenant_header]
+        if len(values) > 1:
+            raise BadRequest(f"the tenant header {self.tenant_header.decode()} must appear at most once")
+        if not values:
+            return None
+        try:
+            tenant = values[0].decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadRequest(f"the tenant header {self.tenant_header.decode()} is not valid UTF-8") from None
+        return tenant.strip() or None
 
-        return await self.app(scope, replay, send)
+
+def _replay(body: bytes, receive, pending=None):
+    """``receive`` for the app: the body we read (or rewrote) first, then ``pending`` (a
+    disconnect seen while reading), then whatever the client sends next."""
+    queue = [{"type": "http.request", "body": body, "more_body": False}]
+    if pending is not None:
+        queue.append(pending)
+
+    async def replay():
+        if queue:
+            return queue.pop(0)
+        return await receive()
+
+    return replay
 
 
-def rewrite_body(raw: bytes, path: str, tenant: str | None):
-    """Return the rewritten body, or ``raw`` itself when nothing changes or it is not JSON."""
+async def _reply(scope, receive, send, status: int, message: str):
+    from starlette.responses import JSONResponse
+
+    await JSONResponse({"error": {"code": status, "message": message}}, status_code=status)(scope, receive, send)
+
+
+def _merge_custom_params(holder: dict, skip: bool, where: str) -> None:
+    cp = holder.get("custom_params")
+    if cp is None:
+        cp = {}
+    elif not isinstance(cp, dict):
+        raise BadRequest(f"{where}custom_params must be a JSON object to carry kv_transfer_params, "
+                         f"got {type(cp).__name__}")  # fmt: skip
+    cp["lmcache.skip_save"] = skip
+    holder["custom_params"] = cp
+
+
+def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool = False):
+    """Return the rewritten body (or ``raw`` itself when nothing changes). Raises ``BadRequest``
+    for a body it must understand and cannot: in tenant mode every body; otherwise a body whose
+    hint cannot be folded in."""
     try:
         body = json.loads(raw)
-    except ValueError:
-        return raw
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        if not tenant_mode:
+            return raw  # not ours to judge: SGLang answers it as usual
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else f"not valid JSON ({exc})"
+        raise BadRequest(f"request body is {reason}"[:300]) from None
     if not isinstance(body, dict):
-        return raw
+        if not tenant_mode:
+            return raw
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     changed = False
     if "kv_transfer_params" in body:
         kv = body.pop("kv_transfer_params")
@@ -188,17 +267,22 @@ def rewrite_body(raw: bytes, path: str, tenant: str | None):
                     sps = body["sampling_params"] = {}
                 for sp in sps if isinstance(sps, list) else [sps]:
                     if isinstance(sp, dict):
-                        cp = sp.get("custom_params") or {}
-                        cp["lmcache.skip_save"] = skip
-                        sp["custom_params"] = cp
+                        _merge_custom_params(sp, skip, "sampling_params.")
             else:
-                cp = body.get("custom_params") or {}
-                cp["lmcache.skip_save"] = skip
-                body["custom_params"] = cp
-    if tenant:
-        body["cache_salt"] = tenant
+                _merge_custom_params(body, skip, "")
+    if tenant_mode:
+        # The trusted header is the only source of the tenant: a client's own salt never passes.
+        if tenant:
+            body["cache_salt"] = tenant
+        else:
+            body.pop("cache_salt", None)
         changed = True
-    return json.dumps(body).encode() if changed else raw
+    if not changed:
+        return raw
+    try:
+        return json.dumps(body).encode()
+    except (ValueError, RecursionError):
+        raise BadRequest("request body is nested too deeply") from None
 
 
 def install() -> None:
@@ -208,7 +292,10 @@ def install() -> None:
         return
     from sglang.srt.entrypoints.http_server import app
 
+    from starlette.middleware import Middleware
+
     add_routes(app)
-    app.add_middleware(HintMiddleware, tenant_header=os.environ.get(TENANT_HEADER_ENV))
+    # Innermost (appended, where add_middleware prepends): it sees the body the route parses.
+    app.user_middleware.append(Middleware(HintMiddleware, tenant_header=os.environ.get(TENANT_HEADER_ENV)))
     _installed = True
     logger.info("sglang-tiered: mounted /cache/stats, /cache/invalidate and the request-hint middleware")
