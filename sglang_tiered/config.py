@@ -7,8 +7,8 @@ the launch with a clear message if one is bad.
 | variable | default | meaning |
 |---|---|---|
 | SGLANG_TIERED_HOST | auto | T1 host tier: on, off, or auto (on only where the start-up measurement says a host->device copy beats recomputing) |
-| SGLANG_TIERED_HOST_RATIO | 4.0 | T1 size as a multiple of the device KV pool (ignored when HOST_GB is set) |
-| SGLANG_TIERED_HOST_GB | unset | T1 size in GB (1e9 bytes) |
+| SGLANG_TIERED_HOST_RATIO | 4.0 | T1 size as a multiple of the device KV pool (ignored when HOST_GB is set); finite, (0, 1024] |
+| SGLANG_TIERED_HOST_GB | unset | T1 size in GB (1e9 bytes); finite, > 0, at most the machine's physical memory |
 | SGLANG_TIERED_HOST_NAME | unset | name of the shared-memory segment; set it to keep T1 across restarts (also at another TP degree) |
 | SGLANG_TIERED_TENANT_HEADER | unset | trusted request header that sets the tenant (e.g. x-tenant-id) |
 | SGLANG_TIERED_DEBUG | 0 | 1: check tree and tier invariants after every operation |
@@ -16,6 +16,7 @@ the launch with a clear message if one is bad.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -35,16 +36,34 @@ class TieredConfig:
     debug: bool = False
 
 
-def _float(env, name, default):
+# Upper bounds that catch typos and absurd values at launch (a T1 bigger than these is not a
+# configuration any machine can honour; the real fit is checked again against free memory when
+# T1 is built, where a T1 that does not fit is turned off with one warning).
+MAX_HOST_RATIO = 1024.0
+MAX_HOST_GB = 1e6  # 1 PB
+
+
+def _physical_gb() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _float(env, name, default, upper):
     v = env.get(name)
-    if v is None or v == "":
+    if v is None or v.strip() == "":
         return default
     try:
         f = float(v)
     except ValueError:
         raise ConfigError(f"{name}={v!r}: expected a number") from None
+    if not math.isfinite(f):
+        raise ConfigError(f"{name}={v!r}: must be a finite number")
     if not f > 0:
         raise ConfigError(f"{name}={v!r}: must be > 0")
+    if f > upper:
+        raise ConfigError(f"{name}={v!r}: must be <= {upper:g}")
     return f
 
 
@@ -62,10 +81,14 @@ def load_config(env=None) -> TieredConfig:
     debug = env.get("SGLANG_TIERED_DEBUG", "0").strip()
     if debug not in ("0", "1"):
         raise ConfigError(f"SGLANG_TIERED_DEBUG={debug!r}: expected 0 or 1")
+    host_gb = _float(env, "SGLANG_TIERED_HOST_GB", None, MAX_HOST_GB)
+    phys = _physical_gb()
+    if host_gb is not None and phys and host_gb > phys:
+        raise ConfigError(f"SGLANG_TIERED_HOST_GB={host_gb:g}: more than this machine's memory ({phys:.1f} GB)")
     return TieredConfig(
         host_mode=mode,
-        host_ratio=_float(env, "SGLANG_TIERED_HOST_RATIO", 4.0),
-        host_gb=_float(env, "SGLANG_TIERED_HOST_GB", None),
+        host_ratio=_float(env, "SGLANG_TIERED_HOST_RATIO", 4.0, MAX_HOST_RATIO),
+        host_gb=host_gb,
         host_name=name,
         tenant_header=header,
         debug=debug == "1",

@@ -1,7 +1,8 @@
 """Per-tenant counters with a bounded label set (pure Python).
 
 At most ``max_tenants`` tenants are tracked by name; later ones are folded into ``__other__`` so a
-client minting salts cannot blow up memory or metric cardinality.
+client minting salts cannot blow up memory or metric cardinality; names are bounded in length
+(``tenant_label``). Bounds: ``max_tenants + 1`` entries of at most 81 characters each.
 """
 
 from __future__ import annotations
@@ -15,6 +16,20 @@ DEFAULT = "default"
 
 def tenant_of(cache_salt) -> str:
     return cache_salt or DEFAULT
+
+
+MAX_LABEL_CHARS = 64
+
+
+def tenant_label(tenant: str) -> str:
+    """The tenant's name in stats and metrics, bounded in length: past ``MAX_LABEL_CHARS``
+    characters (or with characters outside printable ASCII) it becomes a prefix plus a hash of
+    the whole name, so 256 tenants of 100 KB names cost kilobytes, not megabytes."""
+    if len(tenant) <= MAX_LABEL_CHARS and tenant.isascii() and tenant.isprintable():
+        return tenant
+    digest = hashlib.blake2b(tenant.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+    head = "".join(c if c.isascii() and c.isprintable() else "?" for c in tenant[:32])
+    return f"{head}~{digest}"
 
 
 def name_hash(name: str) -> int:
@@ -47,6 +62,7 @@ class TenantTable:
         self.by_name: dict[str, TenantCounters] = {}
 
     def get(self, tenant: str) -> TenantCounters:
+        tenant = tenant_label(tenant)
         c = self.by_name.get(tenant)
         if c is None:
             if len(self.by_name) >= self.max_tenants and tenant != OTHER:

@@ -26,6 +26,9 @@ from sglang_tiered.core.policy import COLD, PROTECTED, UNPROTECTED, AdaptivePoli
 from sglang_tiered.core.tenants import TenantTable, name_hash, tenant_of
 
 logger = logging.getLogger("sglang_tiered")
+SEED_TABLE_MAX = 4096  # memoised namespace seeds (bounded: clients may mint salts freely)
+PENDING_HOST_MAX = 4096
+COUNTED_MAX = 65536  # requests between their first checkpoint and their release  # T1 probes of requests still waiting for admission
 
 # Defaults for the attributes we keep on SGLang's tree nodes (class attributes only add defaults;
 # nothing of SGLang's changes): page hashes and depth (set lazily), the logical time of last use,
@@ -247,12 +250,14 @@ class TieredRadixCache(RadixCache):
 
     # ------------------------------------------------------------------ identity
     def _seed(self, extra_key, cache_salt) -> bytes:
-        k = (extra_key, cache_salt)
+        """Chain seed of a tree namespace (structured: see ``CacheKey.namespace_seed``). Memoised
+        in a bounded table (a seed is one hash away, so forgetting one costs nothing)."""
+        k = (extra_key, cache_salt or None)
         s = self._seeds.get(k)
         if s is None:
-            tenant = cache_salt or "default"
-            key = self.cache_key.for_tenant(tenant if extra_key is None else f"{tenant}|{extra_key}")
-            s = self._seeds[k] = key.seed()
+            if len(self._seeds) >= SEED_TABLE_MAX:
+                self._seeds.clear()
+            s = self._seeds[k] = self.cache_key.namespace_seed(cache_salt, extra_key)
         return s
 
     def _ensure_hashes(self, node) -> None:
@@ -322,6 +327,8 @@ class TieredRadixCache(RadixCache):
         counted = self._counted.get(req.rid)
         first = counted is None
         if first:
+            if len(self._counted) >= COUNTED_MAX:  # never released (aborted): forget the oldest
+                del self._counted[next(iter(self._counted))]
             self._counted[req.rid] = 0
             self.policy.begin_request()
         if no_store or anchor.tiered_invalid or self._next_is_invalid(anchor, req, cpl):
@@ -485,7 +492,11 @@ class TieredRadixCache(RadixCache):
         if not hashes:
             self._pending_host.pop(rid, None)
             return result
-        self._pending_host[rid] = (node, hashes, toks[start : start + len(hashes) * ps])
+        pending = self._pending_host
+        pending.pop(rid, None)
+        if len(pending) >= PENDING_HOST_MAX:  # requests aborted before release: forget the oldest
+            del pending[next(iter(pending))]
+        pending[rid] = (node, hashes, toks[start : start + len(hashes) * ps])
         return result._replace(host_hit_length=len(hashes) * ps, best_match_node=node)
 
     def init_load_back(self, params):
