@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env model serve demo test test-fast bench clean
+.PHONY: env model serve demo test test-fast soak bench clean
 
 env:
 	@bash scripts/setup_env.sh
@@ -25,6 +25,11 @@ bench: env
 
 test: env
 	@$(PY) -m pytest $(PYTEST_ARGS)
+
+# The longer differential soak and HTTP fuzz (CI runs 500 / 1,000 requests of each).
+soak: env
+	@SGLANG_TIERED_SOAK_REQUESTS=$${SOAK_REQUESTS:-3000} SGLANG_TIERED_FUZZ_REQUESTS=$${FUZZ_REQUESTS:-5000} \
+		$(PY) -m pytest -q tests/test_e2e_hardening.py $(PYTEST_ARGS)
 
 # Unit and property tests only (no server processes).
 test-fast: env

@@ -1,0 +1,400 @@
+"""Issue #10 at server level: a differential soak (randomized multi-tenant traffic with churn,
+concurrency, invalidations, no-store hints and T1, outputs compared with a no-cache server, stats
+conservation), a Hypothesis fuzz of the HTTP surface (no 5xx, server still serving), and one test
+per finding: shared named T1, a tmpfs too small for T1, tenant-header bypass, T1 namespace merges,
+500s on bad input, bounded stats, non-finite config.
+
+The soak's size is ``SGLANG_TIERED_SOAK_REQUESTS`` (default 500) and the fuzz's
+``SGLANG_TIERED_FUZZ_REQUESTS`` (default 1000): raise them for a longer run."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.server
+
+PAGE = 16
+HEADER = "x-tenant-id"
+SOAK_REQUESTS = int(os.environ.get("SGLANG_TIERED_SOAK_REQUESTS", "500"))
+FUZZ_REQUESTS = int(os.environ.get("SGLANG_TIERED_FUZZ_REQUESTS", "1000"))
+T1_NAME = f"soak-{os.getpid()}"
+
+
+@pytest.fixture(scope="module")
+def soak_server(tiny_model_path, tmp_path_factory):
+    """float32 (exact comparisons), small device pool, T1 on in a named segment, debug invariants
+    after every cache operation, tenants from a trusted header."""
+    from sglang_tiered.server import Server, ServerSpec
+    from sglang_tiered.tier.host_pool import SHM_DIR
+
+    spec = ServerSpec(model_path=tiny_model_path, page_size=PAGE, max_total_tokens=4096, dtype="float32",
+                      extra_args=["--max-running-requests", "8"],
+                      env={"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_RATIO": "4", "SGLANG_TIERED_HOST_NAME": T1_NAME,
+                           "SGLANG_TIERED_DEBUG": "1", "SGLANG_TIERED_TENANT_HEADER": HEADER})  # fmt: skip
+    server = Server(spec, tmp_path_factory.mktemp("soak") / "soak.log")
+    server.start(timeout_s=300)
+    yield server
+    server.stop()
+    for p in SHM_DIR.glob(f"sglang-tiered-{T1_NAME}*"):
+        p.unlink()
+
+
+@pytest.fixture(scope="module")
+def reference32(tiny_model_path, tmp_path_factory):
+    from sglang_tiered.server import Server, ServerSpec
+
+    spec = ServerSpec(model_path=tiny_model_path, backend=None, disable_radix_cache=True, page_size=PAGE,
+                      dtype="float32", extra_args=["--max-running-requests", "8"])  # fmt: skip
+    server = Server(spec, tmp_path_factory.mktemp("ref32") / "ref32.log")
+    server.start(timeout_s=300)
+    yield server
+    server.stop()
+
+
+def _raw(server, method, path, body: bytes = b"", headers=(), timeout=120):
+    """A raw HTTP exchange (header values as bytes, repeated headers allowed). Returns (status, body)."""
+    conn = http.client.HTTPConnection(server.spec.host, server.spec.port, timeout=timeout)
+    try:
+        conn.putrequest(method, path, skip_accept_encoding=True)
+        names = {k.lower() for k, _ in headers}
+        if "content-type" not in names:
+            conn.putheader("Content-Type", "application/json")
+        for k, v in headers:
+            conn.putheader(k, v)
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def _gen(server, ids, tenant=None, max_new=4, extra=None, headers=()):
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new}, **(extra or {})}
+    hdrs = list(headers) + ([(HEADER, tenant)] if tenant is not None else [])
+    status, raw = _raw(server, "POST", "/generate", json.dumps(body).encode(), hdrs)
+    return status, (json.loads(raw) if status == 200 else raw)
+
+
+# ---------------------------------------------------------------- the differential soak
+def _soak_workload(n: int, seed: int = 0):
+    """Seeded multi-tenant traffic: per-tenant system prompts with multi-turn conversations,
+    shared documents, exact repeats, one-shot prompts, sub-page and near-limit prompts, and
+    no-store hints. Returns a list of (tenant or None, token ids, no_store)."""
+    rng = random.Random(seed)
+    tok = lambda k: [rng.randrange(10, 2000) for _ in range(k)]  # noqa: E731
+    tenants = [None, "acme", "globex", "initech", "umbrella"]
+    system = {t: tok(rng.randrange(60, 260)) for t in tenants}
+    docs = [tok(rng.randrange(200, 700)) for _ in range(6)]
+    convs: dict = {}
+    out, seen = [], []
+    for _ in range(n):
+        t = rng.choice(tenants)
+        r = rng.random()
+        if r < 0.35:  # next turn of a conversation (history grows)
+            key = (t, rng.randrange(3))
+            hist = convs.get(key) or system[t] + tok(rng.randrange(8, 40))
+            hist = hist + tok(rng.randrange(8, 60))
+            if len(hist) > 2600:
+                hist = system[t] + tok(20)
+            convs[key] = hist
+            ids = hist
+        elif r < 0.55:
+            ids = system[t] + rng.choice(docs) + tok(rng.randrange(1, 50))
+        elif r < 0.70 and seen:
+            t, ids = rng.choice(seen)  # an exact repeat
+        elif r < 0.80:
+            ids = tok(rng.randrange(1, PAGE))  # sub-page
+        elif r < 0.85:
+            ids = tok(rng.randrange(2900, 3300))  # near the 4,096-token device pool
+        else:
+            ids = tok(rng.randrange(100, 900))  # one-shot
+        no_store = rng.random() < 0.08
+        out.append((t, ids, no_store))
+        seen.append((t, ids))
+    return out
+
+
+def _check_conservation(stats):
+    tenants = stats["tenants"].values()
+    for k in ("requests", "requests_hit", "prompt_tokens", "cached_tokens", "admitted_pages",
+              "evicted_pages", "invalidated_pages", "no_store_requests", "resident_pages"):  # fmt: skip
+        assert sum(t[k] for t in tenants) == stats["totals"][k], k
+    assert stats["totals"]["resident_pages"] >= 0
+
+
+def test_differential_soak(soak_server, reference32):
+    work = _soak_workload(SOAK_REQUESTS)
+    want = {}
+    with ThreadPoolExecutor(4) as pool:
+        uniq = list({tuple(ids) for _, ids, _ in work})
+        for ids, (status, out) in zip(uniq, pool.map(lambda i: _gen(reference32, list(i)), uniq)):
+            assert status == 200, out
+            want[ids] = out["output_ids"]
+
+    def one(item):
+        t, ids, no_store = item
+        extra = {"kv_transfer_params": {"lmcache.skip_save": True}} if no_store else None
+        return _gen(soak_server, ids, tenant=t, extra=extra)
+
+    mismatches, errors, cached, sent = [], [], 0, 0
+    invalidations = [{"tenant": "acme"}, {"all": True}, {"tenant": "globex"}, {"model_version": "default"}]
+    with ThreadPoolExecutor(6) as pool:
+        for start in range(0, len(work), 100):
+            chunk = work[start : start + 100]
+            for (t, ids, _), (status, out) in zip(chunk, pool.map(one, chunk)):
+                sent += 1
+                if status != 200:
+                    errors.append((status, out))
+                    continue
+                cached += out["meta_info"]["cached_tokens"]
+                if out["output_ids"] != want[tuple(ids)]:
+                    mismatches.append((t, len(ids), out["meta_info"]["cached_tokens"]))
+            status, stats = soak_server.request("GET", "/cache/stats")
+            assert status == 200
+            _check_conservation(stats)
+            inv = invalidations[(start // 100) % len(invalidations)]
+            status, body = soak_server.request("POST", "/cache/invalidate", inv)
+            assert status == 202, body
+    assert not errors, errors[:5]
+    assert not mismatches, f"{len(mismatches)} of {sent} outputs differ from no-cache: {mismatches[:5]}"
+    status, stats = soak_server.request("GET", "/cache/stats")
+    _check_conservation(stats)
+    host = next(t for t in stats["tiers"] if t["name"] == "host")
+    assert host["promotions"] > 0 and cached > 0  # the soak exercised both tiers
+    assert host["foreign_slots"] == 0
+    assert "Traceback" not in soak_server.log_path.read_text()
+
+
+# ---------------------------------------------------------------- fuzz of the HTTP surface
+_json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
+                       st.text(max_size=20))  # fmt: skip
+_json = st.recursive(_json_leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                     max_leaves=12)  # fmt: skip
+_small = st.one_of(st.integers(0, 2), _json_leaf)
+_text = st.text(st.characters(codec="utf-8"), max_size=60)
+_valid = {  # field -> a valid value; each drawn field is valid 3 times in 4, else any JSON
+    "/generate": {"text": _text, "input_ids": st.lists(st.integers(10, 2000), min_size=1, max_size=40),
+                  "sampling_params": st.fixed_dictionaries({"max_new_tokens": st.integers(0, 2), "temperature": st.just(0)}),
+                  "cache_salt": st.text(max_size=8), "extra_key": st.text(max_size=8), "stream": st.booleans()},
+    "/v1/completions": {"model": st.just("default"), "prompt": _text, "max_tokens": st.integers(1, 2),
+                        "cache_salt": st.text(max_size=8), "stream": st.booleans()},
+    "/v1/chat/completions": {"model": st.just("default"), "max_tokens": st.integers(1, 2), "cache_salt": st.text(max_size=8),
+                             "stream": st.booleans(),
+                             "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]),
+                                                                         "content": _text}), min_size=1, max_size=3)},
+}  # fmt: skip
+_required = {"/generate": ("text", "sampling_params"), "/v1/completions": ("model", "prompt", "max_tokens"),
+             "/v1/chat/completions": ("model", "messages", "max_tokens")}  # fmt: skip
+_limits = {"/generate": ("sampling_params", {"max_new_tokens": 2}), "/v1/completions": ("max_tokens", 2),
+           "/v1/chat/completions": ("max_tokens", 2)}  # fmt: skip
+
+
+def _field(draw, strategy):
+    return draw(strategy) if draw(st.integers(0, 3)) else draw(_json)
+
+
+@st.composite
+def _requests(draw):
+    path = draw(st.sampled_from(list(_valid) * 3 + ["/v1/responses", "/v1/embeddings", "/v1/messages", "/cache/invalidate"]))
+    kind = draw(st.sampled_from(["fields"] * 6 + ["json", "bytes", "deep"]))
+    if kind == "fields" and path in _valid:
+        fields = _valid[path]
+        names = set(_required[path]) | set(draw(st.lists(st.sampled_from(sorted(fields)), max_size=3)))
+        body = {n: _field(draw, fields[n]) for n in sorted(names) if draw(st.integers(0, 9))}
+        key, limit = _limits[path]
+        body.setdefault(key, limit)  # bound generation when the field is absent
+        if draw(st.booleans()):
+            body["kv_transfer_params"] = _field(draw, st.fixed_dictionaries({"lmcache.skip_save": st.booleans()}))
+        if path == "/generate" and draw(st.integers(0, 3)) == 0:
+            sp = body.get("sampling_params")
+            if isinstance(sp, dict):
+                sp["custom_params"] = _field(draw, st.dictionaries(st.text(max_size=5), _json_leaf, max_size=2))
+        raw = json.dumps(body).encode()
+    elif kind == "fields" and path == "/cache/invalidate":
+        raw = json.dumps(draw(st.dictionaries(st.sampled_from(["tenant", "model_version", "all", "x"]), _json_leaf,
+                                              max_size=3))).encode()  # fmt: skip
+    elif kind in ("fields", "json"):
+        raw = json.dumps(draw(_json)).encode()
+    elif kind == "bytes":
+        raw = draw(st.binary(max_size=200))
+    else:
+        depth = draw(st.integers(900, 5000))
+        inner = draw(st.sampled_from([b"[", b'{"a":']))
+        close = b"]" if inner == b"[" else b"}"
+        raw = inner * depth + close * depth
+    headers = []
+    tenant = draw(st.one_of(st.none(), st.text(st.characters(codec="ascii"), max_size=12).map(str.encode),
+                            st.text(max_size=12).map(str.encode), st.binary(max_size=12)))  # fmt: skip
+    if tenant is not None:
+        tenant = tenant.replace(b"\r", b"").replace(b"\n", b"")  # not sendable as one header
+        headers.append((HEADER, tenant.strip() or b"t"))
+        if draw(st.integers(0, 9)) == 0:
+            headers.append((HEADER, b"other"))
+    if draw(st.integers(0, 4)) == 0:
+        headers.append(("Content-Encoding", draw(st.sampled_from([b"gzip", b"identity", b"br", b"x"]))))
+    if draw(st.integers(0, 9)) == 0:
+        headers.append(("x-body-compressed", draw(st.sampled_from([b"gzip", b"zstd", b"nope"]))))
+    return path, raw, headers
+
+
+def test_fuzz_http_surface_never_5xx(soak_server):
+    seen = []
+
+    @settings(max_examples=FUZZ_REQUESTS, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(_requests())
+    def fuzz(req):
+        path, raw, headers = req
+        status, body = _raw(soak_server, "POST", path, raw, headers, timeout=60)
+        seen.append(status)
+        assert status < 500, (path, raw[:200], headers, status, body[:300])
+
+    fuzz()
+    assert len(seen) >= FUZZ_REQUESTS
+    from collections import Counter
+
+    print(f"fuzz: {len(seen)} requests, statuses {sorted(Counter(seen).items())}")
+    status, out = _gen(soak_server, list(range(100, 140)), tenant="after-fuzz")
+    assert status == 200 and len(out["output_ids"]) == 4  # still serving
+
+
+# ---------------------------------------------------------------- one test per finding
+def test_second_server_on_the_same_named_t1_fails_fast(soak_server, tiny_model_path, tmp_path):
+    """Finding 1: two live servers on one named T1 overwrote each other's slots."""
+    from sglang_tiered.server import Server, ServerSpec, ServerStartError
+
+    spec = ServerSpec(model_path=tiny_model_path, max_total_tokens=2048,
+                      env={"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_NAME": T1_NAME})  # fmt: skip
+    with pytest.raises(ServerStartError, match="code 2"):
+        Server(spec, tmp_path / "second.log").start(timeout_s=120)
+    assert "in use by another live server" in (tmp_path / "second.log").read_text()
+    assert _gen(soak_server, list(range(50, 90)))[0] == 200  # the owner serves on
+
+
+def test_t1_bigger_than_its_tmpfs_turns_off_and_serves(tiny_model_path, tmp_path):
+    """Finding 2: a named T1 larger than the tmpfs behind it crashed the scheduler with SIGBUS."""
+    from sglang_tiered.server import Server, ServerSpec
+
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        spec = ServerSpec(model_path=tiny_model_path, max_total_tokens=2048,
+                          env={"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_NAME": "small",
+                               "SGLANG_TIERED_HOST_GB": "0.05", "SGLANG_TIERED_SHM_DIR": str(mnt)})  # fmt: skip
+        with Server(spec, tmp_path / "small.log") as server:
+            for i in range(12):  # more than the pool: evictions would demote into T1
+                status, out = _gen(server, [(i * 37 + j) % 1900 + 10 for j in range(400)])
+                assert status == 200
+            host = next(t for t in server.request("GET", "/cache/stats")[1]["tiers"] if t["name"] == "host")
+        assert not host["enabled"] and "too small" in host["decision"]
+        assert (tmp_path / "small.log").read_text().count("T1 disabled") == 1
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+@pytest.mark.parametrize("headers", [[("Content-Encoding", b"gzip")], [("Content-Encoding", b"identity")],
+                                     [("Content-Encoding", b"br"), ("Content-Encoding", b"x")], []])  # fmt: skip
+def test_tenant_header_cannot_be_bypassed(soak_server, headers):
+    """Finding 3: with a Content-Encoding header the middleware skipped its rewrite while SGLang
+    still parsed the body, so a client's cache_salt reached another tenant's entries."""
+    rng = random.Random(repr(headers))  # a prompt of its own per case
+    ids = [rng.randrange(10, 2000) for _ in range(320)]
+    assert _gen(soak_server, ids, tenant="victim")[0] == 200
+    assert _gen(soak_server, ids, tenant="victim")[1]["meta_info"]["cached_tokens"] >= 304
+    for attacker in ("attacker", None):
+        status, out = _gen(soak_server, ids, tenant=attacker, extra={"cache_salt": "victim"}, headers=headers)
+        assert status == 415 or status < 300, out
+        if status == 200:
+            assert out["meta_info"]["cached_tokens"] == 0
+    # a compressed body SGLang does not decompress is refused, not passed through
+    status, _ = _raw(soak_server, "POST", "/generate", b"\x1f\x8b\x08\x00garbage", [(HEADER, b"attacker")])
+    assert 400 <= status < 500
+
+
+def test_unsalted_routes_are_refused_in_tenant_mode(soak_server):
+    for path in ("/v1/embeddings", "/v1/messages", "/api/generate", "/encode"):
+        status, body = _raw(soak_server, "POST", path, b"{}", [(HEADER, b"acme")])
+        assert status == 403, (path, body)
+
+
+def test_t1_keeps_namespaces_apart(soak_server):
+    """Finding 4: salt "default" equalled no salt, salt "acme|x" equalled salt acme + extra key x,
+    in T1 only (0 tokens from the device tree, 304 from T1)."""
+    rng = random.Random(44)
+    ids = [rng.randrange(10, 2000) for _ in range(330)]
+    pairs = [((None, None), ("default", None)), (("acme|x", None), ("acme", "x")), (("default|k", None), (None, "k"))]
+    for (salt_a, ek_a), (salt_b, ek_b) in pairs:
+        ids = ids[1:] + ids[:1]  # a fresh prompt per pair
+        assert _gen(soak_server, ids, tenant=salt_a, extra={"extra_key": ek_a} if ek_a else None)[0] == 200
+        assert soak_server.request("POST", "/flush_cache")[0] == 200  # device -> T1
+        status, out = _gen(soak_server, ids, tenant=salt_b, extra={"extra_key": ek_b} if ek_b else None)
+        assert status == 200 and out["meta_info"]["cached_tokens"] == 0, (salt_a, ek_a, salt_b, ek_b)
+        status, out = _gen(soak_server, ids, tenant=salt_a, extra={"extra_key": ek_a} if ek_a else None)
+        assert out["meta_info"]["cached_tokens"] >= len(ids) - PAGE  # its own namespace: from T1
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+@pytest.mark.parametrize("cp", [[1], "abc", True])
+def test_wrong_hint_types_are_4xx(tiered_server, soak_server, path, cp):
+    """Finding 5: a no-store hint with custom_params of the wrong type was a 500."""
+    if path == "/generate":
+        body = {"text": "hello", "sampling_params": {"max_new_tokens": 1, "custom_params": cp}}
+    else:
+        body = {"model": "x", "prompt": "hello", "max_tokens": 1, "custom_params": cp}
+    body["kv_transfer_params"] = {"lmcache.skip_save": True}
+    for server, hdrs in ((tiered_server, []), (soak_server, [(HEADER, b"acme")])):
+        status, raw = _raw(server, "POST", path, json.dumps(body).encode(), hdrs)
+        assert 400 <= status < 500, (status, raw[:200])
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
+def test_deep_bodies_and_bad_headers_are_4xx(tiered_server, soak_server, path):
+    """Finding 5: bodies nested past ~1,000 levels (RecursionError) and a non-UTF-8 tenant header."""
+    deep = b'{"kv_transfer_params": ' + b"[" * 3000 + b"]" * 3000 + b"}"
+    for server, hdrs in ((tiered_server, []), (soak_server, [(HEADER, b"acme")])):
+        for raw in (deep, b"[" * 3000 + b"]" * 3000):
+            status, out = _raw(server, "POST", path, raw, hdrs)
+            assert status < 500, (status, out[:200])
+    status, out = _raw(soak_server, "POST", path, b'{"text": "x"}', [(HEADER, b"\xff\xfe\xc3")])
+    assert status == 400 and b"UTF-8" in out
+    status, out = _raw(soak_server, "POST", path, b'{"text": "x"}', [(HEADER, b"a"), (HEADER, b"b")])
+    assert status == 400
+
+
+def test_stats_stay_bounded_with_many_long_salts(tiered_server):
+    """Finding 6: /cache/stats reached 25 MB with 256 salts of 100 KB each."""
+    salt = "s" * 100_000
+    for i in range(300):
+        status, _ = _raw(tiered_server, "POST", "/generate",
+                         json.dumps({"input_ids": [11, 12, 13], "cache_salt": f"{i}-{salt}",
+                                     "sampling_params": {"max_new_tokens": 1}}).encode())  # fmt: skip
+        assert status == 200
+    status, raw = _raw(tiered_server, "GET", "/cache/stats")
+    assert status == 200 and len(raw) < 200_000, len(raw)
+    stats = json.loads(raw)
+    assert len(stats["tenants"]) <= 257 and all(len(n) <= 81 for n in stats["tenants"])
+
+
+@pytest.mark.parametrize("env", [{"SGLANG_TIERED_HOST_GB": "inf"}, {"SGLANG_TIERED_HOST_RATIO": "1e400"}])
+def test_non_finite_config_stops_the_launch(tiny_model_path, tmp_path, env):
+    """Finding 7: these passed validation and crashed the scheduler after the model loaded."""
+    from sglang_tiered.server import Server, ServerSpec, ServerStartError
+
+    log = tmp_path / "bad.log"
+    with pytest.raises(ServerStartError, match="code 2"):
+        Server(ServerSpec(model_path=tiny_model_path, env={"SGLANG_TIERED_HOST": "on", **env}), log).start(timeout_s=120)
+    text = log.read_text()
+    assert "sglang-tiered: invalid configuration" in text and "finite" in text
+    assert "Load weight" not in text  # stopped before the model loaded
