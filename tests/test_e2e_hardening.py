@@ -398,3 +398,22 @@ def test_non_finite_config_stops_the_launch(tiny_model_path, tmp_path, env):
     text = log.read_text()
     assert "sglang-tiered: invalid configuration" in text and "finite" in text
     assert "Load weight" not in text  # stopped before the model loaded
+
+
+def test_tp2_without_a_name_shares_its_auto_t1(tiny_model_path, tmp_path):
+    """Both TP ranks of one server map the unnamed (auto-<launcher pid>) T1; ownership checks must
+    not turn it off on one rank (the ranks would then diverge)."""
+    from sglang_tiered.server import Server, ServerSpec
+    from sglang_tiered.tier.host_pool import SHM_DIR
+
+    spec = ServerSpec(model_path=tiny_model_path, tp=2, max_total_tokens=2048, env={"SGLANG_TIERED_HOST": "on"})
+    with Server(spec, tmp_path / "tp2.log") as server:
+        for i in range(8):
+            assert _gen(server, [(i * 31 + j) % 1900 + 10 for j in range(400)])[0] == 200
+        pid = server.proc.pid
+        host = next(t for t in server.request("GET", "/cache/stats")[1]["tiers"] if t["name"] == "host")
+    log = (tmp_path / "tp2.log").read_text()
+    assert log.count("sglang-tiered: T1 on") == 2 and "T1 disabled" not in log
+    assert host["demotions"] > 0
+    for p in SHM_DIR.glob(f"sglang-tiered-auto-{pid}*"):
+        p.unlink()

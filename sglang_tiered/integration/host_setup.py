@@ -116,7 +116,8 @@ def build_host_tier(cache, ctx, cfg):
         fence = fs.synchronize
     try:
         tier = HostTier.build(kv, page_size=ps, total_kv_heads=total_heads, tp_size=ctx.tp_size,
-                              tp_rank=ctx.tp_rank, capacity_pages=pages, name=name, stream_fence=fence)  # fmt: skip
+                              tp_rank=ctx.tp_rank, capacity_pages=pages, name=name, stream_fence=fence,
+                              exclusive=bool(cfg.host_name))  # auto-<launcher pid>: this server's ranks only  # fmt: skip
     except (HostPoolError, ValueError) as exc:
         logger.warning("sglang-tiered: T1 disabled: %s", exc)
         return None, f"off: {exc}"

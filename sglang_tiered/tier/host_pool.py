@@ -174,7 +174,10 @@ def _align(n: int, a: int = 64) -> int:
 
 
 class HostPool:
-    def __init__(self, layout: PoolLayout, *, name: str | None = None, pin_memory: bool = False):
+    def __init__(self, layout: PoolLayout, *, name: str | None = None, pin_memory: bool = False,
+                 exclusive: bool = True):  # fmt: skip
+        """``exclusive=False`` skips the ownership check: only for names no other server can
+        choose (the per-launcher ``auto-<pid>`` segment that TP ranks share without a name)."""
         self.layout = layout
         self.name = name
         L, H, P, ps, D = layout.layers, layout.kv_heads, layout.num_pages, layout.page_size, layout.head_dim
@@ -184,7 +187,8 @@ class HostPool:
         total = off_valid + P
         self.attached = False
         if name:
-            check_owner(name)
+            if exclusive:
+                check_owner(name)
             path = SHM_DIR / f"sglang-tiered-{name}"
             meta_path = path.with_suffix(".json")
             meta = {"version": LAYOUT_VERSION, **asdict(layout)}

@@ -54,11 +54,11 @@ class HostTier:
 
     @classmethod
     def build(cls, kvcache, *, page_size: int, total_kv_heads: int, tp_size: int, tp_rank: int,
-              capacity_pages: int, name: str | None, stream_fence=None) -> "HostTier":  # fmt: skip
+              capacity_pages: int, name: str | None, stream_fence=None, exclusive: bool = True) -> "HostTier":  # fmt: skip
         k0 = kvcache.k_buffer[0]
         dtype = str(k0.dtype).replace("torch.", "")
         layout = PoolLayout(capacity_pages, len(kvcache.k_buffer), total_kv_heads, page_size, k0.shape[2], dtype)
-        pool = HostPool(layout, name=name, pin_memory=k0.is_cuda)
+        pool = HostPool(layout, name=name, pin_memory=k0.is_cuda, exclusive=exclusive)
         return cls(pool, kvcache.k_buffer, kvcache.v_buffer, page_size=page_size,
                    total_kv_heads=total_kv_heads, tp_size=tp_size, tp_rank=tp_rank,
                    stream_fence=stream_fence)  # fmt: skip
