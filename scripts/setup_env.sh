@@ -13,7 +13,7 @@ SGLANG_VERSION=0.5.23
 TORCH_VERSION=2.13.0
 TORCHVISION_VERSION=0.28.0
 
-stamp_inputs=(scripts/setup_env.sh env/sglang-deps-cpu.txt pyproject.toml
+stamp_inputs=(scripts/setup_env.sh env/sglang-deps-cpu.txt pyproject.toml setup.py
   patches/torchvision_meta_guard.py patches/sgl_kernel_cpu/pyproject.toml
   patches/sgl_kernel_cpu/sgl_kernel/__init__.py)
 want=$(cat "${stamp_inputs[@]}" | sha256sum | cut -c1-16)
