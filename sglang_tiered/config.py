@@ -12,6 +12,8 @@ the launch with a clear message if one is bad.
 | SGLANG_TIERED_HOST_NAME | unset | name of the shared-memory segment; set it to keep T1 across restarts (also at another TP degree) |
 | SGLANG_TIERED_TENANT_HEADER | unset | trusted request header that sets the tenant (e.g. x-tenant-id) |
 | SGLANG_TIERED_DEBUG | 0 | 1: check tree and tier invariants after every operation |
+| SGLANG_TIERED_STORE | async | T1 writes: async (a value-ordered store queue drained by a worker thread, off the request path) or sync (copy at eviction) |
+| SGLANG_TIERED_STORE_QUEUE_PAGES | unset | pending-write bound of the store queue, in pages (default: a quarter of the device pool, at least 64) |
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class TieredConfig:
     host_name: str | None = None
     tenant_header: str | None = None
     debug: bool = False
+    store: str = "async"
+    store_queue_pages: int | None = None
 
 
 # Upper bounds that catch typos and absurd values at launch (a T1 bigger than these is not a
@@ -81,6 +85,12 @@ def load_config(env=None) -> TieredConfig:
     debug = env.get("SGLANG_TIERED_DEBUG", "0").strip()
     if debug not in ("0", "1"):
         raise ConfigError(f"SGLANG_TIERED_DEBUG={debug!r}: expected 0 or 1")
+    store = env.get("SGLANG_TIERED_STORE", "async").strip().lower()
+    if store not in ("async", "sync"):
+        raise ConfigError(f"SGLANG_TIERED_STORE={store!r}: expected async or sync")
+    qp = env.get("SGLANG_TIERED_STORE_QUEUE_PAGES", "").strip()
+    if qp and not (qp.isdigit() and 1 <= int(qp) <= 1 << 30):
+        raise ConfigError(f"SGLANG_TIERED_STORE_QUEUE_PAGES={qp!r}: expected a whole number of pages in [1, 2^30]")
     host_gb = _float(env, "SGLANG_TIERED_HOST_GB", None, MAX_HOST_GB)
     phys = _physical_gb()
     if host_gb is not None and phys and host_gb > phys:
@@ -92,4 +102,6 @@ def load_config(env=None) -> TieredConfig:
         host_name=name,
         tenant_header=header,
         debug=debug == "1",
+        store=store,
+        store_queue_pages=int(qp) if qp else None,
     )

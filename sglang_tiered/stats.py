@@ -43,6 +43,15 @@ class TierStats(msgspec.Struct, kw_only=True):
     failed_promotions: int = 0
     failed_demotions: int = 0
     foreign_slots: int = 0
+    # host tier writes: "async" through the store queue (sglang_tiered/core/store_queue.py), or "sync"
+    store: str = ""
+    queue_capacity_pages: int = 0
+    queue_depth_pages: int = 0
+    stored_pages: int = 0  # written by the queue's worker, off the request path
+    inline_pages: int = 0  # written on the request path (pending at eviction, or a dropped reused leaf)
+    value_dropped_pages: int = 0  # pending writes that left the full queue for more valuable ones
+    filtered_pages: int = 0  # refused at enqueue (no value, or a one-shot while the queue is half full)
+    cancelled_pages: int = 0  # pending writes of invalidated pages
     decision: str = ""
 
 
@@ -100,6 +109,8 @@ def aggregate(rank_stats: list[dict], tenant: Optional[str] = None) -> CacheStat
             acc = tiers.setdefault(tier["name"], {"name": tier["name"], "enabled": False})
             acc["enabled"] = acc["enabled"] or tier.get("enabled", False)
             acc["decision"] = tier.get("decision", acc.get("decision", ""))
+            if "store" in tier:
+                acc["store"] = tier["store"]
             for k, v in tier.items():
                 if isinstance(v, int) and not isinstance(v, bool):
                     acc[k] = acc.get(k, 0) + v

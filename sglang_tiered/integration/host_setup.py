@@ -110,6 +110,13 @@ def build_host_tier(cache, ctx, cfg):
         return None, decision
 
     name = cfg.host_name or (f"auto-{os.getppid()}" if ctx.tp_size > 1 else None)
+    dp = int(getattr(getattr(ctx, "server_args", None), "dp_size", 1) or 1)
+    if dp > 1 and name:
+        # Data-parallel ranks run independent trees; one shared T1 would have several writers
+        # that do not see each other's slot choices (a slot could be overwritten mid-read).
+        decision = f"off: --dp-size {dp} with a shared T1 ({'named' if cfg.host_name else 'TP > 1'}) is not supported"
+        logger.warning("sglang-tiered: T1 %s", decision)
+        return None, decision
     fence = None
     if k0.is_cuda:
         fs = ctx.tp_worker.model_runner.forward_stream

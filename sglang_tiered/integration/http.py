@@ -255,10 +255,12 @@ def _check_generate_shape(body: dict) -> None:
         raise BadRequest("a list of sampling_params needs a batch of prompts (text or input_ids as a list of prompts)")
 
 
-def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool = False):
+def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool | None = None):
     """Return the rewritten body (or ``raw`` itself when nothing changes). Raises ``BadRequest``
-    for a body it must understand and cannot: in tenant mode every body; otherwise a body whose
-    hint cannot be folded in."""
+    for a body it must understand and cannot: in tenant mode (a tenant header is configured;
+    default: ``tenant`` given) every body; otherwise a body whose hint cannot be folded in."""
+    if tenant_mode is None:
+        tenant_mode = tenant is not None
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError

@@ -161,6 +161,7 @@ class TieredRadixCache(RadixCache):
         self.metrics = None
         self._queue: Optional[_VictimQueue] = None
         self.host = None  # HostTier when T1 is on
+        self.store = None  # StoreQueue: T1 writes off the request path (None: synchronous demotion)
         self.host_decision = "off"
         self._pending_host: dict = {}  # rid -> (node, page hashes) probed in match_prefix
         self._load_locks: list = []
@@ -199,6 +200,7 @@ class TieredRadixCache(RadixCache):
         debug_checks: bool = False,
         host_pages: int = 0,
         verify_kv: bool = False,
+        store_queue_pages: int = 0,
     ) -> "TieredRadixCache":
         """A ``TieredRadixCache`` over a simulated page allocator, without a model.
 
@@ -218,6 +220,8 @@ class TieredRadixCache(RadixCache):
             cache.host = HostTier.build(kv, page_size=page_size, total_kv_heads=kv.head_num, tp_size=1,
                                         tp_rank=0, capacity_pages=host_pages, name=None)  # fmt: skip
             cache.host_decision = cache.host.decision = "on: simulated"
+            if store_queue_pages:  # written by drain() after every request (deterministic)
+                cache.store = cache.make_store_queue(store_queue_pages, threaded=False)
         cache.driver = CacheDriver(cache, alloc, pool, verify_kv=verify_kv)
         return cache
 
@@ -225,6 +229,64 @@ class TieredRadixCache(RadixCache):
         from sglang_tiered.integration.host_setup import build_host_tier
 
         self.host, self.host_decision = build_host_tier(self, ctx, cfg)
+        if self.host is not None and cfg.store == "async":
+            pages = cfg.store_queue_pages or max(64, self.capacity_tokens // self.page_size // 4)
+            # TP ranks share one T1 and must make identical slot and drop decisions, so with TP > 1
+            # the queue drains at the end of every batch in the scheduler thread (same point on
+            # every rank) instead of on a free-running worker whose timing differs per rank.
+            self.store = self.make_store_queue(pages, threaded=self.tp_size == 1)
+
+    def make_store_queue(self, capacity_pages: int, threaded: bool = True):
+        """The T1 store queue (sglang_tiered/core/store_queue.py) writing through ``self.host``.
+        On CUDA the worker copies on a side stream after the event recorded at enqueue."""
+        from sglang_tiered.core.store_queue import StoreQueue
+
+        host = self.host
+        side = None
+        if host.k_buffers[0].is_cuda:
+            side = torch.cuda.Stream(device=host.k_buffers[0].device)
+
+        def write(job) -> None:
+            pages = torch.tensor(job.pages, dtype=torch.int64)
+            if side is None:
+                host.demote(pages, job.hashes, job.tenant)
+                return
+            with torch.cuda.stream(side):
+                host.demote(pages, job.hashes, job.tenant, ready=job.ctx)
+
+        return StoreQueue(capacity_pages, write, threaded=threaded)
+
+    def _write_through(self, anchor, last) -> None:
+        """Offer the runs of pages a request just added to the tree (``anchor``..``last``) to the
+        store queue, one job per node, valued ``frequency x pages`` (R3)."""
+        ps, store, policy = self.page_size, self.store, self.policy
+        ready = None
+        if self.host.k_buffers[0].is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()  # the forward pass that wrote these pages
+        node = last
+        while node is not anchor and node is not self.root_node:
+            hashes = node.tiered_hashes
+            if hashes and not node.tiered_invalid:
+                freq = policy.node_frequency(hashes)
+                store.offer((node.value[::ps] // ps).tolist(), hashes, freq * len(hashes), frequency=freq,
+                            tenant=name_hash(tenant_of(node.key.cache_salt)), ctx=ready)  # fmt: skip
+            node = node.parent
+
+    def _demote_victim(self, x) -> None:
+        """T1 gets an evicted leaf's pages: with the store queue they are usually there already
+        (a pending write is finished inline; then only T1's recency is refreshed); a reused leaf
+        the queue dropped is copied now; without the queue, every leaf is copied now."""
+        ps = self.page_size
+        pages = x.value[::ps] // ps
+        tenant = name_hash(tenant_of(x.key.cache_salt))
+        if self.store is not None:
+            self.store.fence(pages.tolist(), run=True)
+            if self.host.touch(x.tiered_hashes) or x.hit_count < 2:
+                return
+            self.store.stats.inline_pages += self.host.demote(pages, x.tiered_hashes, tenant)
+            return
+        self.host.demote(pages, x.tiered_hashes, tenant)
 
     def describe(self) -> str:
         return (
@@ -373,6 +435,8 @@ class TieredRadixCache(RadixCache):
         tc.resident_pages += stored
         self._attach_hashes(req.last_node, hashes)
         self._stamp(req.last_node)
+        if self.store is not None:
+            self._write_through(anchor, req.last_node)
         if cpl == 0 and self.policy.eviction_order == "adaptive":
             # A cold prompt (nothing of it cached): its new nodes enter aged, so a one-shot prompt
             # cannot push out reused context; one that comes back is stamped fresh on use.
@@ -568,8 +632,10 @@ class TieredRadixCache(RadixCache):
                 targets.append(child)
         dropped = deferred = 0
         if self.host is not None:
+            if self.store is not None:  # pending writes of what is invalidated never land
+                self.store.cancel_where(lambda j: everything or j.tenant == tenant_hash)
             if everything:
-                dropped += self.host.pool.clear() * self.page_size
+                dropped += self.host.clear() * self.page_size
             elif tenant_hash is not None:
                 dropped += self.host.drop_tenant(tenant_hash) * self.page_size
         for top in targets:
@@ -607,6 +673,8 @@ class TieredRadixCache(RadixCache):
 
     def _drop_node(self, node) -> int:
         n = len(node.key)
+        if self.store is not None:  # an invalidated page is never written to T1
+            self.store.fence((node.value[:: self.page_size] // self.page_size).tolist(), run=False)
         self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
         tc = self.tenants.get(tenant_of(node.key.cache_salt))
         tc.invalidated_pages += n // self.page_size
@@ -710,8 +778,9 @@ class TieredRadixCache(RadixCache):
             else:
                 break
             if self.host is not None and not x.tiered_invalid and x.tiered_hashes:
-                self.host.demote(x.value[::ps] // ps, x.tiered_hashes,
-                                 name_hash(tenant_of(x.key.cache_salt)))  # fmt: skip
+                self._demote_victim(x)
+            elif self.store is not None:
+                self.store.fence((x.value[::ps] // ps).tolist(), run=False)
             free_segment(x.value, start_pos=0)
             num_evicted += len(x.value)
             policy.on_evict(len(x.key) // ps, pinned=was_pinned,
@@ -751,6 +820,8 @@ class TieredRadixCache(RadixCache):
         assert evictable == self.evictable_size_, (evictable, self.evictable_size_)
         if self.host is not None:
             self.host.pool.check_invariants()  # host: free + resident == capacity
+        if self.store is not None:
+            self.store.check_invariants()
         # Identity: every node's stored page hashes equal a fresh chain over its tokens.
         stack = list(self.root_node.children.values())
         while stack:
@@ -771,9 +842,23 @@ class TieredRadixCache(RadixCache):
                 assert n.tiered_entry is not None, "evictable leaf without a queue entry"
                 assert (n.id, n.tiered_entry[0], int(n.tiered_entry[1])) in live, "queue entry lost"
 
+    def _host_snapshot(self) -> dict:
+        snap = self.host.snapshot()
+        q = self.store
+        snap["store"] = "async" if q is not None else "sync"
+        if q is not None:
+            st = q.stats
+            snap.update(queue_capacity_pages=q.capacity_pages, queue_depth_pages=st.queued_pages,
+                        stored_pages=st.stored_pages, inline_pages=st.inline_pages,
+                        value_dropped_pages=st.value_dropped_pages, filtered_pages=st.filtered_pages,
+                        cancelled_pages=st.cancelled_pages)  # fmt: skip
+        return snap
+
     def flush_pending_backups(self) -> None:
         """Called by the scheduler after every batch: publish metrics (no host backups yet)."""
         super().flush_pending_backups()
+        if self.store is not None and self.store._thread is None:
+            self.store.drain()  # no worker thread (simulation): the writes land between batches
         while self._load_locks:
             self.unlock(self._load_locks.pop())
         if self.metrics is not None:
@@ -798,7 +883,7 @@ class TieredRadixCache(RadixCache):
                     "protected_tokens": self.protected_size_,
                     "decision": "device radix tree",
                 },
-                self.host.snapshot() if self.host is not None else
+                self._host_snapshot() if self.host is not None else
                 {"name": "host", "enabled": False, "decision": self.host_decision},
             ],
             "policy": {k: pol[k] for k in (

@@ -10,6 +10,7 @@ the device pages and treats the request as a miss.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -47,6 +48,9 @@ class HostTier:
         self.layer_offset = layer_offset
         self.stream_fence = stream_fence  # callable: order copies after the forward stream (CUDA)
         self.stats = HostTierStats()
+        # The store queue's worker demotes while the scheduler promotes, probes and invalidates:
+        # every change to the pool's index and every copy runs under this lock.
+        self.lock = threading.RLock()
         self.decision = "on"
         # When T1 is full: True replaces its least recently used pages (a victim cache); False
         # skips the demotion (counted in demote_skipped_pages).
@@ -67,8 +71,27 @@ class HostTier:
         if self.stream_fence is not None:
             self.stream_fence()
 
-    def demote(self, device_pages: torch.Tensor, hashes: list[bytes], tenant: int = 0) -> int:
-        """Copy device pages to T1 (skipping pages already there). Returns pages written."""
+    def demote(self, device_pages: torch.Tensor, hashes: list[bytes], tenant: int = 0, ready=None) -> int:
+        """Copy device pages to T1 (skipping pages already there). Returns pages written.
+        ``ready``: a CUDA event the copy waits for (the forward pass that wrote the pages)."""
+        with self.lock:
+            return self._demote(device_pages, hashes, tenant, ready)
+
+    def touch(self, hashes: list[bytes]) -> bool:
+        """Mark resident pages as just used (a device eviction of pages already written through).
+        True when every page is resident."""
+        with self.lock:
+            pool = self.pool
+            if not all(pool.contains(h) for h in hashes):
+                return False
+            pool.slots_for(hashes, touch=True)
+            return True
+
+    def clear(self) -> int:
+        with self.lock:
+            return self.pool.clear()
+
+    def _demote(self, device_pages, hashes, tenant, ready) -> int:
         t0 = time.perf_counter()
         pairs = self.pool.reserve(hashes, evict=self.replace_when_full)
         wanted = sum(1 for h in hashes if not self.pool.contains(h))
@@ -80,7 +103,10 @@ class HostTier:
         dst = torch.tensor([s for _, s in pairs], dtype=torch.int64)
         h0 = self.heads.start
         try:
-            self._fence()
+            if ready is not None:
+                torch.cuda.current_stream().wait_event(ready)
+            else:
+                self._fence()
             for layer, (kb, vb) in enumerate(zip(self.k_buffers, self.v_buffers)):
                 scatter_pages(kb, src.to(kb.device), self.pool.data[0, layer], dst, h0, self.page_size)
                 scatter_pages(vb, src.to(vb.device), self.pool.data[1, layer], dst, h0, self.page_size)
@@ -98,6 +124,10 @@ class HostTier:
 
     def load(self, hashes: list[bytes], device_pages: torch.Tensor) -> bool:
         """Copy T1 pages into the given device pages. All or nothing: False means use none."""
+        with self.lock:
+            return self._load(hashes, device_pages)
+
+    def _load(self, hashes, device_pages) -> bool:
         t0 = time.perf_counter()
         if any(not self.pool.contains(h) for h in hashes):
             self.stats.failed_promotions += 1
@@ -136,7 +166,8 @@ class HostTier:
         return False
 
     def drop_tenant(self, tenant: int) -> int:
-        return self.pool.drop_slots(self.pool.slots_of_tenant(tenant))
+        with self.lock:
+            return self.pool.drop_slots(self.pool.slots_of_tenant(tenant))
 
     def snapshot(self) -> dict:
         p = self.pool
