@@ -71,6 +71,33 @@ def replay(server: Server, reqs, concurrency: int, label: str) -> tuple[list[dic
     return sorted(results, key=lambda x: x["i"]), time.perf_counter() - t0
 
 
+def long_prefix_ttft(server: Server, reps: int = 7, prefix_tokens: int = 2048, seed: int = 7) -> dict:
+    """The user-visible win of T1: TTFT of a request whose ``prefix_tokens``-token prefix is
+    recomputed, then of the same request once that prefix has been pushed to T1 (POST
+    /flush_cache demotes the device tree) and is promoted back. Median over ``reps`` fresh
+    prefixes, same server."""
+    import random
+
+    rng = random.Random(seed)
+    warm = {"input_ids": [rng.randrange(10, 2000) for _ in range(64)], "sampling_params": {"max_new_tokens": 1}}
+    stream_generate(server.url, warm)
+    rows = []
+    for _ in range(reps):
+        ids = [rng.randrange(10, 2000) for _ in range(prefix_tokens + 16)]
+        payload = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
+        cold = stream_generate(server.url, payload)
+        assert server.request("POST", "/flush_cache")[0] == 200
+        hot = stream_generate(server.url, payload)
+        rows.append({"recompute_ttft_ms": cold["ttft_s"] * 1e3, "t1_ttft_ms": hot["ttft_s"] * 1e3,
+                     "t1_cached_tokens": hot["cached_tokens"], "same_output": hot["output_ids"] == cold["output_ids"]})  # fmt: skip
+        assert server.request("POST", "/flush_cache")[0] == 200  # next prefix starts equal
+    rec = statistics.median(r["recompute_ttft_ms"] for r in rows)
+    hot = statistics.median(r["t1_ttft_ms"] for r in rows)
+    return {"prefix_tokens": prefix_tokens, "reps": reps, "recompute_ttft_ms_p50": rec, "t1_ttft_ms_p50": hot,
+            "ratio": hot / rec, "all_from_t1": all(r["t1_cached_tokens"] >= prefix_tokens for r in rows),
+            "outputs_equal": all(r["same_output"] for r in rows), "runs": rows}  # fmt: skip
+
+
 def summarize(results, wall_s) -> dict:
     prompt = sum(r["prompt_tokens"] for r in results)
     cached = sum(r["cached_tokens"] for r in results)
@@ -105,6 +132,8 @@ def main(argv=None) -> int:
                     help="serving dtype; in bf16, prefill over a cached prefix rounds differently from a "
                          "full recompute and flips some greedy tokens of a random model (stock SGLang too)")
     ap.add_argument("--model", help="model folder (default: the built-in tiny model)")
+    ap.add_argument("--long-prefix-tokens", type=int, default=2048,
+                    help="prefix length of the long-prefix scenario (T1 hit vs recompute, same request)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--name", default="demo")
     args = ap.parse_args(argv)
@@ -136,6 +165,8 @@ def main(argv=None) -> int:
             results, wall = replay(server, reqs, args.concurrency, name)
             if name == "tiered":
                 tier_stats = server.request("GET", "/cache/stats")[1]
+                print("[tiered] long-prefix TTFT: recompute vs from T1 ...", flush=True)
+                long_prefix = long_prefix_ttft(server, prefix_tokens=args.long_prefix_tokens)
         runs[name] = (results, wall)
 
     ref = [r["output_ids"] for r in runs["reference"][0]]
@@ -171,6 +202,10 @@ def main(argv=None) -> int:
     print(f"\n{'':32}{'stock SGLang (lru)':>20}   {'sglang-tiered + T1':<28}")
     for label, a, b in rows:
         print(f"{label:32}{a:>20}   {b:<28}")
+    lp = long_prefix
+    print(f"\nlong prefix ({lp['prefix_tokens']} tokens, same request, median of {lp['reps']}): TTFT recomputed "
+          f"{lp['recompute_ttft_ms_p50']:.0f} ms, prefix from T1 {lp['t1_ttft_ms_p50']:.0f} ms (x{lp['ratio']:.2f}); "
+          f"all from T1: {lp['all_from_t1']}, outputs equal: {lp['outputs_equal']}")  # fmt: skip
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -178,7 +213,7 @@ def main(argv=None) -> int:
     # No machine paths in results: folders by name only.
     shown_args = {**vars(args), "out": pathlib.Path(args.out).name, "model": pathlib.Path(model).name}
     doc = {"environment": env, "args": shown_args, "table": table, "ratios_tiered_over_stock": ratios,
-           "tiered_cache_stats": tier_stats}  # fmt: skip
+           "tiered_cache_stats": tier_stats, "long_prefix": long_prefix}  # fmt: skip
     (out / f"{args.name}.json").write_text(json.dumps(doc, indent=2))
     with open(out / f"{args.name}.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -194,7 +229,7 @@ def main(argv=None) -> int:
                             f"{r['ttft_s']:.6f}", f"{r['latency_s']:.6f}"])  # fmt: skip
     _plot(table, runs, out / f"{args.name}.png", env)
     print(f"\nwrote {out}/{args.name}.json, .csv, -requests.csv and .png")
-    ok = ti["outputs_match_reference"] and st["outputs_match_reference"]
+    ok = ti["outputs_match_reference"] and st["outputs_match_reference"] and lp["outputs_equal"]
     return 0 if ok else 1
 
 

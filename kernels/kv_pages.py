@@ -8,8 +8,11 @@ Per (K|V, layer), shapes are:
 ``scatter_pages``: host[head_offset + h, host_slots[i], t] = pool[pool_pages[i]*ps + t, h]
 ``gather_pages``:  pool[pool_pages[i]*ps + t, h] = host[head_offset + h, host_slots[i], t]
 
-Each has a plain-torch ``*_ref`` here and a Triton kernel used for CUDA tensors (SGLang disables
-Triton on CPU, so the server's CPU path is the torch one). Launchers assert dtype, shape, stride
+Each has a plain-torch ``*_ref`` here and a Triton kernel used when the device pool is on CUDA and
+the canonical plane is either on CUDA or in pinned (page-locked) host memory: with unified
+addressing a pinned host pointer is valid on the device, so the kernel reads and writes T1
+directly (zero-copy, as HiCache's "kernel" IO backend does), with the page ids on the device.
+SGLang disables Triton on CPU, so the server's CPU path is the torch one. Launchers assert dtype, shape, stride
 and device contracts, never call ``.contiguous()`` on a pool, and use int64 offsets. A batch of
 pages moves in one launch per plane: whole runs, never page by page.
 """
@@ -46,8 +49,10 @@ def _check(pool: torch.Tensor, host: torch.Tensor, pool_pages: torch.Tensor, hos
             raise TypeError(f"{name} must be a 1-D int64 tensor")
     if pool_pages.numel() != host_slots.numel():
         raise ValueError("pool_pages and host_slots differ in length")
-    if not (pool.device == pool_pages.device and host.device == host_slots.device):
-        raise ValueError("ids must live on the device of the tensor they index")
+    zero_copy = pool.is_cuda and not host.is_cuda and host.is_pinned() and host_slots.is_cuda
+    if not (pool.device == pool_pages.device and (host.device == host_slots.device or zero_copy)):
+        raise ValueError("ids must live on the device of the tensor they index (host ids on the "
+                         "device for a pinned host plane)")
 
 
 def scatter_pages_ref(pool, pool_pages, host, host_slots, head_offset: int, page_size: int) -> None:
@@ -98,12 +103,16 @@ def _launch(src, dst, src_pages, dst_pages, src_strides, dst_strides, src_head0,
                             src_head0, dst_head0, PS=ps, D=d, BLOCK=block)  # fmt: skip
 
 
-def _use_triton(*tensors) -> bool:
+def _use_triton(pool, host, host_ids=None) -> bool:
     import os
 
     if triton is None:
         return False
-    return all(t.is_cuda for t in tensors) or os.environ.get("TRITON_INTERPRET") == "1"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    if not pool.is_cuda:
+        return False
+    return host.is_cuda or (host.is_pinned() and host_ids is not None and host_ids.is_cuda)
 
 
 def _pool_strides(pool, page_size: int) -> tuple[int, int, int]:
@@ -116,6 +125,25 @@ def _host_strides(host) -> tuple[int, int, int]:
     return host.stride(1), host.stride(2), host.stride(0)
 
 
+def pin_host_memory(t: torch.Tensor) -> bool:
+    """Page-lock existing host memory (e.g. a shared-memory T1 mapping) with cudaHostRegister so
+    copies and the zero-copy kernels can use it; False (and nothing changed) where that fails."""
+    if not torch.cuda.is_available() or t.is_cuda or t.is_pinned():
+        return t.is_pinned() if not t.is_cuda else False
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        return int(getattr(err, "value", err)) == 0 and t.is_pinned()
+    except Exception:  # noqa: BLE001 - pinning is an optimisation
+        return False
+
+
+def unpin_host_memory(t: torch.Tensor) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def scatter_pages(pool, pool_pages, host, host_slots, head_offset: int, page_size: int, *, force_ref=False):
     """Device pool pages -> canonical host slots (see module doc)."""
     _check(pool, host, pool_pages, host_slots, head_offset, page_size)
@@ -123,7 +151,7 @@ def scatter_pages(pool, pool_pages, host, host_slots, head_offset: int, page_siz
         raise ValueError("duplicate host_slots: two pages would race for one slot")
     if pool_pages.numel() == 0:
         return
-    if force_ref or not _use_triton(pool, host):
+    if force_ref or not _use_triton(pool, host, host_slots):
         return scatter_pages_ref(pool, pool_pages, host, host_slots, head_offset, page_size)
     _launch(pool, host, pool_pages, host_slots, _pool_strides(pool, page_size), _host_strides(host),
             0, head_offset, pool.shape[1], page_size, pool.shape[2])  # fmt: skip
@@ -136,7 +164,7 @@ def gather_pages(host, host_slots, pool, pool_pages, head_offset: int, page_size
         raise ValueError("duplicate pool_pages: two host pages would race for one device page")
     if pool_pages.numel() == 0:
         return
-    if force_ref or not _use_triton(pool, host):
+    if force_ref or not _use_triton(pool, host, host_slots):
         return gather_pages_ref(host, host_slots, pool, pool_pages, head_offset, page_size)
     _launch(host, pool, host_slots, pool_pages, _host_strides(host), _pool_strides(pool, page_size),
             head_offset, 0, pool.shape[1], page_size, pool.shape[2])  # fmt: skip

@@ -55,3 +55,12 @@ def test_demo_small(tmp_path):
     doc = json.loads((tmp_path / "demo.json").read_text())
     assert doc["table"]["tiered"]["outputs_match_reference"] and doc["table"]["stock"]["outputs_match_reference"]
     assert (tmp_path / "demo.png").stat().st_size > 0
+
+
+def test_gpu_check_dry_run():
+    """bench/gpu_check.py runs on a machine without a GPU in its dry mode: every path (device
+    scatter/gather, torch reference, staging) checked equal to the reference at TP 1/2/4/8."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run"],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "paths checked equal to the reference" in out.stdout

@@ -63,6 +63,15 @@ class HostTier:
         dtype = str(k0.dtype).replace("torch.", "")
         layout = PoolLayout(capacity_pages, len(kvcache.k_buffer), total_kv_heads, page_size, k0.shape[2], dtype)
         pool = HostPool(layout, name=name, pin_memory=k0.is_cuda, exclusive=exclusive)
+        if k0.is_cuda and not pool.raw.is_pinned():  # a named (shared-memory) T1: register it
+            from sglang_tiered.kernels.kv_pages import pin_host_memory, unpin_host_memory
+
+            if pin_host_memory(pool.raw):
+                import atexit
+
+                atexit.register(unpin_host_memory, pool.raw)
+            else:
+                logger.warning("sglang-tiered: could not pin T1 (cudaHostRegister); copies go through staging")
         return cls(pool, kvcache.k_buffer, kvcache.v_buffer, page_size=page_size,
                    total_kv_heads=total_kv_heads, tp_size=tp_size, tp_rank=tp_rank,
                    stream_fence=stream_fence)  # fmt: skip
@@ -100,7 +109,7 @@ class HostTier:
             return 0
         pos = {h: i for i, h in enumerate(hashes)}
         src = device_pages[[pos[h] for h, _ in pairs]].to(torch.int64)
-        dst = torch.tensor([s for _, s in pairs], dtype=torch.int64)
+        dst = self._host_ids([s for _, s in pairs])
         h0 = self.heads.start
         try:
             if ready is not None:
@@ -135,7 +144,7 @@ class HostTier:
         slot_list = self.pool.slots_for(hashes)
         if not self.pool.verify(hashes, slot_list):
             return self._foreign_slots(len(hashes))
-        slots = torch.tensor(slot_list, dtype=torch.int64)
+        slots = self._host_ids(slot_list)
         pages = device_pages.to(torch.int64)
         h0 = self.heads.start
         try:
@@ -164,6 +173,15 @@ class HostTier:
             logger.warning("sglang-tiered: T1 slots hold other pages than indexed (another writer?); "
                            "treating %d pages as a miss", n)  # fmt: skip
         return False
+
+    def _host_ids(self, slots: list) -> torch.Tensor:
+        """Slot ids for the page movers: on the device when T1 is pinned and the pool is on CUDA
+        (the Triton kernels then read and write T1 directly), in host memory otherwise."""
+        ids = torch.tensor(slots, dtype=torch.int64)
+        kb = self.k_buffers[0]
+        if kb.is_cuda and self.pool.data.is_pinned():
+            ids = ids.to(kb.device)
+        return ids
 
     def drop_tenant(self, tenant: int) -> int:
         with self.lock:

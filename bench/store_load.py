@@ -1,0 +1,118 @@
+"""Live load test of the T1 store queue: the same tiered server (small device pool, 8 concurrent
+clients, the seeded multi-tenant workload) with T1 off, T1 with synchronous demotion at eviction
+(``SGLANG_TIERED_STORE=sync``) and T1 through the store queue (``async``, the default), one run.
+
+    .venv/bin/python bench/store_load.py                       # ~6 min on 2 cores
+    .venv/bin/python bench/store_load.py --requests 400 --concurrency 8 --pool-tokens 2048
+
+Reports TTFT p50/p90, requests/s, token hit rate by tier and the queue's counters, with
+ratios against T1 off; writes bench/results/store_load.{json,csv,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.live_compare import replay, summarize  # noqa: E402
+from bench.trace_replay import environment  # noqa: E402
+from sglang_tiered.server import Server, ServerSpec  # noqa: E402
+from sglang_tiered.workloads import multi_tenant  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=320)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--pool-tokens", type=int, default=2048)
+    ap.add_argument("--host-ratio", type=float, default=8.0)
+    ap.add_argument("--scale", type=float, default=0.2)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--name", default="store_load")
+    args = ap.parse_args(argv)
+
+    from sglang_tiered.models.tiny import TinyModelSpec, build_model
+
+    model = str(build_model(TinyModelSpec(num_layers=args.layers)))
+    reqs = multi_tenant(n_requests=args.requests, seed=args.seed, scale=args.scale)
+    for r in reqs:
+        r.max_new_tokens = 4
+    configs = {
+        "t1_off": {"SGLANG_TIERED_HOST": "off"},
+        "t1_sync": {"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_STORE": "sync"},
+        "t1_async": {"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_STORE": "async"},
+    }
+    logs = pathlib.Path(args.out) / "logs"
+    table, stats = {}, {}
+    for name, env in configs.items():
+        env = {**env, "SGLANG_TIERED_HOST_RATIO": str(args.host_ratio)}
+        spec = ServerSpec(model_path=model, backend="tiered", max_total_tokens=args.pool_tokens, dtype="float32",
+                          env=env)  # fmt: skip
+        with Server(spec, logs / f"{args.name}-{name}.log") as server:
+            replay(server, reqs[:16], args.concurrency, f"{name} warm-up")
+            server.request("POST", "/flush_cache")
+            if env["SGLANG_TIERED_HOST"] == "on":
+                server.request("POST", "/cache/invalidate", {"all": True})  # T1 starts empty too
+            results, wall = replay(server, reqs, args.concurrency, name)
+            stats[name] = server.request("GET", "/cache/stats")[1]
+        s = summarize(results, wall)
+        host = next((t for t in stats[name]["tiers"] if t["name"] == "host"), {})
+        s["host_hit_rate"] = stats[name]["totals"]["promoted_pages"] * stats[name]["page_size"] / s["prompt_tokens"]
+        for k in ("stored_pages", "inline_pages", "value_dropped_pages", "filtered_pages", "demotions"):
+            s[k] = host.get(k, 0)
+        table[name] = s
+    base = table["t1_off"]
+    for name, s in table.items():
+        s["ttft_p50_vs_off"] = s["ttft_p50_ms"] / base["ttft_p50_ms"]
+        s["ttft_p90_vs_off"] = s["ttft_p90_ms"] / base["ttft_p90_ms"]
+    cols = ["token_hit_rate", "host_hit_rate", "ttft_p50_ms", "ttft_p90_ms", "ttft_p50_vs_off", "requests_per_s",
+            "demotions", "stored_pages", "inline_pages", "value_dropped_pages", "filtered_pages"]  # fmt: skip
+    print(f"\n{'':14}" + "".join(f"{c:>18}" for c in cols))
+    for name, s in table.items():
+        print(f"{name:14}" + "".join(f"{s[c]:>18.3f}" if isinstance(s[c], float) else f"{s[c]:>18}" for c in cols))
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    doc = {"environment": env, "args": {**vars(args), "out": out.name}, "table": table}
+    (out / f"{args.name}.json").write_text(json.dumps(doc, indent=2))
+    with open(out / f"{args.name}.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["config", *cols])
+        for name, s in table.items():
+            w.writerow([name, *(s[c] for c in cols)])
+    _plot(table, out / f"{args.name}.png", env)
+    print(f"\nwrote {out}/{args.name}.json, .csv and .png")
+    return 0
+
+
+def _plot(table, path, env) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(table)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    a1.bar(names, [table[n]["ttft_p50_ms"] for n in names], color=["grey", "tab:orange", "tab:green"])
+    a1.set_ylabel("TTFT p50 ms")
+    a1.set_title("TTFT p50, 8 concurrent clients")
+    a2.bar(names, [table[n]["token_hit_rate"] - table[n]["host_hit_rate"] for n in names], label="device")
+    a2.bar(names, [table[n]["host_hit_rate"] for n in names], bottom=[table[n]["token_hit_rate"] - table[n]["host_hit_rate"]
+                                                                       for n in names], label="T1")  # fmt: skip
+    a2.set_ylabel("token hit rate")
+    a2.legend()
+    fig.suptitle(f"T1 store queue vs synchronous demotion vs T1 off (git {env['git_sha']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
