@@ -50,10 +50,12 @@ class ServerSpec:
     dtype: str | None = None
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    python: str | None = None  # interpreter (default: this one)
+    cwd: str | None = None  # working directory of the server process
 
     def argv(self) -> list[str]:
         args = [
-            sys.executable, "-m", "sglang.launch_server",
+            self.python or sys.executable, "-m", "sglang.launch_server",
             "--model-path", self.model_path,
             "--device", "cpu",
             "--attention-backend", "torch_native",
@@ -96,7 +98,8 @@ class Server:
             env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(self.spec.tp)))
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            self.spec.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            self.spec.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            cwd=self.spec.cwd,
         )
         log.close()
         self.wait_ready(timeout_s)

@@ -44,6 +44,10 @@ class TieredMetrics:
                                   "(0 = LRU; reused nodes age k LRU cycles later)", multiprocess_mode="livemax")  # fmt: skip
         self.cold_age_c = Gauge("sglang_tiered_cold_age_c", "Learned age, in LRU cycles, at which cold "
                                 "prompts enter", multiprocess_mode="livemax")  # fmt: skip
+        self.store_depth = Gauge("sglang_tiered_store_queue_pages", "Pages waiting in the T1 store queue",
+                                 multiprocess_mode="livesum")  # fmt: skip
+        self.store_pages = Counter("sglang_tiered_store_pages", "T1 store queue outcomes, in pages "
+                                   "(stored by the worker, inline, value_dropped, filtered, cancelled)", ["outcome"])  # fmt: skip
         self._last: dict[tuple[str, str], int] = {}
         self._labels: dict[str, str] = {}
 
@@ -74,3 +78,13 @@ class TieredMetrics:
         self.thrashing.set(1 if cache.policy.thrashing else 0)
         self.protection_k.set(min(cache.policy.k, 1e9))
         self.cold_age_c.set(cache.policy.c)
+        store = getattr(cache, "store", None)
+        if store is not None:
+            st = store.stats
+            self.store_depth.set(st.queued_pages)
+            for outcome in ("stored", "inline", "value_dropped", "filtered", "cancelled"):
+                v = getattr(st, f"{outcome}_pages")
+                key = ("__store__", outcome)
+                if v > self._last.get(key, 0):
+                    self.store_pages.labels(outcome=outcome).inc(v - self._last.get(key, 0))
+                self._last[key] = v

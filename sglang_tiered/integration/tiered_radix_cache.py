@@ -162,6 +162,7 @@ class TieredRadixCache(RadixCache):
         self._queue: Optional[_VictimQueue] = None
         self.host = None  # HostTier when T1 is on
         self.store = None  # StoreQueue: T1 writes off the request path (None: synchronous demotion)
+        self._flushing = False
         self.host_decision = "off"
         self._pending_host: dict = {}  # rid -> (node, page hashes) probed in match_prefix
         self._load_locks: list = []
@@ -282,7 +283,7 @@ class TieredRadixCache(RadixCache):
         tenant = name_hash(tenant_of(x.key.cache_salt))
         if self.store is not None:
             self.store.fence(pages.tolist(), run=True)
-            if self.host.touch(x.tiered_hashes) or x.hit_count < 2:
+            if self.host.touch(x.tiered_hashes) or (x.hit_count < 2 and not self._flushing):
                 return
             self.store.stats.inline_pages += self.host.demote(pages, x.tiered_hashes, tenant)
             return
@@ -298,7 +299,11 @@ class TieredRadixCache(RadixCache):
         # /flush_cache empties the device tree; with T1 on, its pages go to T1 first (so a flush
         # before shutdown leaves everything in a named T1 for a warm restart).
         if getattr(self, "host", None) is not None and getattr(self, "root_node", None) is not None:
-            self.evict(EvictParams(num_tokens=self.evictable_size_))
+            self._flushing = True  # everything goes to T1, whatever the store queue judged
+            try:
+                self.evict(EvictParams(num_tokens=self.evictable_size_))
+            finally:
+                self._flushing = False
         super().reset()
         # the adaptive order's persistent victim queue (fixed orders rebuild a heap per evict)
         adaptive = self.policy.eviction_order == "adaptive"
