@@ -824,7 +824,8 @@ class TieredRadixCache(RadixCache):
             stack.extend(n.children.values())
         assert evictable == self.evictable_size_, (evictable, self.evictable_size_)
         if self.host is not None:
-            self.host.pool.check_invariants()  # host: free + resident == capacity
+            with self.host.lock:  # the store queue's worker may be mid-write (slots reserved)
+                self.host.pool.check_invariants()  # host: free + resident == capacity
         if self.store is not None:
             self.store.check_invariants()
         # Identity: every node's stored page hashes equal a fresh chain over its tokens.
