@@ -48,13 +48,16 @@ def test_live_trace_against_a_server(tiered_server, tmp_path):
 @pytest.mark.server
 def test_demo_small(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "live_compare.py"), "--requests", "40", "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "bench" / "live_compare.py"), "--requests", "40", "--out", str(tmp_path),
+         "--long-prefix-tokens", "512", "--long-prefix-reps", "1"],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     doc = json.loads((tmp_path / "demo.json").read_text())
     assert doc["table"]["tiered"]["outputs_match_reference"] and doc["table"]["stock"]["outputs_match_reference"]
     assert (tmp_path / "demo.png").stat().st_size > 0
+    lp = doc["long_prefix"]
+    assert lp["all_from_t1"] and lp["outputs_equal"] and lp["t1_ttft_ms_p50"] < lp["recompute_ttft_ms_p50"]
 
 
 def test_gpu_check_dry_run():

@@ -202,5 +202,7 @@ class HostTier:
             "failed_promotions": self.stats.failed_promotions,
             "failed_demotions": self.stats.failed_demotions,
             "foreign_slots": self.stats.foreign_slots,
+            "promote_ms": round(self.stats.promote_seconds * 1e3, 3),
+            "demote_ms": round(self.stats.demote_seconds * 1e3, 3),
             "decision": self.decision,
         }
