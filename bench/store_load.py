@@ -2,7 +2,7 @@
 clients, the seeded multi-tenant workload) with T1 off, T1 with synchronous demotion at eviction
 (``SGLANG_TIERED_STORE=sync``) and T1 through the store queue (``async``, the default), one run.
 
-    .venv/bin/python bench/store_load.py                       # ~6 min on 2 cores
+    .venv/bin/python bench/store_load.py                       # ~5 min on 2 cores
     .venv/bin/python bench/store_load.py --requests 400 --concurrency 8 --pool-tokens 2048
 
 Reports TTFT p50/p90, requests/s, token hit rate by tier and the queue's counters, with
@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--name", default="store_load")
+    ap.add_argument("--chunk", type=int, default=40, help="requests per interleaved chunk")
     args = ap.parse_args(argv)
 
     from sglang_tiered.models.tiny import TinyModelSpec, build_model
@@ -51,24 +52,40 @@ def main(argv=None) -> int:
         "t1_async": {"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_STORE": "async"},
     }
     logs = pathlib.Path(args.out) / "logs"
-    table, stats = {}, {}
-    for name, env in configs.items():
-        env = {**env, "SGLANG_TIERED_HOST_RATIO": str(args.host_ratio)}
-        spec = ServerSpec(model_path=model, backend="tiered", max_total_tokens=args.pool_tokens, dtype="float32",
-                          env=env)  # fmt: skip
-        with Server(spec, logs / f"{args.name}-{name}.log") as server:
+    # All three servers run at once and take the workload in interleaved chunks (rotating which
+    # goes first), so background load on the machine falls on all of them alike.
+    servers = {}
+    try:
+        for name, env in configs.items():
+            env = {**env, "SGLANG_TIERED_HOST_RATIO": str(args.host_ratio)}
+            spec = ServerSpec(model_path=model, backend="tiered", max_total_tokens=args.pool_tokens,
+                              dtype="float32", env=env)  # fmt: skip
+            servers[name] = Server(spec, logs / f"{args.name}-{name}.log").start(timeout_s=300)
+        for name, server in servers.items():
             replay(server, reqs[:16], args.concurrency, f"{name} warm-up")
-            server.request("POST", "/flush_cache")
-            if env["SGLANG_TIERED_HOST"] == "on":
-                server.request("POST", "/cache/invalidate", {"all": True})  # T1 starts empty too
-            results, wall = replay(server, reqs, args.concurrency, name)
+            server.request("POST", "/flush_cache?timeout=30")
+            server.request("POST", "/cache/invalidate", {"all": True})  # T1 starts empty too
+        results = {name: [] for name in servers}
+        walls = {name: 0.0 for name in servers}
+        names = list(servers)
+        for k, start in enumerate(range(0, len(reqs), args.chunk)):
+            chunk = reqs[start : start + args.chunk]
+            for name in names[k % 3 :] + names[: k % 3]:
+                res, wall = replay(servers[name], chunk, args.concurrency, f"{name} {start}")
+                results[name] += res
+                walls[name] += wall
+        table, stats = {}, {}
+        for name, server in servers.items():
             stats[name] = server.request("GET", "/cache/stats")[1]
-        s = summarize(results, wall)
-        host = next((t for t in stats[name]["tiers"] if t["name"] == "host"), {})
-        s["host_hit_rate"] = stats[name]["totals"]["promoted_pages"] * stats[name]["page_size"] / s["prompt_tokens"]
-        for k in ("stored_pages", "inline_pages", "value_dropped_pages", "filtered_pages", "demotions"):
-            s[k] = host.get(k, 0)
-        table[name] = s
+            s = summarize(results[name], walls[name])
+            host = next((t for t in stats[name]["tiers"] if t["name"] == "host"), {})
+            s["host_hit_rate"] = stats[name]["totals"]["promoted_pages"] * stats[name]["page_size"] / s["prompt_tokens"]
+            for key in ("stored_pages", "inline_pages", "value_dropped_pages", "filtered_pages", "demotions"):
+                s[key] = host.get(key, 0)
+            table[name] = s
+    finally:
+        for server in servers.values():
+            server.stop()
     base = table["t1_off"]
     for name, s in table.items():
         s["ttft_p50_vs_off"] = s["ttft_p50_ms"] / base["ttft_p50_ms"]

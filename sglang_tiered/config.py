@@ -13,7 +13,7 @@ the launch with a clear message if one is bad.
 | SGLANG_TIERED_TENANT_HEADER | unset | trusted request header that sets the tenant (e.g. x-tenant-id) |
 | SGLANG_TIERED_DEBUG | 0 | 1: check tree and tier invariants after every operation |
 | SGLANG_TIERED_STORE | async | T1 writes: async (a value-ordered store queue drained by a worker thread, off the request path) or sync (copy at eviction) |
-| SGLANG_TIERED_STORE_QUEUE_PAGES | unset | pending-write bound of the store queue, in pages (default: a quarter of the device pool, at least 64) |
+| SGLANG_TIERED_STORE_QUEUE_PAGES | unset | pending-write bound of the store queue, in pages (default: the device pool's pages, at least 64) |
 """
 
 from __future__ import annotations

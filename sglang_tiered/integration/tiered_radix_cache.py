@@ -231,7 +231,9 @@ class TieredRadixCache(RadixCache):
 
         self.host, self.host_decision = build_host_tier(self, ctx, cfg)
         if self.host is not None and cfg.store == "async":
-            pages = cfg.store_queue_pages or max(64, self.capacity_tokens // self.page_size // 4)
+            # default: the device pool (a pending page is a device page, so this never binds
+            # unless half the pool waits for T1: then one-shots are filtered and value-drop runs)
+            pages = cfg.store_queue_pages or max(64, self.capacity_tokens // self.page_size)
             # TP ranks share one T1 and must make identical slot and drop decisions, so with TP > 1
             # the queue drains at the end of every batch in the scheduler thread (same point on
             # every rank) instead of on a free-running worker whose timing differs per rank.
