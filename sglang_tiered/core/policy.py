@@ -40,6 +40,7 @@ is, so its recency and reuse count are never lower and it is never evicted befor
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -60,6 +61,10 @@ class Mode:
 
     def __str__(self) -> str:
         return f"{self.admission}+{self.eviction}"
+
+
+FIXED_ORDERS = ("lru", "slru", "lfu")  # SGLang's orders the safety duel can follow exactly
+_FOLLOW = {o: Mode("all", o) for o in FIXED_ORDERS}
 
 
 class _MiniCache:
@@ -107,6 +112,100 @@ class _MiniCache:
         return 0.0
 
 
+class _LruShadow:
+    """A SHARDS-sampled page-level LRU: what SGLang's lru would hold, over sampled pages only.
+
+    A request's pages are touched deepest first, so an ancestor is always at least as recent as
+    its descendants and is never evicted before them (inclusion), exactly as in a radix tree
+    evicted leaf by leaf in LRU order; hits therefore count prefix hits."""
+
+    __slots__ = ("cap", "d")
+
+    def __init__(self, capacity: int):
+        self.cap = max(1, capacity)
+        self.d: OrderedDict = OrderedDict()
+
+    def run(self, sampled: list) -> int:
+        d = self.d
+        hits = 0
+        for h in reversed(sampled):
+            if h in d:
+                hits += 1
+                d.move_to_end(h)
+            else:
+                d[h] = None
+        while len(d) > self.cap:
+            d.popitem(last=False)
+        return hits
+
+
+class _SlruShadow:
+    """SGLang's slru at page level over sampled pages: pages used by >= 2 requests (protected)
+    are evicted after all others, each segment in LRU order, deepest first."""
+
+    __slots__ = ("cap", "prob", "prot")
+
+    def __init__(self, capacity: int):
+        self.cap = max(1, capacity)
+        self.prob: OrderedDict = OrderedDict()
+        self.prot: OrderedDict = OrderedDict()
+
+    def run(self, sampled: list) -> int:
+        prob, prot = self.prob, self.prot
+        hits = 0
+        for h in reversed(sampled):
+            if h in prot:
+                hits += 1
+                prot.move_to_end(h)
+            elif h in prob:
+                hits += 1
+                del prob[h]
+                prot[h] = None
+            else:
+                prob[h] = None
+        over = len(prob) + len(prot) - self.cap
+        while over > 0:
+            (prob if prob else prot).popitem(last=False)
+            over -= 1
+        return hits
+
+
+class _LfuShadow:
+    """SGLang's lfu at page level over sampled pages: fewest requests first, then least recent
+    (deepest first within a request). A lazy heap of (count, use sequence, page)."""
+
+    __slots__ = ("cap", "cnt", "heap", "seq")
+
+    def __init__(self, capacity: int):
+        self.cap = max(1, capacity)
+        self.cnt: dict = {}  # page -> (count, seq of its live heap entry)
+        self.heap: list = []
+        self.seq = 0
+
+    def run(self, sampled: list) -> int:
+        cnt, heap = self.cnt, self.heap
+        hits = 0
+        push = heapq.heappush
+        for h in reversed(sampled):
+            self.seq += 1
+            c = cnt.get(h)
+            if c is not None:
+                hits += 1
+                c = (c[0] + 1, self.seq)
+            else:
+                c = (1, self.seq)
+            cnt[h] = c
+            push(heap, (c[0], c[1], h))
+        while len(cnt) > self.cap:
+            c, q, h = heapq.heappop(heap)
+            if cnt.get(h) == (c, q):
+                del cnt[h]
+        if len(heap) > 4 * self.cap + 64:  # drop stale entries
+            self.heap = heap = [(c, q, h) for h, (c, q) in cnt.items()]
+            heapq.heapify(heap)
+        return hits
+
+
 @dataclass
 class PolicyConfig:
     pin_min_freq: int = 8
@@ -134,6 +233,13 @@ class PolicyConfig:
     cold_log_bound: float = 6.0
     protect_step: float = 0.02
     protect_log_bound: float = 6.0
+    # --- the safety duel against lru (see the module docstring) ---
+    safety_duel: bool = True  # False only in unit tests of the adaptive machinery alone
+    shadow_pages: int = 2048  # SHARDS: sample pages at rate min(1, shadow_pages / capacity)
+    guard_allowance: float = 0.001  # hit-rate shortfall per sampled page tolerated (0.1 point)
+    guard_threshold: float = 0.03  # x shadow size: cumulative shortfall (sampled pages) to fall back
+    guard_hold: float = 4.0  # x shadow size: sampled references of the first lru hold (doubles)
+    guard_memory: float = 8.0  # x shadow size: sampled references over which credit fades
 
 
 @dataclass
@@ -147,6 +253,8 @@ class PolicyStats:
     evicted_pinned: int = 0
     thrash_windows: int = 0
     no_store_requests: int = 0
+    fallbacks: int = 0  # times the safety duel switched the real cache to exact lru
+    cycle_clamped: int = 0  # LRU-cycle estimates cut at their bound (see AdaptivePolicy.on_evict)
 
 
 class AdaptivePolicy:
@@ -177,6 +285,7 @@ class AdaptivePolicy:
         self._ghost_pages = [0, 0, 0]  # pages remembered from [unprotected, protected, cold] leaves
         self.modes = [Mode(adm, ev) for ev in EVICTION_ORDERS for adm in ("all", "tinylfu")]
         self.mode_index = 0  # admit everything, adaptive order
+        self.following = "adaptive"  # or a fixed SGLang order followed exactly: "lru", "slru", "lfu"
         self._adapt = self.cfg.force_mode is None
         if not self._adapt:
             names = [str(m) for m in self.modes]
@@ -189,6 +298,28 @@ class AdaptivePolicy:
         self._mini_cap = max(4, self.capacity_pages // (self.cfg.duel_sample_mask + 1))
         self._minis = [_MiniCache(False, self._mini_cap), _MiniCache(True, self._mini_cap)]
         self.scores = [0.0, 0.0]
+        # The safety duel: a SHARDS-sampled lru shadow, and the real cache's own hits on the same
+        # sampled page references (a page is sampled when bytes 2-3 of its hash fall below t).
+        cfg = self.cfg
+        self._guard = self._adapt and cfg.safety_duel
+        t = min(65536, max(1, round(65536 * cfg.shadow_pages / self.capacity_pages)))
+        self._shard_t = t
+        self.shard_rate = t / 65536
+        cap = round(self.capacity_pages * self.shard_rate)
+        self._shadow = _LruShadow(cap)
+        self._shadows = {"lru": self._shadow, "slru": _SlruShadow(cap), "lfu": _LfuShadow(cap)}
+        self._sh_hits = {o: 0.0 for o in FIXED_ORDERS}  # decayed hits of each shadow
+        self._credit = 0.0  # CUSUM of (real - lru shadow + allowance) sampled hits
+        self._credit_decay = 1.0 - 1.0 / (cfg.guard_memory * self._shadow.cap)
+        self._decay = self._credit_decay
+        self._threshold = max(8.0, cfg.guard_threshold * self._shadow.cap)
+        self._hold_len = cfg.guard_hold * self._shadow.cap
+        self._hold = 0.0  # sampled references left in the current lru hold
+        self._settle = 0.0  # references at the start of a hold not used to calibrate the bias
+        # per fixed order, while it is followed: (shadow - real) hits and references (decayed),
+        # the page-level model's bias against the real tree under that order
+        self._bias = {o: [0.0, 0.0] for o in FIXED_ORDERS}
+        self._sh = [0.0, 0.0, 0.0]  # decayed sampled references, lru-shadow hits, real hits
 
     # --- per request (called once per request, from checkpoint) -----------------------------
     def begin_request(self) -> int:
@@ -210,25 +341,111 @@ class AdaptivePolicy:
         if self._adapt:
             dm = self.cfg.duel_sample_mask  # a subset of the counted pages
             self._duel([h for h in counted if not h[0] & dm])
+        if self._guard:
+            t = self._shard_t
+            if t >= 65536:
+                self._safety(page_hashes, device_hit_pages, len(page_hashes))
+            else:
+                idx = [i for i, h in enumerate(page_hashes) if (h[2] << 8 | h[3]) < t]
+                if idx:
+                    real = 0
+                    for i in idx:
+                        if i >= device_hit_pages:
+                            break
+                        real += 1
+                    self._safety([page_hashes[i] for i in idx], real, len(idx))
+
+    def _safety(self, sampled: list, real: int, n: int) -> None:
+        """The safety duel, once per request: ``n`` sampled page references of which the real
+        cache hit ``real`` (a prefix of them); each fixed-order shadow hits some."""
+        hits = {o: sh.run(sampled) for o, sh in self._shadows.items()}
+        d = self._decay**n
+        acc = self._sh_hits
+        for o in FIXED_ORDERS:
+            acc[o] = acc[o] * d + hits[o]
+        sh = self._sh
+        sh[0] = sh[0] * d + n
+        sh[1] = sh[1] * d + hits["lru"]
+        sh[2] = sh[2] * d + real
+        if len(self._shadow.d) < self._shadow.cap:
+            return  # the shadows are not full yet: nothing evicted, nothing to compare
+        # the leading fixed order: lru unless another beats it clearly (ties and noise: lru)
+        best = "lru"
+        for o in ("slru", "lfu"):
+            if acc[o] > acc[best] + max(self._threshold, 0.005 * sh[0]):
+                best = o
+        fol = self.following
+        if fol == "adaptive":
+            b = self._bias[best]
+            bias = min(0.05, max(-0.05, b[0] / b[1])) if b[1] else 0.0
+            c = self._credit
+            if c > 0:
+                c *= self._credit_decay**n  # credit earned long ago fades (phase changes)
+            c += real - hits[best] + (bias + self.cfg.guard_allowance) * n
+            self._credit = c
+            if c > 2 * self._threshold:
+                self._hold_len = self.cfg.guard_hold * self._shadow.cap  # vindicated
+            if c < -self._threshold:  # behind the leading fixed order: follow it for a while
+                self._follow(best)
+                self._hold = self._hold_len
+                self._hold_len *= 2  # each failed return to adaptive waits twice as long
+        else:
+            if self._settle > 0:
+                self._settle -= n
+            else:
+                b = self._bias[fol]
+                b[0] = b[0] * d + hits[fol] - real
+                b[1] = b[1] * d + n
+            if best != fol and acc[best] > acc[fol] + max(self._threshold, 0.005 * sh[0]):
+                self._follow(best)  # another fixed order leads now (hold continues)
+            self._hold -= n
+            if self._hold <= 0:
+                self.following = "adaptive"
+                self._credit = 0.0
+
+    def _follow(self, order: str) -> None:
+        self.following = order
+        self.stats.fallbacks += 1
+        self._settle = self._shadow.cap  # about one turnover of the cache's content
 
     @property
     def mode(self) -> "Mode":
+        if self.following != "adaptive":
+            return _FOLLOW[self.following]
         return self.modes[self.mode_index]
 
     @property
     def filtering(self) -> bool:
-        return self.modes[self.mode_index].admission == "tinylfu"
+        return self.following == "adaptive" and self.modes[self.mode_index].admission == "tinylfu"
+
+    @property
+    def followed_order(self) -> str:
+        """The eviction order the real cache uses now: the policy's, or a followed fixed one."""
+        return self.modes[self.mode_index].eviction if self.following == "adaptive" else self.following
 
     @property
     def eviction_order(self) -> str:
         return self.modes[self.mode_index].eviction
 
+    @property
+    def adaptive_extras(self) -> bool:
+        """Cold aging and pinning: only while the adaptive order is followed (not in fallback)."""
+        return self.following == "adaptive" and self.modes[self.mode_index].eviction == "adaptive"
+
+    @property
+    def pinning(self) -> bool:
+        return self.following == "adaptive"
+
     def protection_boost(self) -> float:
         """Requests by which a protected (reused) node's last use is shifted for eviction."""
+        if self.following != "adaptive":
+            return 0.0
         return self.k * self.cycle
 
     def cold_age(self) -> float:
         """Requests by which a cold prompt's pages are aged at insertion."""
+        if self.following != "adaptive":
+            return 0.0
         return self.c * self.cycle
 
     def _duel(self, sampled: list[bytes]) -> None:
@@ -307,8 +524,15 @@ class AdaptivePolicy:
         if pinned:
             self.stats.evicted_pinned += n_pages
         self._record(evicts=n_pages)
-        if last_tick is not None:
-            self.cycle += 0.01 * (max(0.0, self.tick - last_tick) - self.cycle)
+        if last_tick is not None and kind != COLD:
+            # Cold leaves are skipped: their tick was aged by c x the cycle at insertion, and
+            # feeding that age back made the estimate grow geometrically (1.6e22 on a 4k-request
+            # trace). Ages of warm leaves are real, hence at most the clock; clamp to be sure.
+            age = max(0.0, self.tick - last_tick)
+            if age > self.tick:
+                age = float(self.tick)
+                self.stats.cycle_clamped += 1
+            self.cycle += 0.01 * (age - self.cycle)
         if first_hash is not None and n_pages:
             gp = self._ghost_pages
             for g in (self._ghosts, self._cold_ghosts):
@@ -406,5 +630,13 @@ class AdaptivePolicy:
             "cold_age_c": round(self.c, 3),
             "lru_cycle_requests": round(self.cycle, 1),
             "sketch_resets": self.sketch.resets,
+            "following": self.following,
+            "adaptive_mode": str(self.modes[self.mode_index]),
+            "shadow_rate": round(self.shard_rate, 5),
+            "shadow_lru_hit_rate": round(self._sh[1] / self._sh[0], 4) if self._sh[0] else 0.0,
+            "real_sampled_hit_rate": round(self._sh[2] / self._sh[0], 4) if self._sh[0] else 0.0,
+            "lru_model_bias": round(self._bias["lru"][0] / self._bias["lru"][1], 4) if self._bias["lru"][1] else 0.0,
+            "shadow_hit_rates": {o: round(self._sh_hits[o] / self._sh[0], 4) if self._sh[0] else 0.0
+                                 for o in FIXED_ORDERS},
             **s.__dict__,
         }
