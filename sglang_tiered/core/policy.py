@@ -699,6 +699,25 @@ class AdaptivePolicy:
                 self.stats.thrash_windows += 1
             self._win_stores = self._win_evicts = self._win_events = self._win_pages = self._win_hits = 0
 
+    def check_invariants(self) -> None:
+        """The safety duel's structures and the learned quantities are consistent and bounded."""
+        lru, slru, lfu = self._shadows["lru"], self._shadows["slru"], self._shadows["lfu"]
+        assert len(lru.d) <= lru.cap, "lru shadow over capacity"
+        assert len(slru.prob) + len(slru.prot) <= slru.cap, "slru shadow over capacity"
+        assert not (slru.prob.keys() & slru.prot.keys()), "slru shadow segments overlap"
+        assert lfu.n == len(lfu.cnt) <= lfu.cap, "lfu shadow count"
+        assert sum(len(b) for b in lfu.buckets.values()) == lfu.n and all(lfu.buckets.values()), "lfu buckets"
+        assert all(lfu.cnt[h] == c for c, b in lfu.buckets.items() for h in b), "lfu bucket of a page"
+        assert self.following in ("adaptive",) + FIXED_ORDERS, self.following
+        assert not self._banned or self.following != "adaptive", "banned orders outlive their hold"
+        assert self._credit == self._credit and self._credit <= 1e12, "credit not finite"
+        bk, bc = self.cfg.protect_log_bound, self.cfg.cold_log_bound
+        assert -bk <= self.log_k <= bk and -bc <= self.log_c <= bc, "learned k or c out of bounds"
+        assert 0.0 <= self.cycle <= max(1.0, float(self.tick)), "LRU cycle out of bounds"
+        gp = self._ghost_pages
+        assert gp[0] + gp[1] <= self.capacity_pages + max((g[1] for g in self._ghosts.values()), default=0)
+        assert min(gp) >= 0, "ghost page counts"
+
     def snapshot(self) -> dict:
         s = self.stats
         return {

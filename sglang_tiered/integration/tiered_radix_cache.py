@@ -770,6 +770,7 @@ class TieredRadixCache(RadixCache):
             assert n.tiered_hashes == chain_page_hashes(prev, n.key.raw_token_ids(), self.page_size), "stale page hashes"
             assert n.tiered_end == p.tiered_end + len(n.key), "stale depth"
         assert protected == self.protected_size_, (protected, self.protected_size_)
+        self.policy.check_invariants()  # shadows of the safety duel, learned quantities bounded
         if self._queue is not None:
             # Every evictable leaf has a live entry in the victim queue (possibly stale, then
             # re-queued when it reaches the top), so nothing evictable is ever lost to eviction.
