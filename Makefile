@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env model serve demo test test-fast soak bench clean
+.PHONY: env model serve demo test test-fast soak bench bench-family clean
 
 env:
 	@bash scripts/setup_env.sh
@@ -22,6 +22,10 @@ demo: env
 # Trace replay (no model): tiered vs every SGLang eviction policy, Belady, infinite cache.
 bench: env
 	@$(PY) bench/trace_replay.py
+
+# 200 generated workloads + Mooncake + multi-tenant, 6 capacities, every SGLang policy (~25 min, 2 cores).
+bench-family: env
+	@$(PY) bench/workload_family.py $(FAMILY_ARGS)
 
 test: env
 	@$(PY) -m pytest $(PYTEST_ARGS)

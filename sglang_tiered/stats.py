@@ -69,6 +69,13 @@ class PolicyStats(msgspec.Struct, kw_only=True):
     protection_k: float = 0.0  # learned: reused nodes age k x the LRU cycle later (0 = LRU)
     cold_age_c: float = 0.0  # learned: cold prompts enter c x the LRU cycle old
     lru_cycle_requests: float = 0.0  # mean age, in requests, of evicted leaves
+    following: str = "adaptive"  # the safety duel: "adaptive", or "lru" (exact SGLang lru fallback)
+    fallbacks: int = 0  # times the real cache fell back to exact lru
+    cycle_clamped: int = 0  # LRU-cycle estimates cut at their bound
+    shadow_rate: float = 0.0  # SHARDS sampling rate of the lru shadow
+    shadow_lru_hit_rate: float = 0.0  # lru shadow's hit rate on the sampled pages (recent)
+    real_sampled_hit_rate: float = 0.0  # the real cache's hit rate on the same pages (recent)
+    lru_model_bias: float = 0.0  # shadow minus real hit rate measured while following lru
 
 
 class CacheStats(msgspec.Struct, kw_only=True):

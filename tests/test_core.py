@@ -89,7 +89,8 @@ def test_policy_duel_becomes_scan_resistant():
     import random
 
     rng = random.Random(0)
-    pol = AdaptivePolicy(capacity_pages=256)
+    # the adaptive machinery alone (no real cache here to duel against lru)
+    pol = AdaptivePolicy(capacity_pages=256, config=PolicyConfig(safety_duel=False))
     weights = [1 / (i + 1) for i in range(8000)]
     for page in rng.choices(range(8000), weights, k=40000):
         pol.begin_request()
@@ -99,7 +100,7 @@ def test_policy_duel_becomes_scan_resistant():
 
 def test_policy_stays_unfiltered_on_recency_traffic():
     """A loop over a working set that fits: admitting everything is best; no filtering."""
-    pol = AdaptivePolicy(capacity_pages=512)
+    pol = AdaptivePolicy(capacity_pages=512, config=PolicyConfig(safety_duel=False))
     for step in range(20000):
         pol.begin_request()
         pol.observe([_k(step % 400)], 0)

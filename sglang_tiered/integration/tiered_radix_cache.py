@@ -97,7 +97,8 @@ class _VictimQueue:
                 break
         if a is None and b is None:
             return None, -1
-        if b is None or (a is not None and a[0] <= b[0] + boost):
+        # ties (same tick) go to the older node, as SGLang's lru does (creation order = id order)
+        if b is None or (a is not None and (a[0] < b[0] + boost or (a[0] == b[0] + boost and a[1] <= b[1]))):
             return a[2], 0
         return b[2], 1
 
@@ -160,6 +161,8 @@ class TieredRadixCache(RadixCache):
         self.last_invalidation: dict = {}
         self.metrics = None
         self._queue: Optional[_VictimQueue] = None
+        self._cur = 0.0  # logical time of the cache call in progress (see _now)
+        self._seq = self._seq_tick = 0
         self.host = None  # HostTier when T1 is on
         self.store = None  # StoreQueue: T1 writes off the request path (None: synchronous demotion)
         self._flushing = False
@@ -372,6 +375,9 @@ class TieredRadixCache(RadixCache):
     def _split_node(self, key, child, split_len: int):
         new_node = super()._split_node(key, child, split_len)
         new_node.tiered_tick = child.tiered_tick
+        if self.policy.following != "adaptive":
+            # SGLang stamps the node it splits (both halves) as used now; so does exact lru
+            child.tiered_tick = new_node.tiered_tick = self._cur
         if child.tiered_invalid:
             new_node.tiered_invalid = True
             self._invalid_nodes += 1
@@ -432,10 +438,13 @@ class TieredRadixCache(RadixCache):
         if admit_len <= cpl:
             if first:
                 self._bump_hits(anchor)  # still count the prefix reuse
+                self._cur = self._now()
+                self._stamp(anchor)  # as SGLang's insert of the matched path would
             return
         if admit_len >= aligned:
             admit_len = up_to  # admit everything: let SGLang page-align as usual
         before = self.evictable_size_ + self.protected_size_
+        self._cur = self._now()
         super().checkpoint(req, up_to=admit_len)
         stored = (self.evictable_size_ + self.protected_size_ - before) // ps
         tc.admitted_pages += stored
@@ -444,7 +453,7 @@ class TieredRadixCache(RadixCache):
         self._stamp(req.last_node)
         if self.store is not None:
             self._write_through(anchor, req.last_node)
-        if cpl == 0 and self.policy.eviction_order == "adaptive":
+        if cpl == 0 and self.policy.adaptive_extras:
             # A cold prompt (nothing of it cached): its new nodes enter aged, so a one-shot prompt
             # cannot push out reused context; one that comes back is stamped fresh on use.
             n, old = req.last_node, self.policy.tick - self.policy.cold_age()
@@ -483,10 +492,19 @@ class TieredRadixCache(RadixCache):
         child = anchor.children.get(key.child_key(self.page_size))
         return child is not None and child.tiered_invalid
 
+    def _now(self) -> float:
+        """A fresh logical time of use: the request tick plus a sequence number within it, so
+        uses are ordered exactly as SGLang's ``time.monotonic()`` stamps order them."""
+        t = self.policy.tick
+        if t != self._seq_tick:
+            self._seq_tick, self._seq = t, 0
+        self._seq += 1
+        return t + min(self._seq, 999_999) * 1e-6
+
     def _stamp(self, node) -> None:
-        """Record the logical time of use on ``node`` and its ancestors (stops at the first one
-        already stamped this request: its ancestors are too)."""
-        tick, root = self.policy.tick, self.root_node
+        """Record the current logical time of use (``self._cur``) on ``node`` and its ancestors
+        (stops at the first one already stamped with it: its ancestors are too)."""
+        tick, root = self._cur, self.root_node
         while node is not root and node.tiered_tick != tick:
             node.tiered_tick = tick
             node = node.parent
@@ -509,6 +527,7 @@ class TieredRadixCache(RadixCache):
 
     # ------------------------------------------------------------------ invalidation
     def match_prefix(self, params):
+        self._cur = self._now()
         result = super().match_prefix(params)
         self._stamp(result.last_device_node)
         if self._invalid_nodes and result.device_prefix_len:
@@ -595,12 +614,10 @@ class TieredRadixCache(RadixCache):
             if alloc.available_size() < n:
                 self.evict(EvictParams(num_tokens=n - alloc.available_size()))
             slots = alloc.alloc(n) if alloc.available_size() >= n else None
-            if slots is None:
-                self.unlock(lock)
+            if slots is None:  # (the lock is released in ``finally``, once)
                 return None  # cannot allocate now: the scheduler retries later
             if not self.host.load(hashes, slots[:: self.page_size] // self.page_size):
                 alloc.free(slots)
-                self.unlock(lock)
                 return 0, node  # failed transfer: a clean miss, never partial KV
             new = TreeNode(priority=node.priority)
             new.parent = node
@@ -714,7 +731,7 @@ class TieredRadixCache(RadixCache):
         return bool(hashes) and self.policy.node_frequency(hashes) >= self.policy.cfg.pin_min_freq
 
     def _order_key(self):
-        order = self.policy.eviction_order
+        order = self.policy.followed_order
         if order == "slru":
             return lambda n: n.hit_count >= 2
         if order == "lfu":
@@ -735,8 +752,8 @@ class TieredRadixCache(RadixCache):
 
     def _victims(self):
         """The eviction order: the persistent queue (adaptive) or a heap built now (fixed)."""
-        if self._queue is not None:
-            return self._queue
+        if self._queue is not None and self.policy.followed_order in ("adaptive", "lru"):
+            return self._queue  # (lru: the same queue with no boost; exactly SGLang's lru order)
         order = self._order_key()
         priority = lambda n: (order(n), n.last_access_time)  # noqa: E731
         return _RebuiltQueue([(priority(n), n.id, n) for n in self.evictable_leaves], priority)
@@ -759,7 +776,8 @@ class TieredRadixCache(RadixCache):
         start_time = time.perf_counter()
         num_tokens = params.num_tokens
         ps = self.page_size
-        pin_hits = self.policy.cfg.pin_min_freq
+        # pinning is part of the adaptive policy; a followed fixed order (safety duel) has none
+        pin_hits = self.policy.cfg.pin_min_freq if self.policy.pinning else 1 << 62
         queue = self._victims()
         boost = self.policy.protection_boost()
         # Pinned prefixes are set aside as the queue reaches them (oldest first, within budget)
@@ -842,6 +860,7 @@ class TieredRadixCache(RadixCache):
             assert n.tiered_hashes == chain_page_hashes(prev, n.key.raw_token_ids(), self.page_size), "stale page hashes"
             assert n.tiered_end == p.tiered_end + len(n.key), "stale depth"
         assert protected == self.protected_size_, (protected, self.protected_size_)
+        self.policy.check_invariants()  # shadows of the safety duel, learned quantities bounded
         if self._queue is not None:
             # Every evictable leaf has a live entry in the victim queue (possibly stale, then
             # re-queued when it reaches the top), so nothing evictable is ever lost to eviction.
@@ -897,5 +916,7 @@ class TieredRadixCache(RadixCache):
             "policy": {k: pol[k] for k in (
                 "mode", "admission_filtering", "thrashing", "thrash_windows", "admissions_refused",
                 "pages_admitted", "pages_rejected", "evicted_pages", "evicted_pinned", "sketch_resets",
-                "protection_k", "cold_age_c", "lru_cycle_requests")},
+                "protection_k", "cold_age_c", "lru_cycle_requests", "following", "fallbacks",
+                "cycle_clamped", "shadow_rate", "shadow_lru_hit_rate", "real_sampled_hit_rate",
+                "lru_model_bias")},
         }  # fmt: skip

@@ -1,0 +1,214 @@
+"""Workload-family benchmark: tiered against every SGLang RadixCache eviction policy (driven through
+SGLang's own classes, same call order, same process) and Belady, over a seeded generated family
+(``sglang_tiered.workload_family``) plus the Mooncake conversation trace and the multi-tenant
+workload, at 0.5/1/2/5/10/20 % of each workload's unique pages.
+
+    .venv/bin/python bench/workload_family.py                       # 200 workloads + 2 traces
+    .venv/bin/python bench/workload_family.py --n 20 --no-traces    # a quick look
+
+Per cell: token hit rate of tiered, lru, lfu, slru, fifo, priority, Belady; margins of tiered vs
+lru and vs the best SGLang policy; bookkeeping (cache work, µs per request, mean over the replay)
+of tiered and lru from the same worker, interleaved. Writes bench/results/<name>.{csv,json,png}
+with the machine, versions and git sha, and prints the worst cells.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from trace_replay import PAGE, SGLANG_POLICIES, belady_hits, environment, infinite_hits, page_ids  # noqa: E402
+
+FRACTIONS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2]
+LRU_MARGIN, BEST_MARGIN = -0.002, -0.005  # the acceptance bars (hit-rate points / 100)
+
+
+def _load(spec):
+    from sglang_tiered import workload_family as wf
+    from sglang_tiered.workloads import load_mooncake, multi_tenant
+
+    kind, arg = spec
+    if kind == "family":
+        p = wf.draw(arg)
+        return f"family-{arg:03d}", wf.generate(p), p.as_dict()
+    if kind == "mooncake":
+        return "mooncake", load_mooncake(), {}
+    return "multitenant", multi_tenant(n_requests=arg, seed=0), {"n_requests": arg}
+
+
+def run_workload(task):
+    spec, fractions, belady = task
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from trace_replay import replay_sglang, replay_tiered
+
+    name, reqs, params = _load(spec)
+    pages, unique = page_ids(reqs)
+    total = sum(len(r.tokens) for r in reqs)
+    max_req = max(len(r.tokens) for r in reqs)
+    inf = infinite_hits(pages)
+    rows = []
+    for frac in fractions:
+        cap_pages = max(int(unique * frac), -(-max_req // PAGE) + 1)
+        cap = cap_pages * PAGE
+        row = {"workload": name, "fraction": frac, "requests": len(reqs), "unique_pages": unique,
+               "capacity_pages": cap_pages, "infinite": inf / total}  # fmt: skip
+        row["belady"] = belady_hits(pages, cap_pages) / total if belady else float("nan")
+        for pol in SGLANG_POLICIES:
+            r = replay_sglang(reqs, cap, pol)
+            row[pol] = r["hit_tokens"] / total
+            if pol == "lru":
+                row["us_lru"] = r["us_per_req"]
+            r = replay_tiered(reqs, cap) if pol == "lru" else None  # interleaved with lru
+            if r is not None:
+                row["tiered"] = r["hit_tokens"] / total
+                row["us_tiered"] = r["us_per_req"]
+                ps = r["policy_state"]
+                for k in ("mode", "following", "fallbacks", "protection_k", "cold_age_c",
+                          "lru_cycle_requests", "cycle_clamped", "lru_model_bias"):
+                    row[f"end_{k}"] = ps[k]
+        best = max(SGLANG_POLICIES, key=lambda p: row[p])
+        row["best_sglang"], row["best_sglang_policy"] = row[best], best
+        row["margin_vs_lru"] = row["tiered"] - row["lru"]
+        row["margin_vs_best"] = row["tiered"] - row["best_sglang"]
+        gap = row["belady"] - row["lru"]
+        row["gap_closed_vs_lru"] = (row["tiered"] - row["lru"]) / gap if gap > 1e-9 else float("nan")
+        row["bookkeeping_vs_lru"] = row["us_tiered"] / row["us_lru"]
+        rows.append(row)
+    return name, params, rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=200, help="generated workloads (seeds start..start+n-1)")
+    ap.add_argument("--start", type=int, default=0)
+    ap.add_argument("--no-traces", action="store_true", help="skip Mooncake and multi-tenant")
+    ap.add_argument("--multitenant-requests", type=int, default=4000)
+    ap.add_argument("--fractions", type=float, nargs="+", default=FRACTIONS)
+    ap.add_argument("--no-belady", action="store_true")
+    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--name", default="workload_family")
+    args = ap.parse_args(argv)
+
+    specs = []
+    if not args.no_traces:
+        specs += [("mooncake", 0), ("multitenant", args.multitenant_requests)]
+    specs += [("family", s) for s in range(args.start, args.start + args.n)]
+    tasks = [(s, args.fractions, not args.no_belady) for s in specs]
+    t0 = time.time()
+    rows, params = [], {}
+    with mp.get_context("fork").Pool(args.workers, maxtasksperchild=8) as pool:
+        for i, (name, p, rs) in enumerate(pool.imap_unordered(run_workload, tasks)):
+            rows += rs
+            params[name] = p
+            worst = min(r["margin_vs_lru"] for r in rs)
+            print(f"[{i + 1}/{len(tasks)} {time.time() - t0:5.0f}s] {name}: worst vs lru {worst * 100:+.2f} pts, "
+                  f"vs best {min(r['margin_vs_best'] for r in rs) * 100:+.2f} pts, bookkeeping "
+                  f"{sum(r['us_tiered'] for r in rs) / sum(r['us_lru'] for r in rs):.2f}x", flush=True)
+    rows.sort(key=lambda r: (r["workload"], r["fraction"]))
+    summary = summarize(rows)
+    env = environment()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"{args.name}.csv", "w", newline="") as f:
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    (out / f"{args.name}.json").write_text(json.dumps(
+        {"environment": env, "page_size": PAGE, "wall_s": round(time.time() - t0), "summary": summary,
+         "workload_params": params, "rows": rows}, indent=1, default=str))  # fmt: skip
+    _plot(rows, out / f"{args.name}.png", env, summary)
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {out}/{args.name}.{{csv,json,png}} in {time.time() - t0:.0f}s")
+    return 0
+
+
+def summarize(rows) -> dict:
+    def cell(r):
+        return {k: (round(r[k], 4) if isinstance(r[k], float) else r[k]) for k in (
+            "workload", "fraction", "tiered", "lru", "best_sglang", "best_sglang_policy", "belady",
+            "margin_vs_lru", "margin_vs_best", "end_following", "end_fallbacks")}  # fmt: skip
+
+    by_lru = sorted(rows, key=lambda r: r["margin_vs_lru"])
+    by_best = sorted(rows, key=lambda r: r["margin_vs_best"])
+    gaps = [r["gap_closed_vs_lru"] for r in rows if r["gap_closed_vs_lru"] == r["gap_closed_vs_lru"]]
+    belady_gap = sum(r["belady"] - r["lru"] for r in rows if r["belady"] == r["belady"])
+    tiered_gain = sum(r["tiered"] - r["lru"] for r in rows if r["belady"] == r["belady"])
+    per_wl: dict = {}
+    for r in rows:
+        a = per_wl.setdefault(r["workload"], [0.0, 0.0])
+        a[0] += r["us_tiered"] * r["requests"]
+        a[1] += r["us_lru"] * r["requests"]
+    ratios = {w: a[0] / a[1] for w, a in per_wl.items()}
+    fam = {w: v for w, v in ratios.items() if w.startswith("family-")}
+    mc = [r for r in rows if r["workload"] == "mooncake"]
+    return {
+        "cells": len(rows),
+        "workloads": len(per_wl),
+        "cells_below_lru_bar": sum(r["margin_vs_lru"] < LRU_MARGIN for r in rows),
+        "cells_below_best_bar": sum(r["margin_vs_best"] < BEST_MARGIN for r in rows),
+        "cells_beating_best_sglang": sum(r["margin_vs_best"] > 0 for r in rows),
+        "cells_at_least_best_sglang": sum(r["margin_vs_best"] >= 0 for r in rows),
+        "worst_vs_lru": [cell(r) for r in by_lru[:5]],
+        "worst_vs_best": [cell(r) for r in by_best[:5]],
+        "gap_closed_vs_lru_pooled": tiered_gain / belady_gap if belady_gap > 0 else None,
+        "gap_closed_vs_lru_median_cell": sorted(gaps)[len(gaps) // 2] if gaps else None,
+        "bookkeeping_vs_lru_per_workload_max_family": max(fam.values()) if fam else None,
+        "bookkeeping_vs_lru_per_workload_median_family": sorted(fam.values())[len(fam) // 2] if fam else None,
+        "bookkeeping_family_over_1_2x": sorted(w for w, v in fam.items() if v > 1.2),
+        "bookkeeping_vs_lru_mooncake": ratios.get("mooncake"),
+        "bookkeeping_vs_lru_multitenant": ratios.get("multitenant"),
+        "mooncake": {r["fraction"]: {"tiered": round(r["tiered"], 4), "lru": round(r["lru"], 4),
+                                     "best_sglang": round(r["best_sglang"], 4),
+                                     "bookkeeping_vs_lru": round(r["bookkeeping_vs_lru"], 3)} for r in mc},
+    }  # fmt: skip
+
+
+def _plot(rows, path, env, summary) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for ax, key, bar, title in ((axes[0], "margin_vs_lru", LRU_MARGIN, "tiered - SGLang lru"),
+                                (axes[1], "margin_vs_best", BEST_MARGIN, "tiered - best SGLang policy")):  # fmt: skip
+        fam = [r for r in rows if r["workload"].startswith("family-")]
+        ax.scatter([r["fraction"] * 100 * (1 + 0.08 * ((hash(r["workload"]) % 11) - 5) / 5) for r in fam],
+                   [r[key] * 100 for r in fam], s=6, alpha=0.35, label="generated family")  # fmt: skip
+        for w, m in (("mooncake", "r-o"), ("multitenant", "g-s")):
+            rs = [r for r in rows if r["workload"] == w]
+            if rs:
+                ax.plot([r["fraction"] * 100 for r in rs], [r[key] * 100 for r in rs], m, label=w)
+        fr = sorted({r["fraction"] for r in rows})
+        ax.plot([f * 100 for f in fr], [min(r[key] for r in rows if r["fraction"] == f) * 100 for f in fr],
+                "k--", label="worst cell")  # fmt: skip
+        ax.axhline(bar * 100, color="red", linewidth=0.8, linestyle=":", label=f"bar {bar * 100:+.1f}")
+        ax.axhline(0, color="grey", linewidth=0.6)
+        ax.set_xscale("log")
+        ax.set_xlabel("device capacity, % of unique pages")
+        ax.set_ylabel("hit-rate margin, points")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{summary['workloads']} workloads x {len(set(r['fraction'] for r in rows))} capacities; "
+                 f"SGLang {env['sglang']} RadixCache, git {env['git_sha']}", fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
