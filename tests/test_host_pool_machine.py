@@ -29,6 +29,9 @@ class HostPoolMachine(RuleBasedStateMachine):
     @rule(hs=st.lists(st.sampled_from(HASHES), min_size=1, max_size=4, unique=True), evict=st.booleans())
     def reserve(self, hs, evict):
         pairs = self.pool.reserve(hs, evict=evict)
+        for h in hs:  # resident pages of the batch count as used first
+            if h in self.model:
+                self.model.move_to_end(h)
         want = [h for h in hs if h not in self.model]
         room = CAP - len(self.model)
         if not evict:

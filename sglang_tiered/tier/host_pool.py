@@ -294,6 +294,10 @@ class HostPool:
         """Slots for pages not yet resident (least recently used pages make room when ``evict``).
         Returns (hash, slot) pairs in order; fewer than asked when the pool is full."""
         out = []
+        for h in hashes:  # pages of this batch already resident are used again: never the victims
+            slot = self.slot_of.get(h)
+            if slot is not None:
+                self.lru.move_to_end(slot)
         for h in hashes:
             if h in self.slot_of:
                 continue
