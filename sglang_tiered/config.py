@@ -12,6 +12,9 @@ the launch with a clear message if one is bad.
 | SGLANG_TIERED_HOST_NAME | unset | name of the shared-memory segment; set it to keep T1 across restarts (also at another TP degree) |
 | SGLANG_TIERED_TENANT_HEADER | unset | trusted request header that sets the tenant (e.g. x-tenant-id) |
 | SGLANG_TIERED_DEBUG | 0 | 1: check tree and tier invariants after every operation |
+| SGLANG_TIERED_INDEX_URL | unset | fleet hint index: redis://HOST:PORT/DB; rank 0 publishes the page hashes it holds |
+| SGLANG_TIERED_SERVER_ID | unset | this server's id in the index (required with INDEX_URL): the URL routers reach it at |
+| SGLANG_TIERED_INDEX_TTL_S | 30 | seconds until a silent server's entries are ignored (heartbeat) and expire; finite, [1, 86400] |
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class TieredConfig:
     host_name: str | None = None
     tenant_header: str | None = None
     debug: bool = False
+    index_url: str | None = None
+    server_id: str | None = None
+    index_ttl_s: float = 30.0
 
 
 # Upper bounds that catch typos and absurd values at launch (a T1 bigger than these is not a
@@ -85,6 +91,18 @@ def load_config(env=None) -> TieredConfig:
     phys = _physical_gb()
     if host_gb is not None and phys and host_gb > phys:
         raise ConfigError(f"SGLANG_TIERED_HOST_GB={host_gb:g}: more than this machine's memory ({phys:.1f} GB)")
+    index_url = env.get("SGLANG_TIERED_INDEX_URL") or None
+    server_id = env.get("SGLANG_TIERED_SERVER_ID") or None
+    if index_url is not None:
+        if not re.fullmatch(r"rediss?://[A-Za-z0-9_.\[\]:@%-]+(/[0-9]{1,2})?", index_url):
+            raise ConfigError(f"SGLANG_TIERED_INDEX_URL={index_url!r}: expected redis://HOST:PORT[/DB]")
+        if server_id is None:
+            raise ConfigError("SGLANG_TIERED_INDEX_URL is set but SGLANG_TIERED_SERVER_ID is not")
+    if server_id is not None and not re.fullmatch(r"[A-Za-z0-9_.:/\[\]-]{1,200}", server_id):
+        raise ConfigError(f"SGLANG_TIERED_SERVER_ID={server_id!r}: use up to 200 URL-safe characters")
+    ttl = _float(env, "SGLANG_TIERED_INDEX_TTL_S", 30.0, 86400.0)
+    if ttl < 1:
+        raise ConfigError(f"SGLANG_TIERED_INDEX_TTL_S={ttl:g}: must be >= 1")
     return TieredConfig(
         host_mode=mode,
         host_ratio=_float(env, "SGLANG_TIERED_HOST_RATIO", 4.0, MAX_HOST_RATIO),
@@ -92,4 +110,7 @@ def load_config(env=None) -> TieredConfig:
         host_name=name,
         tenant_header=header,
         debug=debug == "1",
+        index_url=index_url,
+        server_id=server_id,
+        index_ttl_s=ttl,
     )

@@ -159,6 +159,9 @@ class TieredRadixCache(RadixCache):
         self.versions: dict[str, str] = {}  # identity names an invalidation may target
         self.last_invalidation: dict = {}
         self.metrics = None
+        # Fleet hint index (sglang_tiered.fleet.publisher): told which page hashes this server
+        # holds (device or T1) and which it dropped; never on the request path (it only queues).
+        self.index_listener = None
         self._queue: Optional[_VictimQueue] = None
         self.host = None  # HostTier when T1 is on
         self.host_decision = "off"
@@ -181,6 +184,10 @@ class TieredRadixCache(RadixCache):
         key = cache_key_from_context(ctx)
         cache = cls(ctx.params, cache_key=key, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size, debug_checks=cfg.debug)
         cache._setup_host_tier(ctx, cfg)
+        if cfg.index_url and ctx.tp_rank == 0:  # ranks are identical: rank 0 publishes
+            from sglang_tiered.fleet.publisher import IndexPublisher
+
+            cache.attach_index(IndexPublisher.from_config(cfg))
         cache.versions = {
             "model_id": key.model_id,
             "weights_digest": key.weights_digest,
@@ -221,6 +228,19 @@ class TieredRadixCache(RadixCache):
         cache.driver = CacheDriver(cache, alloc, pool, verify_kv=verify_kv)
         return cache
 
+    # ------------------------------------------------------------------ fleet hint index
+    def attach_index(self, listener) -> None:
+        """Tell ``listener`` (``on_store(hashes)``, ``on_remove(hashes)``, ``on_clear()``) which
+        page hashes this server holds, in device or T1. Hints only: a missed or late notification
+        changes where a router sends a request, never what a request computes."""
+        self.index_listener = listener
+        if self.host is not None:
+            self.host.pool.forget_listener = lambda h: listener.on_remove([h])
+
+    def _notify(self, kind: str, hashes) -> None:
+        if self.index_listener is not None and hashes:
+            getattr(self.index_listener, kind)(hashes)
+
     def _setup_host_tier(self, ctx, cfg) -> None:
         from sglang_tiered.integration.host_setup import build_host_tier
 
@@ -237,6 +257,8 @@ class TieredRadixCache(RadixCache):
         # before shutdown leaves everything in a named T1 for a warm restart).
         if getattr(self, "host", None) is not None and getattr(self, "root_node", None) is not None:
             self.evict(EvictParams(num_tokens=self.evictable_size_))
+        elif getattr(self, "index_listener", None) is not None:
+            self.index_listener.on_clear()
         super().reset()
         # the adaptive order's persistent victim queue (fixed orders rebuild a heap per evict)
         adaptive = self.policy.eviction_order == "adaptive"
@@ -372,6 +394,7 @@ class TieredRadixCache(RadixCache):
         tc.admitted_pages += stored
         tc.resident_pages += stored
         self._attach_hashes(req.last_node, hashes)
+        self._notify("on_store", new[:n_admit])
         self._stamp(req.last_node)
         if cpl == 0 and self.policy.eviction_order == "adaptive":
             # A cold prompt (nothing of it cached): its new nodes enter aged, so a one-shot prompt
@@ -391,6 +414,8 @@ class TieredRadixCache(RadixCache):
         ps = self.page_size
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start : start + len(hashes) * ps]
         self.host.demote(row[::ps] // ps, hashes, name_hash(tenant_of(req.cache_salt)))
+        if self.index_listener is not None:
+            self._notify("on_store", [h for h in hashes if self.host.pool.contains(h)])
 
     @staticmethod
     def _no_store(req) -> bool:
@@ -544,6 +569,7 @@ class TieredRadixCache(RadixCache):
             self._update_leaf_status(node)
             self._update_leaf_status(new)
             self.kv_events.record_store(new)
+            self._notify("on_store", hashes)
             tc = self.tenants.get(tenant_of(req.cache_salt))
             tc.resident_pages += len(hashes)
             tc.promoted_pages += len(hashes)
@@ -613,6 +639,7 @@ class TieredRadixCache(RadixCache):
         tc.resident_pages -= n // self.page_size
         self._delete_leaf(node)
         self.kv_events.record_remove(node)
+        self._notify("on_remove", node.tiered_hashes)
         self._invalid_nodes -= 1
         return n
 
@@ -712,6 +739,10 @@ class TieredRadixCache(RadixCache):
             if self.host is not None and not x.tiered_invalid and x.tiered_hashes:
                 self.host.demote(x.value[::ps] // ps, x.tiered_hashes,
                                  name_hash(tenant_of(x.key.cache_salt)))  # fmt: skip
+                if self.index_listener is not None:  # a demoted page stays held, in T1
+                    self._notify("on_remove", [h for h in x.tiered_hashes if not self.host.pool.contains(h)])
+            else:  # gone from this server
+                self._notify("on_remove", x.tiered_hashes)
             free_segment(x.value, start_pos=0)
             num_evicted += len(x.value)
             policy.on_evict(len(x.key) // ps, pinned=was_pinned,
