@@ -5,6 +5,7 @@ Layout (all keys under ``st:``):
 * ``st:p:<16-byte page hash>``: a Redis hash, field = server id, value = unix seconds of that
   server's last publication of the page. The key's expiry is refreshed on every publication.
 * ``st:alive:<server id>``: heartbeat, expires after the TTL.
+* ``st:ckey:<server id>``: the server's ``CacheKey`` (JSON), so a router hashes prompts the same way.
 
 A reader counts server s as holding page p when s's field exists, is younger than the TTL, and
 s's heartbeat is alive, so a dead server's entries are ignored within one TTL and vanish (their
@@ -26,6 +27,11 @@ def page_key(h: bytes) -> bytes:
 
 def alive_key(server_id: str) -> bytes:
     return PREFIX + b"alive:" + server_id.encode()
+
+
+def ckey_key(server_id: str) -> bytes:
+    """The server's cache identity (``CacheKey`` as JSON): routers need it to hash prompts."""
+    return PREFIX + b"ckey:" + server_id.encode()
 
 
 def holders_from_replies(page_replies: Sequence[dict], alive: dict[str, bool], ttl_s: float,

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from sglang_tiered.fleet.index import alive_key, page_key
+from sglang_tiered.fleet.index import alive_key, ckey_key, page_key
 
 logger = logging.getLogger("sglang_tiered")
 
@@ -29,7 +29,12 @@ BATCH_PAGES = 4096
 
 class IndexPublisher:
     def __init__(self, url: str, server_id: str, ttl_s: float = 30.0, *, start: bool = True,
-                 socket_timeout_s: float = 0.5):  # fmt: skip
+                 socket_timeout_s: float = 0.5, cache_key=None):  # fmt: skip
+        import json
+        from dataclasses import asdict
+
+        # routers read the cache identity from the index to compute the same page hashes
+        self.key_json = json.dumps(asdict(cache_key), sort_keys=True) if cache_key is not None else ""
         self.url = url
         self.server_id = server_id
         self.ttl_s = float(ttl_s)
@@ -49,10 +54,10 @@ class IndexPublisher:
             self._thread.start()
 
     @classmethod
-    def from_config(cls, cfg) -> "IndexPublisher":
+    def from_config(cls, cfg, cache_key=None) -> "IndexPublisher":
         logger.info("sglang-tiered: publishing the fleet hint index to %s as %s (ttl %gs)",
                     cfg.index_url, cfg.server_id, cfg.index_ttl_s)  # fmt: skip
-        return cls(cfg.index_url, cfg.server_id, cfg.index_ttl_s)
+        return cls(cfg.index_url, cfg.server_id, cfg.index_ttl_s, cache_key=cache_key)
 
     # ---------------------------------------------------------------- scheduler side (never blocks)
     def _put(self, item) -> None:
@@ -127,6 +132,8 @@ class IndexPublisher:
         sid = self.server_id
         pipe = c.pipeline(transaction=False)
         pipe.set(alive_key(sid), now, ex=max(1, int(self.ttl_s)))
+        if self.key_json:
+            pipe.set(ckey_key(sid), self.key_json, ex=max(1, int(self.ttl_s)))
         for h in removed:
             pipe.hdel(page_key(h), sid)
         for h in stored:

@@ -187,7 +187,7 @@ class TieredRadixCache(RadixCache):
         if cfg.index_url and ctx.tp_rank == 0:  # ranks are identical: rank 0 publishes
             from sglang_tiered.fleet.publisher import IndexPublisher
 
-            cache.attach_index(IndexPublisher.from_config(cfg))
+            cache.attach_index(IndexPublisher.from_config(cfg, key))
         cache.versions = {
             "model_id": key.model_id,
             "weights_digest": key.weights_digest,
@@ -832,6 +832,7 @@ class TieredRadixCache(RadixCache):
                 self.host.snapshot() if self.host is not None else
                 {"name": "host", "enabled": False, "decision": self.host_decision},
             ],
+            "index": self.index_listener.snapshot() if hasattr(self.index_listener, "snapshot") else None,
             "policy": {k: pol[k] for k in (
                 "mode", "admission_filtering", "thrashing", "thrash_windows", "admissions_refused",
                 "pages_admitted", "pages_rejected", "evicted_pages", "evicted_pinned", "sketch_resets",
