@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env model serve demo test test-fast soak bench clean
+.PHONY: env model serve demo test test-fast soak bench fleet-sim fleet-bench redis clean
 
 env:
 	@bash scripts/setup_env.sh
@@ -22,6 +22,19 @@ demo: env
 # Trace replay (no model): tiered vs every SGLang eviction policy, Belady, infinite cache.
 bench: env
 	@$(PY) bench/trace_replay.py
+
+# Fleet simulator (no model): every routing policy over N = 1..44 simulated servers.
+fleet-sim: env
+	@$(PY) bench/fleet_sim.py $(FLEET_SIM_ARGS)
+
+# Live loopback fleet: Redis + 3 tiered servers behind our router vs smg round_robin,
+# cache_aware, prefix_hash; JSON/CSV/PNG under bench/results/. Not part of CI (about 10 min).
+fleet-bench: env redis
+	@HF_HUB_OFFLINE=1 $(PY) bench/fleet_live.py $(FLEET_BENCH_ARGS)
+
+# redis-server (Debian package) for the fleet tests and fleet-bench; needs root or sudo.
+redis:
+	@bash scripts/install_redis.sh
 
 test: env
 	@$(PY) -m pytest $(PYTEST_ARGS)

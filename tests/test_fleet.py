@@ -42,7 +42,7 @@ def _view(ws, load=None, queue=None, matched=None):
 
 def test_policy_affinity_hatch_and_time_rule():
     ws = [f"w{i}" for i in range(6)]
-    pol = AffinityCachePolicy(k=3, c_tok_s=1e-3, followers=0.0)
+    pol = AffinityCachePolicy(k=3, c_tok_s=1e-3, followers=0.0, per_prefix=False, cold_frac=0.0)
     req = RouteRequest(1000, [b"x" * 16] * 10, tenant="acme")
     homes = rendezvous_top_k(b"t:acme", ws, 3)
     d = pol.route(req, _view(ws))
@@ -65,6 +65,19 @@ def test_policy_affinity_hatch_and_time_rule():
     assert pol.route(req, _view(ws, queue=q, matched=m)).worker == homes[0]
     # no index (Redis down): affinity + load only
     assert pol.route(req, _view(ws, matched=None)).worker == homes[0]
+    # cold requests (nobody holds a quarter of the prompt) leave a home above the mean load
+    cold = AffinityCachePolicy(k=1, per_prefix=False, cold_frac=0.25, cold_over=1.15)
+    load = {w: 1.0 for w in ws}
+    load[homes[0]] = 3.0
+    d = cold.route(req, _view(ws, load, matched={}))
+    assert d.worker != homes[0] and d.reason == "cold"
+    # ... but a warm one stays (its home holds half of it), as long as the hatch allows
+    d = cold.route(req, _view(ws, load, matched={homes[0]: 500}))
+    assert d.worker == homes[0]
+    # per-prefix affinity: a tenant's prompt families may have different homes, deterministically
+    fam = AffinityCachePolicy(k=1, per_prefix=True, cold_frac=0.0)
+    a = fam.route(RouteRequest(64, [b"a" * 16] * 4, tenant="acme"), _view(ws)).worker
+    assert a == fam.route(RouteRequest(64, [b"a" * 16] * 4, tenant="acme"), _view(ws)).worker
 
 
 def test_longest_match():

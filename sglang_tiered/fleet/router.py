@@ -72,7 +72,7 @@ class RouterStats:
 
 
 class Router:
-    def __init__(self, workers: list[str], redis_url: Optional[str] = None, *, k: int = 3,
+    def __init__(self, workers: list[str], redis_url: Optional[str] = None, *, k: int = 1,
                  model_path: Optional[str] = None, tenant_header: Optional[str] = None,
                  c_tok_us: float = 35.0, page_size: int = 16, index_ttl_s: float = 30.0,
                  index_timeout_ms: float = 50.0, health_interval_s: float = 1.0):  # fmt: skip

@@ -55,11 +55,16 @@ def rendezvous_top_k(key: str | bytes, workers: Sequence[str], k: int) -> list[s
     return rendezvous_rank(key, workers)[: max(1, k)]
 
 
-def affinity_key(tenant: Optional[str], page_hashes: Sequence[bytes], affinity_pages: int = 2) -> bytes:
-    """The tenant when there is one, else the prompt's head (its first ``affinity_pages`` pages:
-    a conversation or template); prompts shorter than one page share the empty key."""
-    if tenant:
+def affinity_key(tenant: Optional[str], page_hashes: Sequence[bytes], affinity_pages: int = 2,
+                 per_prefix: bool = False) -> bytes:  # fmt: skip
+    """The tenant when there is one (``per_prefix``: the tenant's prompt family, i.e. its first
+    page, whose hash is seeded by the tenant), else the prompt's head (its first
+    ``affinity_pages`` pages: a conversation or template); prompts shorter than one page share
+    the empty key."""
+    if tenant and not (per_prefix and page_hashes):
         return b"t:" + tenant.encode()
+    if tenant:
+        return b"f:" + page_hashes[0]
     if page_hashes:
         return b"p:" + page_hashes[min(len(page_hashes), affinity_pages) - 1]
     return b"p:"
@@ -115,15 +120,21 @@ def longest_match(page_hashes: Sequence[bytes], holders: Sequence[set], page_siz
 class AffinityCachePolicy:
     """Ours: rendezvous top-k homes + occupancy escape hatch + index locality, priced in seconds."""
 
-    k: int = 3
+    k: int = 1
     overload: float = 1.25  # a worker is over the hatch above overload x the fleet mean load ...
     slack: float = 2.0  # ... plus this many requests (small fleets at low load never spill)
     c_tok_s: float = 35e-6  # recompute seconds per prompt token (seed: 35 us on its fleet)
     affinity_pages: int = 2
+    per_prefix: bool = True  # affinity unit: the tenant (R2), or the tenant's first page
     use_index: bool = True
     # A recomputed token delays this request and, queued on the server, the requests behind it:
     # priced at (1 + followers) x c_tok (followers ~ rho / (1 - rho) requests at utilisation rho).
     followers: float = 2.0
+    # Cold requests balance the load: with the index up, a prompt of which no worker holds more
+    # than cold_frac recomputes the same everywhere, so when its home is above the mean load it
+    # goes to the least loaded worker instead (warm requests stay; only the hatch moves them).
+    cold_frac: float = 0.25
+    cold_over: float = 1.15  # ... above cold_over x the mean load
     name: str = "ours"
 
     def over(self, view: FleetView, w: str) -> bool:
@@ -133,7 +144,8 @@ class AffinityCachePolicy:
 
     def route(self, req: RouteRequest, view: FleetView) -> Decision:
         workers = view.workers
-        key = req.key if req.key is not None else affinity_key(req.tenant, req.page_hashes, self.affinity_pages)
+        key = req.key if req.key is not None else affinity_key(req.tenant, req.page_hashes, self.affinity_pages,
+                                                               self.per_prefix)  # fmt: skip
         homes = rendezvous_top_k(key, workers, self.k)
         matched = (view.matched or {}) if self.use_index else {}
         # R2: the first home (in rendezvous order) under the hatch; the others only as overflow
@@ -144,6 +156,12 @@ class AffinityCachePolicy:
             w = min(workers, key=lambda x: (view.load.get(x, 0.0), view.queue_s.get(x, 0.0), x))
             return Decision(w, spill=True, home=False, reason="spill", matched=matched.get(w, 0))
         order = {w: i for i, w in enumerate(homes)}
+        if (self.cold_frac > 0 and view.matched is not None and self.use_index and cands
+                and max(matched.values(), default=0) < self.cold_frac * req.prompt_tokens):
+            mean = sum(view.load.get(x, 0.0) for x in workers) / len(workers)
+            if view.load.get(cands[0], 0.0) > self.cold_over * mean:
+                w = min(workers, key=lambda x: (view.load.get(x, 0.0), order.get(x, len(order)), x))
+                return Decision(w, spill=False, home=w in order, reason="cold", matched=matched.get(w, 0))
 
         def cost(w):
             miss = max(0, req.prompt_tokens - matched.get(w, 0))

@@ -27,6 +27,7 @@ class SimIndex:
 
     def __init__(self):
         self.holders: dict[bytes, set] = {}
+        self.held: dict[str, int] = {}  # pages per worker
 
     def listener(self, worker: str):
         idx = self
@@ -34,13 +35,17 @@ class SimIndex:
         class _L:
             def on_store(self, hashes):
                 for h in hashes:
-                    idx.holders.setdefault(h, set()).add(worker)
+                    s = idx.holders.setdefault(h, set())
+                    if worker not in s:
+                        s.add(worker)
+                        idx.held[worker] = idx.held.get(worker, 0) + 1
 
             def on_remove(self, hashes):
                 for h in hashes:
                     s = idx.holders.get(h)
-                    if s is not None:
+                    if s is not None and worker in s:
                         s.discard(worker)
+                        idx.held[worker] -= 1
                         if not s:
                             del idx.holders[h]
 
