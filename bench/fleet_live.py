@@ -163,7 +163,21 @@ def main(argv=None) -> int:
             p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
             procs.append(p)
             wait_http(f"http://127.0.0.1:{port}/health", p, 120)
-            time.sleep(2.0)  # smg: first worker health poll
+            # smg registers its workers asynchronously: probe until a request goes through, then
+            # flush again so every router starts from empty caches
+            t_end = time.time() + 120
+            while True:
+                try:
+                    post(f"http://127.0.0.1:{port}/generate", {"text": "probe", "cache_salt": "probe",
+                         "sampling_params": {"max_new_tokens": 1}})  # fmt: skip
+                    break
+                except Exception:  # noqa: BLE001
+                    if time.time() > t_end:
+                        raise
+                    time.sleep(1.0)
+            for s in servers:
+                post(s.url + "/flush_cache")
+            time.sleep(1.0)
             res, wall = run(f"http://127.0.0.1:{port}", work, args.concurrency, args.max_new_tokens)
             extra = {}
             if name == "ours":

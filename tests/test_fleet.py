@@ -68,7 +68,7 @@ def test_policy_affinity_hatch_and_time_rule():
     # cold requests (nobody holds a quarter of the prompt) leave a home above the mean load
     cold = AffinityCachePolicy(k=1, per_prefix=False, cold_frac=0.25, cold_over=1.15)
     load = {w: 1.0 for w in ws}
-    load[homes[0]] = 3.0
+    load[homes[0]] = 3.5
     d = cold.route(req, _view(ws, load, matched={}))
     assert d.worker != homes[0] and d.reason == "cold"
     # ... but a warm one stays (its home holds half of it), as long as the hatch allows

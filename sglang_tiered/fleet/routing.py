@@ -7,30 +7,33 @@ holds) and returns a ``Decision``.
 
 Ours (``AffinityCachePolicy``), seed R2 + section 9.3:
 
-* **Affinity**: the affinity key (the tenant = ``cache_salt`` or trusted header; without one, the
-  hash of the prompt's first ``affinity_pages`` pages, i.e. its conversation or template) is
-  rendezvous-hashed onto its top-``k`` home workers. Rendezvous (highest random weight) hashing
-  moves only the keys whose top-k contained a leaving worker (or now contains a joining one): about
-  k/n of them per membership change.
-* **Occupancy escape hatch**: a worker is *eligible* while its occupancy (in-flight work relative to
-  the fleet mean, see ``FleetView.load``) is below ``overload`` (1.25 x the mean, plus ``slack``
-  requests). When every home is over it, the request spills to the least loaded worker (counted in
-  ``spill``).
+* **Affinity**: the affinity key is rendezvous-hashed onto its top-``k`` home workers (k = 1 by
+  default). The key is the tenant's prompt family (its first page hash, which the tenant seeds;
+  ``per_prefix=False``: the tenant itself, ``cache_salt`` or the trusted header), or without a
+  tenant the prompt's first ``affinity_pages`` pages (its conversation or template). Rendezvous
+  (highest random weight) hashing moves only the keys whose top-k contained a leaving worker (or
+  now contains a joining one): about k/n of them per membership change.
+* **Occupancy escape hatch**: a worker is *eligible* while its load (``FleetView.load``: requests
+  in flight, or the simulator's recent work) is at most ``overload`` x the fleet mean + ``slack``
+  (1.25 and 2). The first eligible home in rendezvous order is the candidate (R2: the next homes
+  only take overflow, so a working set is not copied k times); when no home is eligible the
+  request spills to the least loaded worker (counted in ``spill``).
 * **Cache locality** from the hint index, in units of time (section 9.3: prefer a warmer replica if
-  matched_tokens x recompute cost per token > extra queue delay). The candidates are the first
-  home in rendezvous order that is under the hatch (as in R2: the next homes only take overflow,
-  so a tenant's working set is not copied k times) plus every eligible worker the index says holds
-  a prefix of the prompt; each costs
+  matched_tokens x recompute cost per token > extra queue delay): every eligible worker the index
+  says holds a prefix of the prompt is a candidate too; each costs
 
       cost(w) = (prompt_tokens - matched_tokens(w)) x c_tok x (1 + followers)  +  queue_delay(w)
 
   where ``c_tok`` is the recompute time per token (seconds), ``followers`` the requests queued
-  behind this one that each recomputed token also delays (default 2, i.e. rho ~ 0.67), and ``queue_delay(w)`` is the work queued
-  on w ahead of this request, in seconds (``FleetView.queue_s``). The minimum wins; ties go to the
-  home. So a warmer worker wins exactly when its extra matched
-  tokens x c_tok exceed its extra queue delay.
+  behind this one that each recomputed token also delays (default 2, i.e. rho ~ 0.67), and
+  ``queue_delay(w)`` the work queued on w ahead of this request, in seconds
+  (``FleetView.queue_s``). The minimum wins; ties go to the home.
+* **Cold requests balance**: with the index up, a prompt of which no worker holds ``cold_frac``
+  (a quarter) recomputes the same everywhere, so when its home is above ``cold_over`` x the mean
+  load + slack/2 it goes to the least loaded worker instead; warm requests stay unless the hatch
+  moves them.
 
-Without the index (Redis down) matched is 0 everywhere and the rule degrades to affinity + load.
+Without the index (Redis down) nothing is known to match and the rule is affinity + load.
 """
 
 from __future__ import annotations
@@ -134,7 +137,7 @@ class AffinityCachePolicy:
     # than cold_frac recomputes the same everywhere, so when its home is above the mean load it
     # goes to the least loaded worker instead (warm requests stay; only the hatch moves them).
     cold_frac: float = 0.25
-    cold_over: float = 1.15  # ... above cold_over x the mean load
+    cold_over: float = 1.15  # ... above cold_over x the mean load + slack / 2
     name: str = "ours"
 
     def over(self, view: FleetView, w: str) -> bool:
@@ -159,7 +162,7 @@ class AffinityCachePolicy:
         if (self.cold_frac > 0 and view.matched is not None and self.use_index and cands
                 and max(matched.values(), default=0) < self.cold_frac * req.prompt_tokens):
             mean = sum(view.load.get(x, 0.0) for x in workers) / len(workers)
-            if view.load.get(cands[0], 0.0) > self.cold_over * mean:
+            if view.load.get(cands[0], 0.0) > self.cold_over * mean + self.slack / 2:
                 w = min(workers, key=lambda x: (view.load.get(x, 0.0), order.get(x, len(order)), x))
                 return Decision(w, spill=False, home=w in order, reason="cold", matched=matched.get(w, 0))
 
