@@ -57,6 +57,18 @@ def post(url, payload=None):
         return r.read()
 
 
+def flush(url, timeout=120):
+    """POST /flush_cache until it succeeds (SGLang answers 400 while requests are pending)."""
+    t_end = time.time() + timeout
+    while True:
+        try:
+            return post(url + "/flush_cache")
+        except Exception:  # noqa: BLE001
+            if time.time() > t_end:
+                raise
+            time.sleep(1.0)
+
+
 def build_workload(n, tenants, seed, model):
     from transformers import AutoTokenizer
 
@@ -143,7 +155,7 @@ def main(argv=None) -> int:
         rows = []
         for name in args.routers:
             for s in servers:
-                post(s.url + "/flush_cache")
+                flush(s.url)
             time.sleep(1.0)
             subprocess.run([shutil.which("redis-cli"), "-h", "127.0.0.1", "-p", str(rport), "flushall"],
                            stdout=subprocess.DEVNULL, check=False)  # fmt: skip
@@ -176,7 +188,7 @@ def main(argv=None) -> int:
                         raise
                     time.sleep(1.0)
             for s in servers:
-                post(s.url + "/flush_cache")
+                flush(s.url)
             time.sleep(1.0)
             res, wall = run(f"http://127.0.0.1:{port}", work, args.concurrency, args.max_new_tokens)
             extra = {}
@@ -190,6 +202,15 @@ def main(argv=None) -> int:
             p.terminate()
             p.wait(timeout=20)
         env = environment()
+        try:
+            from importlib.metadata import version
+
+            env["smg"] = version("smg")
+            env["redis_py"] = version("redis")
+            env["redis_server"] = subprocess.run([shutil.which("redis-server"), "--version"], capture_output=True,
+                                                 text=True).stdout.split()[2]  # fmt: skip
+        except Exception:  # noqa: BLE001
+            pass
         out = ROOT / "bench" / "results"
         doc = {"meta": env, "args": vars(args), "rows": rows,
                "note": "same 3 servers (tiered, T1 off), caches flushed and Redis emptied between routers"}  # fmt: skip
