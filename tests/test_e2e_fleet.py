@@ -145,6 +145,23 @@ def test_fleet_routes_by_affinity_and_index_and_survives_faults(fleet):
     stats = servers[0].request("GET", "/cache/stats")[1]
     assert stats["index"]["enabled"] and stats["index"]["published_pages"] > 0
 
+    # OpenAI routes and streaming pass through the router (same answers as the worker directly)
+    chat = {"model": "default", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4,
+            "temperature": 0, "cache_salt": "tenant-0"}  # fmt: skip
+    status, body, worker = _post(router + "/v1/chat/completions", chat)
+    assert status == 200 and body["choices"][0]["message"] is not None and worker
+    comp = {"model": "default", "prompt": "def f(x):", "max_tokens": 4, "temperature": 0, "cache_salt": "tenant-1"}
+    status, body, worker = _post(router + "/v1/completions", comp)
+    direct = [s for s in servers if s.url == worker][0].request("POST", "/v1/completions", comp)[1]
+    assert status == 200 and body["choices"][0]["text"] == direct["choices"][0]["text"]
+    req = urllib.request.Request(router + "/generate", method="POST", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({**_prompt("tenant-2", 0), "stream": True}).encode())  # fmt: skip
+    with urllib.request.urlopen(req, timeout=120) as r:
+        lines = [ln for ln in r.read().decode().splitlines() if ln.startswith("data:")]
+    assert lines[-1].strip() == "data: [DONE]" and len(lines) >= 2
+    texts = [json.loads(ln[5:])["text"] for ln in lines[:-1]]
+    assert res[2][3] in (texts[-1], "".join(texts))  # same text as unstreamed (cumulative or deltas)
+
     # --- fault 1: Redis killed mid-run: no request fails, routing falls back to affinity + load
     fleet["redis"].kill()
     fleet["redis"].wait()

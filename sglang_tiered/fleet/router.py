@@ -156,7 +156,9 @@ class Router:
             if isinstance(msgs, list):
                 try:
                     out = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
-                    return list(out["input_ids"] if isinstance(out, dict) else out)
+                    if hasattr(out, "keys") and "input_ids" in out:  # transformers 5: BatchEncoding
+                        out = out["input_ids"]
+                    return [int(t) for t in out]
                 except Exception:  # noqa: BLE001 - no template / odd content: approximate
                     text = "".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
                     return tok.encode(text)
@@ -254,7 +256,10 @@ class Router:
             body = {}
         path = request.path
         tenant = self._tenant(request, body)
-        tokens = self.tokens_of(path, body) if isinstance(body, dict) else []
+        try:  # the prompt only steers locality: anything odd routes by affinity + load instead
+            tokens = [int(t) for t in self.tokens_of(path, body)] if isinstance(body, dict) else []
+        except Exception:  # noqa: BLE001
+            tokens = []
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in ("host", "content-length", "transfer-encoding", "connection")}  # fmt: skip
         tried: list[str] = []
