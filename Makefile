@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env model serve demo test test-fast soak bench bench-family clean
+.PHONY: env model serve demo test test-fast soak bench bench-family fleet-sim fleet-bench redis clean
 
 env:
 	@bash scripts/setup_env.sh
@@ -26,6 +26,19 @@ bench: env
 # 200 generated workloads + Mooncake + multi-tenant, 6 capacities, every SGLang policy (~25 min, 2 cores).
 bench-family: env
 	@$(PY) bench/workload_family.py $(FAMILY_ARGS)
+
+# Fleet simulator (no model): every routing policy over N = 1..44 simulated servers.
+fleet-sim: env
+	@$(PY) bench/fleet_sim.py $(FLEET_SIM_ARGS)
+
+# Live loopback fleet: Redis + 3 tiered servers behind our router vs smg round_robin,
+# cache_aware, prefix_hash; JSON/CSV/PNG under bench/results/. Not part of CI (about 10 min).
+fleet-bench: env redis
+	@HF_HUB_OFFLINE=1 $(PY) bench/fleet_live.py $(FLEET_BENCH_ARGS)
+
+# redis-server (Debian package) for the fleet tests and fleet-bench; needs root or sudo.
+redis:
+	@bash scripts/install_redis.sh
 
 test: env
 	@$(PY) -m pytest $(PYTEST_ARGS)

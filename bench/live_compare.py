@@ -29,10 +29,10 @@ from sglang_tiered.server import Server, ServerSpec  # noqa: E402
 from sglang_tiered.workloads import multi_tenant  # noqa: E402
 
 
-def stream_generate(url: str, payload: dict, timeout: float = 600.0) -> dict:
+def stream_generate(url: str, payload: dict, timeout: float = 600.0, headers: dict | None = None) -> dict:
     """POST /generate with stream=true; returns ttft_s, latency_s, output_ids, cached/prompt tokens."""
     body = json.dumps({**payload, "stream": True}).encode()
-    req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json", **(headers or {})})
     t0 = time.perf_counter()
     ttft = None
     last = None

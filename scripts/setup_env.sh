@@ -3,7 +3,10 @@
 #   torch 2.13.0 CPU  + sglang 0.5.23 --no-deps + the deps SGLang really imports (env/sglang-deps-cpu.txt)
 #   + torchvision 0.28.0 --no-deps with patches/torchvision_meta_guard.py
 #   + patches/sgl_kernel_cpu (pure-torch stand-in for the two sgl_kernel ops used on CPU)
+#   + env/fleet.txt (redis, hiredis, smg: the fleet hint index and the live baseline router)
 #   + this package, editable.
+# The Debian package redis-server is needed by the fleet tests and `make fleet-bench`:
+# scripts/install_redis.sh (root) installs it; .ci/run calls it.
 # Override the interpreter with PYTHON=..., the venv location with VENV=...
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +16,7 @@ SGLANG_VERSION=0.5.23
 TORCH_VERSION=2.13.0
 TORCHVISION_VERSION=0.28.0
 
-stamp_inputs=(scripts/setup_env.sh env/sglang-deps-cpu.txt pyproject.toml setup.py
+stamp_inputs=(scripts/setup_env.sh env/sglang-deps-cpu.txt env/fleet.txt pyproject.toml setup.py
   patches/torchvision_meta_guard.py patches/sgl_kernel_cpu/pyproject.toml
   patches/sgl_kernel_cpu/sgl_kernel/__init__.py)
 want=$(cat "${stamp_inputs[@]}" | sha256sum | cut -c1-16)
@@ -30,6 +33,7 @@ pip install --upgrade "pip>=24" "setuptools>=70" wheel
 # elsewhere point PIP_FIND_LINKS at a folder holding the CPU wheel (PyPI's default is the CUDA build).
 pip install "torch==$TORCH_VERSION"
 pip install -r env/sglang-deps-cpu.txt "torch==$TORCH_VERSION"
+pip install -r env/fleet.txt
 pip install --no-deps "sglang==$SGLANG_VERSION" "torchvision==$TORCHVISION_VERSION"
 pip install --no-deps --no-build-isolation ./patches/sgl_kernel_cpu
 "$VENV/bin/python" patches/torchvision_meta_guard.py

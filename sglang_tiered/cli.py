@@ -1,4 +1,4 @@
-"""``sglang-tiered`` command line: build-model, serve (more subcommands join as they land)."""
+"""``sglang-tiered`` command line: build-model, serve, plan, route."""
 
 from __future__ import annotations
 
@@ -94,6 +94,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_route(args: argparse.Namespace) -> int:
+    import logging
+
+    from sglang_tiered.fleet.router import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    print(f"sglang-tiered router on http://{args.host}:{args.port} over {len(args.workers)} workers "
+          f"(k={args.k}, index {args.redis or 'off'})", flush=True)
+    serve(args.workers, args.redis, host=args.host, port=args.port, k=args.k, model_path=args.model,
+          tenant_header=args.tenant_header, c_tok_us=args.c_tok_us, page_size=args.page_size,
+          index_ttl_s=args.index_ttl_s, index_timeout_ms=args.index_timeout_ms)  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sglang-tiered", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -127,6 +141,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tier", action="append", help="NAME=GB/s (repeatable; default host-pcie5, nvme, network-100g)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_plan)
+
+    r = sub.add_parser("route", help="tenant-affinity + cache-aware router over SGLang servers")
+    r.add_argument("--workers", nargs="+", required=True, help="worker URLs (also their ids in the index)")
+    r.add_argument("--redis", help="hint index, redis://127.0.0.1:PORT/DB (default: none: affinity + load)")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=30100)
+    r.add_argument("--k", type=int, default=1, help="rendezvous home workers per affinity key")
+    r.add_argument("--model", help="local model folder for the tokenizer (default: ask the workers)")
+    r.add_argument("--tenant-header", help="trusted tenant header (e.g. x-tenant-id); else cache_salt")
+    r.add_argument("--c-tok-us", type=float, default=35.0, help="recompute microseconds per prompt token")
+    r.add_argument("--page-size", type=int, default=16)
+    r.add_argument("--index-ttl-s", type=float, default=30.0)
+    r.add_argument("--index-timeout-ms", type=float, default=50.0)
+    r.set_defaults(func=_cmd_route)
 
     args = ap.parse_args(argv)
     if getattr(args, "sglang_args", None) and args.sglang_args[0] == "--":

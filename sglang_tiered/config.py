@@ -14,6 +14,9 @@ the launch with a clear message if one is bad.
 | SGLANG_TIERED_DEBUG | 0 | 1: check tree and tier invariants after every operation |
 | SGLANG_TIERED_STORE | async | T1 writes: async (a value-ordered store queue drained by a worker thread, off the request path) or sync (copy at eviction) |
 | SGLANG_TIERED_STORE_QUEUE_PAGES | unset | pending-write bound of the store queue, in pages (default: the device pool's pages, at least 64) |
+| SGLANG_TIERED_INDEX_URL | unset | fleet hint index: redis://HOST:PORT/DB; rank 0 publishes the page hashes it holds |
+| SGLANG_TIERED_SERVER_ID | unset | this server's id in the index (required with INDEX_URL): the URL routers reach it at |
+| SGLANG_TIERED_INDEX_TTL_S | 30 | seconds until a silent server's entries are ignored (heartbeat) and expire; finite, [1, 86400] |
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ class TieredConfig:
     debug: bool = False
     store: str = "async"
     store_queue_pages: int | None = None
+    index_url: str | None = None
+    server_id: str | None = None
+    index_ttl_s: float = 30.0
 
 
 # Upper bounds that catch typos and absurd values at launch (a T1 bigger than these is not a
@@ -95,6 +101,18 @@ def load_config(env=None) -> TieredConfig:
     phys = _physical_gb()
     if host_gb is not None and phys and host_gb > phys:
         raise ConfigError(f"SGLANG_TIERED_HOST_GB={host_gb:g}: more than this machine's memory ({phys:.1f} GB)")
+    index_url = env.get("SGLANG_TIERED_INDEX_URL") or None
+    server_id = env.get("SGLANG_TIERED_SERVER_ID") or None
+    if index_url is not None:
+        if not re.fullmatch(r"rediss?://[A-Za-z0-9_.\[\]:@%-]+(/[0-9]{1,2})?", index_url):
+            raise ConfigError(f"SGLANG_TIERED_INDEX_URL={index_url!r}: expected redis://HOST:PORT[/DB]")
+        if server_id is None:
+            raise ConfigError("SGLANG_TIERED_INDEX_URL is set but SGLANG_TIERED_SERVER_ID is not")
+    if server_id is not None and not re.fullmatch(r"[A-Za-z0-9_.:/\[\]-]{1,200}", server_id):
+        raise ConfigError(f"SGLANG_TIERED_SERVER_ID={server_id!r}: use up to 200 URL-safe characters")
+    ttl = _float(env, "SGLANG_TIERED_INDEX_TTL_S", 30.0, 86400.0)
+    if ttl < 1:
+        raise ConfigError(f"SGLANG_TIERED_INDEX_TTL_S={ttl:g}: must be >= 1")
     return TieredConfig(
         host_mode=mode,
         host_ratio=_float(env, "SGLANG_TIERED_HOST_RATIO", 4.0, MAX_HOST_RATIO),
@@ -104,4 +122,7 @@ def load_config(env=None) -> TieredConfig:
         debug=debug == "1",
         store=store,
         store_queue_pages=int(qp) if qp else None,
+        index_url=index_url,
+        server_id=server_id,
+        index_ttl_s=ttl,
     )

@@ -78,6 +78,21 @@ class PolicyStats(msgspec.Struct, kw_only=True):
     lru_model_bias: float = 0.0  # shadow minus real hit rate measured while following lru
 
 
+class IndexStats(msgspec.Struct, kw_only=True):
+    """The fleet hint-index publisher (``SGLANG_TIERED_INDEX_URL``; rank 0 only)."""
+
+    enabled: bool = False
+    connected: bool = False
+    published_pages: int = 0
+    removed_pages: int = 0
+    dropped_events: int = 0  # events dropped because the publish queue was full
+    errors: int = 0  # failed Redis round trips (Redis down or slow); requests never wait on them
+    batches: int = 0
+    refreshes: int = 0
+    queued_events: int = 0
+    held_pages: int = 0
+
+
 class CacheStats(msgspec.Struct, kw_only=True):
     """Response of ``GET /cache/stats[?tenant=]``."""
 
@@ -89,6 +104,7 @@ class CacheStats(msgspec.Struct, kw_only=True):
     policy: list[PolicyStats]
     tenants: dict[str, TenantStats]
     tenant: Optional[str] = None
+    index: IndexStats = msgspec.field(default_factory=IndexStats)
 
 
 _COUNTERS = [f for f in TenantStats.__struct_fields__ if f not in ("token_hit_rate", "request_hit_rate")]
@@ -106,7 +122,16 @@ def aggregate(rank_stats: list[dict], tenant: Optional[str] = None) -> CacheStat
     tiers: dict[str, dict] = {}
     policies = []
     page_size = 0
+    index = None
     for rs in rank_stats:
+        if rs.get("index"):
+            d = rs["index"]
+            if index is None:
+                index = IndexStats(enabled=True)
+            index.connected = index.connected or bool(d.get("connected"))
+            for k in IndexStats.__struct_fields__:
+                if k not in ("enabled", "connected") and isinstance(d.get(k), int):
+                    setattr(index, k, getattr(index, k) + d[k])
         page_size = rs.get("page_size", page_size)
         for name, counters in rs.get("tenants", {}).items():
             acc = tenants.setdefault(name, {})
@@ -141,4 +166,5 @@ def aggregate(rank_stats: list[dict], tenant: Optional[str] = None) -> CacheStat
         policy=policies,
         tenants=finished,
         tenant=tenant,
+        index=index or IndexStats(),
     )

@@ -160,6 +160,9 @@ class TieredRadixCache(RadixCache):
         self.versions: dict[str, str] = {}  # identity names an invalidation may target
         self.last_invalidation: dict = {}
         self.metrics = None
+        # Fleet hint index (sglang_tiered.fleet.publisher): told which page hashes this server
+        # holds (device or T1) and which it dropped; never on the request path (it only queues).
+        self.index_listener = None
         self._queue: Optional[_VictimQueue] = None
         self._cur = 0.0  # logical time of the cache call in progress (see _now)
         self._seq = self._seq_tick = 0
@@ -186,6 +189,10 @@ class TieredRadixCache(RadixCache):
         key = cache_key_from_context(ctx)
         cache = cls(ctx.params, cache_key=key, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size, debug_checks=cfg.debug)
         cache._setup_host_tier(ctx, cfg)
+        if cfg.index_url and ctx.tp_rank == 0:  # ranks are identical: rank 0 publishes
+            from sglang_tiered.fleet.publisher import IndexPublisher
+
+            cache.attach_index(IndexPublisher.from_config(cfg, key))
         cache.versions = {
             "model_id": key.model_id,
             "weights_digest": key.weights_digest,
@@ -228,6 +235,19 @@ class TieredRadixCache(RadixCache):
                 cache.store = cache.make_store_queue(store_queue_pages, threaded=False)
         cache.driver = CacheDriver(cache, alloc, pool, verify_kv=verify_kv)
         return cache
+
+    # ------------------------------------------------------------------ fleet hint index
+    def attach_index(self, listener) -> None:
+        """Tell ``listener`` (``on_store(hashes)``, ``on_remove(hashes)``, ``on_clear()``) which
+        page hashes this server holds, in device or T1. Hints only: a missed or late notification
+        changes where a router sends a request, never what a request computes."""
+        self.index_listener = listener
+        if self.host is not None:
+            self.host.pool.forget_listener = lambda h: listener.on_remove([h])
+
+    def _notify(self, kind: str, hashes) -> None:
+        if self.index_listener is not None and hashes:
+            getattr(self.index_listener, kind)(hashes)
 
     def _setup_host_tier(self, ctx, cfg) -> None:
         from sglang_tiered.integration.host_setup import build_host_tier
@@ -309,6 +329,8 @@ class TieredRadixCache(RadixCache):
                 self.evict(EvictParams(num_tokens=self.evictable_size_))
             finally:
                 self._flushing = False
+        elif getattr(self, "index_listener", None) is not None:
+            self.index_listener.on_clear()
         super().reset()
         # the adaptive order's persistent victim queue (fixed orders rebuild a heap per evict)
         adaptive = self.policy.eviction_order == "adaptive"
@@ -450,6 +472,7 @@ class TieredRadixCache(RadixCache):
         tc.admitted_pages += stored
         tc.resident_pages += stored
         self._attach_hashes(req.last_node, hashes)
+        self._notify("on_store", new[:n_admit])
         self._stamp(req.last_node)
         if self.store is not None:
             self._write_through(anchor, req.last_node)
@@ -471,6 +494,8 @@ class TieredRadixCache(RadixCache):
         ps = self.page_size
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start : start + len(hashes) * ps]
         self.host.demote(row[::ps] // ps, hashes, name_hash(tenant_of(req.cache_salt)))
+        if self.index_listener is not None:
+            self._notify("on_store", [h for h in hashes if self.host.pool.contains(h)])
 
     @staticmethod
     def _no_store(req) -> bool:
@@ -632,6 +657,7 @@ class TieredRadixCache(RadixCache):
             self._update_leaf_status(node)
             self._update_leaf_status(new)
             self.kv_events.record_store(new)
+            self._notify("on_store", hashes)
             tc = self.tenants.get(tenant_of(req.cache_salt))
             tc.resident_pages += len(hashes)
             tc.promoted_pages += len(hashes)
@@ -705,6 +731,7 @@ class TieredRadixCache(RadixCache):
         tc.resident_pages -= n // self.page_size
         self._delete_leaf(node)
         self.kv_events.record_remove(node)
+        self._notify("on_remove", node.tiered_hashes)
         self._invalid_nodes -= 1
         return n
 
@@ -804,8 +831,12 @@ class TieredRadixCache(RadixCache):
                 break
             if self.host is not None and not x.tiered_invalid and x.tiered_hashes:
                 self._demote_victim(x)
-            elif self.store is not None:
-                self.store.fence((x.value[::ps] // ps).tolist(), run=False)
+                if self.index_listener is not None:  # a demoted page stays held, in T1
+                    self._notify("on_remove", [h for h in x.tiered_hashes if not self.host.pool.contains(h)])
+            else:  # gone from this server
+                if self.store is not None:
+                    self.store.fence((x.value[::ps] // ps).tolist(), run=False)
+                self._notify("on_remove", x.tiered_hashes)
             free_segment(x.value, start_pos=0)
             num_evicted += len(x.value)
             policy.on_evict(len(x.key) // ps, pinned=was_pinned,
@@ -913,6 +944,7 @@ class TieredRadixCache(RadixCache):
                 self._host_snapshot() if self.host is not None else
                 {"name": "host", "enabled": False, "decision": self.host_decision},
             ],
+            "index": self.index_listener.snapshot() if hasattr(self.index_listener, "snapshot") else None,
             "policy": {k: pol[k] for k in (
                 "mode", "admission_filtering", "thrashing", "thrash_windows", "admissions_refused",
                 "pages_admitted", "pages_rejected", "evicted_pages", "evicted_pinned", "sketch_resets",

@@ -340,8 +340,12 @@ class HostPool:
         for _, slot in pairs:
             self.free.append(slot)
 
+    forget_listener = None  # fleet hint index: told each page hash T1 drops
+
     def _forget(self, slot: int) -> None:
         h = bytes(self.index_hashes[slot].numpy())
+        if self.forget_listener is not None and self.index_valid[slot]:
+            self.forget_listener(h)
         self.index_valid[slot] = 0
         if self.slot_of.get(h) == slot:
             del self.slot_of[h]

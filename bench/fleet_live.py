@@ -1,0 +1,250 @@
+"""Live loopback fleet benchmark (`make fleet-bench`): Redis + 3 CPU SGLang servers with the tiered
+backend, behind our router and behind smg (round_robin, cache_aware, prefix_hash keyed by the
+tenant header), same workload, one run; plus a no-cache server for output equality.
+
+    .venv/bin/python bench/fleet_live.py [--requests 240 --tenants 12 --concurrency 6]
+
+Between routers every server's cache is flushed (POST /flush_cache; T1 off) and Redis emptied, so
+each router starts equal. Reports fleet token hit rate (sum cached_tokens / sum prompt tokens),
+TTFT p50/p90, requests/s, spill rate (ours; smg does not report one), and whether every greedy
+output equals the no-cache server's. Writes bench/results/fleet_live.{json,csv,png}.
+Everything listens on 127.0.0.1; nothing is downloaded (HF_HUB_OFFLINE=1, local model path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import csv
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.live_compare import stream_generate  # noqa: E402
+from bench.trace_replay import environment  # noqa: E402
+from sglang_tiered.server import Server, ServerSpec, free_port  # noqa: E402
+from sglang_tiered.workloads import multi_tenant  # noqa: E402
+
+LOGS = ROOT / "logs" / "fleet_live"
+
+
+def wait_http(url, proc, timeout=120):
+    t = time.time() + timeout
+    while time.time() < t:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited")
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+            return
+        except Exception:  # noqa: BLE001
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready")
+
+
+def post(url, payload=None):
+    req = urllib.request.Request(url, data=json.dumps(payload or {}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return r.read()
+
+
+def flush(url, timeout=120):
+    """POST /flush_cache until it succeeds (SGLang answers 400 while requests are pending)."""
+    t_end = time.time() + timeout
+    while True:
+        try:
+            return post(url + "/flush_cache")
+        except Exception:  # noqa: BLE001
+            if time.time() > t_end:
+                raise
+            time.sleep(1.0)
+
+
+def build_workload(n, tenants, seed, model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    reqs = multi_tenant(n, seed=seed, n_tenants=tenants, scale=0.2)
+    out = []
+    for r in reqs:
+        text = tok.decode(list(r.tokens)[:700], skip_special_tokens=True)
+        out.append({"tenant": r.tenant, "text": text})
+    return out
+
+
+def run(url, work, concurrency, max_new):
+    def one(w):
+        payload = {"text": w["text"], "cache_salt": w["tenant"],
+                   "sampling_params": {"temperature": 0, "max_new_tokens": max_new}}  # fmt: skip
+        for attempt in range(2):
+            try:
+                return stream_generate(url, payload, headers={"x-tenant-id": w["tenant"]})
+            except Exception as exc:  # noqa: BLE001
+                err = exc
+        return {"error": str(err)}
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(concurrency) as ex:
+        res = list(ex.map(one, work))
+    return res, time.perf_counter() - t0
+
+
+def summarize(name, res, wall, ref, extra=None):
+    ok = [r for r in res if "error" not in r]
+    ttft = sorted(r["ttft_s"] for r in ok)
+    q = lambda p: ttft[min(len(ttft) - 1, int(p * len(ttft)))] if ttft else float("nan")  # noqa: E731
+    same = sum(1 for r, g in zip(res, ref) if "error" not in r and r["output_ids"] == g["output_ids"])
+    d = {"router": name, "requests": len(res), "errors": len(res) - len(ok),
+         "hit_rate": round(sum(r["cached_tokens"] for r in ok) / max(1, sum(r["prompt_tokens"] for r in ok)), 4),
+         "ttft_p50_ms": round(1e3 * q(0.5), 1), "ttft_p90_ms": round(1e3 * q(0.9), 1),
+         "req_per_s": round(len(ok) / wall, 3), "outputs_equal_nocache": f"{same}/{len(res)}",
+         "spill_rate": None}  # fmt: skip
+    d.update(extra or {})
+    return d
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=240)
+    ap.add_argument("--tenants", type=int, default=12)
+    ap.add_argument("--concurrency", type=int, default=6)
+    ap.add_argument("--pool-tokens", type=int, default=6144, help="device KV pool per server")
+    ap.add_argument("--max-new-tokens", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", help="serving dtype (bf16 prefill over a cached prefix rounds "
+                    "differently from a full prefill, so output equality is checked in float32)")
+    ap.add_argument("--routers", nargs="+", default=["ours", "smg-round_robin", "smg-cache_aware", "smg-prefix_hash"])
+    ap.add_argument("--name", default="fleet_live")
+    args = ap.parse_args(argv)
+    from sglang_tiered.models.tiny import build_model
+
+    model = str(build_model())
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    LOGS.mkdir(parents=True, exist_ok=True)
+    procs, servers = [], []
+    try:
+        rport = free_port()
+        redis_url = f"redis://127.0.0.1:{rport}/0"
+        procs.append(subprocess.Popen([shutil.which("redis-server"), "--port", str(rport), "--bind", "127.0.0.1",
+                                       "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL))  # fmt: skip
+        for i in range(3):
+            port = free_port()
+            env = {"SGLANG_TIERED_INDEX_URL": redis_url, "SGLANG_TIERED_SERVER_ID": f"http://127.0.0.1:{port}",
+                   "SGLANG_TIERED_INDEX_TTL_S": "30", "SGLANG_TIERED_HOST": "off"}  # fmt: skip
+            servers.append(Server(ServerSpec(model_path=model, port=port, max_total_tokens=args.pool_tokens, env=env,
+                                             dtype=args.dtype),
+                                  LOGS / f"server-{i}.log"))  # fmt: skip
+        ref = Server(ServerSpec(model_path=model, backend=None, disable_radix_cache=True, dtype=args.dtype),
+                     LOGS / "reference.log")
+        with cf.ThreadPoolExecutor(4) as ex:
+            list(ex.map(lambda s: s.start(timeout_s=600), servers + [ref]))
+        work = build_workload(args.requests, args.tenants, args.seed, model)
+        print(f"workload: {len(work)} requests, {args.tenants} tenants; reference run ...", flush=True)
+        ref_res, _ = run(ref.url, work, args.concurrency, args.max_new_tokens)
+        ref.stop()
+        urls = [s.url for s in servers]
+        rows = []
+        for name in args.routers:
+            for s in servers:
+                flush(s.url)
+            time.sleep(1.0)
+            subprocess.run([shutil.which("redis-cli"), "-h", "127.0.0.1", "-p", str(rport), "flushall"],
+                           stdout=subprocess.DEVNULL, check=False)  # fmt: skip
+            port = free_port()
+            log = open(LOGS / f"router-{name}.log", "wb")
+            if name == "ours":
+                argv = [sys.executable, "-m", "sglang_tiered.cli", "route", "--workers", *urls, "--redis", redis_url,
+                        "--port", str(port), "--model", model, "--tenant-header", "x-tenant-id"]  # fmt: skip
+            else:
+                pol = name.split("-", 1)[1]
+                smg = shutil.which("smg") or str(pathlib.Path(sys.executable).parent / "smg")
+                argv = [smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+                        "--policy", pol, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                        "--model-path", model, "--log-level", "warn"]  # fmt: skip
+                if pol == "prefix_hash":
+                    argv += ["--routing-key-headers", "x-tenant-id"]
+            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            procs.append(p)
+            wait_http(f"http://127.0.0.1:{port}/health", p, 120)
+            # smg registers its workers asynchronously: probe until a request goes through, then
+            # flush again so every router starts from empty caches
+            t_end = time.time() + 120
+            while True:
+                try:
+                    post(f"http://127.0.0.1:{port}/generate", {"text": "probe", "cache_salt": "probe",
+                         "sampling_params": {"max_new_tokens": 1}})  # fmt: skip
+                    break
+                except Exception:  # noqa: BLE001
+                    if time.time() > t_end:
+                        raise
+                    time.sleep(1.0)
+            for s in servers:
+                flush(s.url)
+            time.sleep(1.0)
+            res, wall = run(f"http://127.0.0.1:{port}", work, args.concurrency, args.max_new_tokens)
+            extra = {}
+            if name == "ours":
+                st = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/router/stats").read())
+                extra = {"spill_rate": round(st["spill_rate"], 4), "index_hit_rate": round(st["index_hit_rate"], 4),
+                         "per_worker": {w: v["routed"] for w, v in st["workers"].items()}}  # fmt: skip
+            d = summarize(name, res, wall, ref_res, extra)
+            rows.append(d)
+            print(json.dumps(d), flush=True)
+            p.terminate()
+            p.wait(timeout=20)
+        env = environment()
+        try:
+            from importlib.metadata import version
+
+            env["smg"] = version("smg")
+            env["redis_py"] = version("redis")
+            env["redis_server"] = subprocess.run([shutil.which("redis-server"), "--version"], capture_output=True,
+                                                 text=True).stdout.split()[2]  # fmt: skip
+        except Exception:  # noqa: BLE001
+            pass
+        out = ROOT / "bench" / "results"
+        doc = {"meta": env, "args": vars(args), "rows": rows,
+               "note": "same 3 servers (tiered, T1 off), caches flushed and Redis emptied between routers"}  # fmt: skip
+        (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
+        with open(out / f"{args.name}.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k != "per_worker"], extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(1, 3, figsize=(13, 4))
+        names = [r["router"] for r in rows]
+        ax[0].bar(names, [r["hit_rate"] for r in rows]); ax[0].set_title("fleet token hit rate")
+        ax[1].bar(names, [r["ttft_p50_ms"] for r in rows], label="p50")
+        ax[1].bar(names, [r["ttft_p90_ms"] - r["ttft_p50_ms"] for r in rows], bottom=[r["ttft_p50_ms"] for r in rows],
+                  label="p90", alpha=0.5); ax[1].set_title("TTFT ms"); ax[1].legend()
+        ax[2].bar(names, [r["req_per_s"] for r in rows]); ax[2].set_title("requests/s")
+        for a in ax:
+            a.tick_params(axis="x", rotation=30, labelsize=8)
+        fig.suptitle(f"3-server loopback fleet (git {env.get('git_sha')}, sglang {env.get('sglang')})")
+        fig.tight_layout()
+        fig.savefig(out / f"{args.name}.png", dpi=110)
+        print(f"wrote {out / args.name}.{{json,csv,png}}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for s in servers:
+            s.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

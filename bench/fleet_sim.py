@@ -1,0 +1,168 @@
+"""Fleet simulator: N simulated servers (``TieredRadixCache.create_simulated``, device + T1) behind
+each routing policy, on the Mooncake conversation trace and the multi-tenant workload. No model.
+
+    .venv/bin/python bench/fleet_sim.py                       # both workloads, N = 1..44
+    .venv/bin/python bench/fleet_sim.py --workload multitenant --ns 8 44 --limit 2000
+
+The total cache is fixed per workload (device tokens, T1 = --host-ratio x device) and split evenly
+over the N servers, so N = 1 is "one server with the same total cache". Reports, per policy and
+N: fleet token hit rate, load imbalance (max/mean requests routed per server; also max/mean of
+uncached prompt tokens), spill rate. Writes bench/results/fleet_sim.{json,csv,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sglang_tiered.core.keys import CacheKey, chain_page_hashes  # noqa: E402
+from sglang_tiered.fleet.routing import POLICIES  # noqa: E402
+from sglang_tiered.fleet.sim import simulate  # noqa: E402
+from sglang_tiered.workloads import load_mooncake, multi_tenant  # noqa: E402
+
+PAGE = 16
+# Total device tokens per workload: at N = 44 each server still fits the workload's longest prompt.
+TOTAL_DEVICE = {"mooncake": 176_000, "multitenant": 44_000}
+
+
+class SimServer:
+    def __init__(self, capacity: int, host_ratio: float):
+        from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+
+        host_pages = int(capacity * host_ratio) // PAGE
+        self.cache = TieredRadixCache.create_simulated(capacity, page_size=PAGE, host_pages=host_pages,
+                                                       max_request_tokens=8192)  # fmt: skip
+        self.unserved = 0
+
+    def attach_index(self, listener):
+        self.cache.attach_index(listener)
+
+    def run(self, tokens, tenant):
+        out = self.cache.driver.run(tokens, tenant=tenant)
+        self.unserved += not out.served
+        return out.prompt_len, out.cached_len
+
+
+def load_workload(name: str, limit: int, seed: int):
+    if name == "mooncake":
+        data = ROOT / "bench" / "data" / "mooncake_conversation_trace.jsonl.gz"
+        reqs = load_mooncake(data, limit=limit)
+    else:
+        reqs = multi_tenant(limit, seed=seed, n_tenants=88, scale=0.25)
+    return [(r.tokens, r.tenant) for r in reqs]
+
+
+def run_one(workload, reqs, n, policy_name, host_ratio, rho):
+    key = CacheKey()
+    seeds: dict = {}
+
+    def hashes_of(tokens, tenant):
+        s = seeds.get(tenant)
+        if s is None:
+            s = seeds[tenant] = key.namespace_seed(tenant, None)
+        return chain_page_hashes(s, tokens, PAGE)
+
+    per = TOTAL_DEVICE[workload] // n // PAGE * PAGE
+    servers = {f"s{i}": SimServer(per, host_ratio) for i in range(n)}
+    pol = POLICIES[policy_name]()
+    t0 = time.perf_counter()
+    res = simulate(reqs, servers, pol, hashes_of, page_size=PAGE, rho=rho)
+    res.unserved = sum(s.unserved for s in servers.values())
+    d = res.as_dict()
+    d.update(workload=workload, device_tokens_per_server=per, seconds=round(time.perf_counter() - t0, 1))
+    return d
+
+
+def meta() -> dict:
+    import sglang
+    import torch
+
+    try:
+        sha = subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        sha = "unknown"
+    return {"machine": platform.platform(), "cpu": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "sglang": sglang.__version__, "torch": torch.__version__,
+            "git_sha": sha, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wls = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(2, len(wls), figsize=(6 * len(wls), 8), squeeze=False)
+    for j, wl in enumerate(wls):
+        for pol in POLICIES:
+            pts = sorted((r["n"], r["hit_rate"], r["work_imbalance"]) for r in rows
+                         if r["workload"] == wl and r["policy"] == pol)  # fmt: skip
+            if not pts:
+                continue
+            axes[0][j].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
+            axes[1][j].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=pol)
+        single = [r["hit_rate"] for r in rows if r["workload"] == wl and r["n"] == 1]
+        if single:
+            axes[0][j].axhline(single[0], color="k", ls="--", lw=0.8, label="1 server, same total cache")
+            axes[0][j].axhline(0.9 * single[0], color="k", ls=":", lw=0.8, label="0.9 x that")
+        axes[0][j].set_title(f"{wl}: fleet token hit rate")
+        axes[1][j].set_title(f"{wl}: load imbalance (max/mean work per server)")
+        axes[1][j].axhline(1.3, color="r", ls=":", lw=0.8)
+        for a in axes[:, j]:
+            a.set_xscale("log")
+            a.set_xlabel("servers N")
+        axes[0][j].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=["mooncake", "multitenant", "both"], default="both")
+    ap.add_argument("--ns", type=int, nargs="+", default=[1, 2, 4, 8, 16, 44])
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--limit", type=int, default=4000, help="requests per workload (subsample: first N)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--host-ratio", type=float, default=2.0, help="T1 pages per device page")
+    ap.add_argument("--rho", type=float, default=0.9, help="fleet utilisation if nothing were cached")
+    ap.add_argument("--name", default="fleet_sim")
+    args = ap.parse_args(argv)
+    wls = ["mooncake", "multitenant"] if args.workload == "both" else [args.workload]
+    rows = []
+    for wl in wls:
+        reqs = load_workload(wl, args.limit, args.seed)
+        for n in args.ns:
+            for pol in (["round_robin"] if n == 1 else args.policies):
+                d = run_one(wl, reqs, n, pol, args.host_ratio, args.rho)
+                if n == 1:
+                    d["policy"] = "single"
+                rows.append(d)
+                print(f"{wl:12s} N={n:<3d} {d['policy']:18s} hit {d['hit_rate']:.3f}  work-imb {d['work_imbalance']:.2f}"
+                      f"  req-imb {d['load_imbalance']:.2f}  q {d['mean_queue_ms']}ms  spill {d['spill_rate']:.3f}  ({d['seconds']}s)", flush=True)
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"meta": meta(), "args": vars(args), "total_device_tokens": TOTAL_DEVICE,
+           "load_metric": "work_imbalance: max/mean over servers of work done (uncached prompt tokens + 32 per request = busy time); load_imbalance: of requests routed",
+           "rows": rows}  # fmt: skip
+    (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
+    with open(out / f"{args.name}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, out / f"{args.name}.png")
+    print(f"wrote {out / args.name}.{{json,csv,png}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Publish the page hashes a server holds to the fleet hint index (Redis), off the request path.
+
+Runs in the scheduler process of TP rank 0. The scheduler thread only appends to a bounded queue
+(``on_store`` / ``on_remove`` / ``on_clear``: a ``put_nowait``; a full queue drops the event and
+counts it). A daemon thread drains the queue in batches into one Redis pipeline, beats the
+server's heartbeat, and re-publishes everything it believes the server holds every TTL/2 so live
+entries never expire. Redis down or slow costs the request path nothing: the thread counts the
+error, backs off, reconnects, and re-publishes the whole held set once Redis is back.
+
+Imports ``redis`` (redis-py) lazily; no torch, no sglang.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+
+from sglang_tiered.fleet.index import alive_key, ckey_key, page_key
+
+logger = logging.getLogger("sglang_tiered")
+
+QUEUE_MAX = 65536  # pending events (each a list of page hashes)
+HELD_MAX = 1 << 21  # page hashes remembered for refresh (bounded; oldest forgotten first)
+BATCH_PAGES = 4096
+
+
+class IndexPublisher:
+    def __init__(self, url: str, server_id: str, ttl_s: float = 30.0, *, start: bool = True,
+                 socket_timeout_s: float = 0.5, cache_key=None):  # fmt: skip
+        import json
+        from dataclasses import asdict
+
+        # routers read the cache identity from the index to compute the same page hashes
+        self.key_json = json.dumps(asdict(cache_key), sort_keys=True) if cache_key is not None else ""
+        self.url = url
+        self.server_id = server_id
+        self.ttl_s = float(ttl_s)
+        self.socket_timeout_s = socket_timeout_s
+        self._q: queue.Queue = queue.Queue(maxsize=QUEUE_MAX)
+        self._held: OrderedDict = OrderedDict()
+        self._stop = threading.Event()
+        self._client = None
+        self._resync = True  # publish the whole held set on the next (re)connection
+        self.stats = {"published_pages": 0, "removed_pages": 0, "dropped_events": 0, "errors": 0,
+                      "batches": 0, "refreshes": 0}  # fmt: skip
+        self.connected = False
+        self.last_error = ""
+        self._thread = None
+        if start:
+            self._thread = threading.Thread(target=self._run, name="sglang-tiered-index", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def from_config(cls, cfg, cache_key=None) -> "IndexPublisher":
+        logger.info("sglang-tiered: publishing the fleet hint index to %s as %s (ttl %gs)",
+                    cfg.index_url, cfg.server_id, cfg.index_ttl_s)  # fmt: skip
+        return cls(cfg.index_url, cfg.server_id, cfg.index_ttl_s, cache_key=cache_key)
+
+    # ---------------------------------------------------------------- scheduler side (never blocks)
+    def _put(self, item) -> None:
+        try:
+            self._q.put_nowait(item)
+        except queue.Full:
+            self.stats["dropped_events"] += 1
+
+    def on_store(self, hashes) -> None:
+        self._put(("s", list(hashes)))
+
+    def on_remove(self, hashes) -> None:
+        self._put(("r", list(hashes)))
+
+    def on_clear(self) -> None:
+        self._put(("c", None))
+
+    def snapshot(self) -> dict:
+        return {"enabled": True, "connected": self.connected, "queued_events": self._q.qsize(),
+                "held_pages": len(self._held), **self.stats}  # fmt: skip
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    # ---------------------------------------------------------------- background thread
+    def _connect(self):
+        import redis
+
+        c = redis.Redis.from_url(self.url, socket_timeout=self.socket_timeout_s,
+                                 socket_connect_timeout=self.socket_timeout_s)  # fmt: skip
+        c.ping()
+        return c
+
+    def _drain(self, max_pages: int) -> list:
+        items, n = [], 0
+        while n < max_pages:
+            try:
+                it = self._q.get_nowait()
+            except queue.Empty:
+                break
+            items.append(it)
+            n += len(it[1] or ()) + 1
+        return items
+
+    def _apply_local(self, items) -> tuple[list, list]:
+        """Fold events into the held set; return (stored, removed) page hashes to send."""
+        stored, removed = [], []
+        held = self._held
+        for op, hs in items:
+            if op == "s":
+                for h in hs:
+                    held[h] = None
+                    held.move_to_end(h)
+                stored.extend(hs)
+            elif op == "r":
+                for h in hs:
+                    held.pop(h, None)
+                removed.extend(hs)
+            else:
+                removed.extend(held.keys())
+                held.clear()
+        while len(held) > HELD_MAX:
+            held.popitem(last=False)
+        return stored, removed
+
+    def _send(self, stored, removed) -> None:
+        c = self._client
+        now = str(int(time.time()))
+        ttl = max(1, int(self.ttl_s * 4))
+        sid = self.server_id
+        pipe = c.pipeline(transaction=False)
+        pipe.set(alive_key(sid), now, ex=max(1, int(self.ttl_s)))
+        if self.key_json:
+            pipe.set(ckey_key(sid), self.key_json, ex=max(1, int(self.ttl_s)))
+        for h in removed:
+            pipe.hdel(page_key(h), sid)
+        for h in stored:
+            k = page_key(h)
+            pipe.hset(k, sid, now)
+            pipe.expire(k, ttl)
+        pipe.execute()
+        self.stats["published_pages"] += len(stored)
+        self.stats["removed_pages"] += len(removed)
+        self.stats["batches"] += 1
+
+    def _run(self) -> None:
+        backoff = 0.1
+        last_refresh = 0.0
+        while not self._stop.is_set():
+            items = self._drain(BATCH_PAGES)
+            stored, removed = self._apply_local(items)
+            try:
+                if self._client is None:
+                    self._client = self._connect()
+                    self.connected = True
+                    self._resync = True
+                now = time.monotonic()
+                if self._resync or now - last_refresh >= self.ttl_s / 2:
+                    # refresh (also after reconnecting): everything held, in batches
+                    keys = list(self._held.keys())
+                    for i in range(0, max(1, len(keys)), BATCH_PAGES):
+                        self._send(keys[i : i + BATCH_PAGES], removed if i == 0 else [])
+                    removed, stored = [], []
+                    last_refresh, self._resync = now, False
+                    self.stats["refreshes"] += 1
+                elif stored or removed:
+                    self._send(stored, removed)
+                backoff = 0.1
+            except Exception as exc:  # Redis down or slow: count, back off, resync later
+                self.stats["errors"] += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"[:200]
+                self.connected = False
+                self._client = None
+                self._resync = True
+                self._stop.wait(backoff)
+                backoff = min(2.0, backoff * 2)
+                continue
+            if not items:
+                self._stop.wait(0.05)

@@ -1,0 +1,362 @@
+"""``sglang-tiered route``: a small HTTP router in front of several SGLang servers.
+
+It proxies requests itself (aiohttp), rather than steering smg: smg has no policy hook, and its
+``x-smg-target-worker`` header names a worker by its index in smg's worker list, an order that is
+not stable across smg restarts or membership changes, so a routing decision made outside smg could
+land on the wrong worker. One loopback hop costs well under a millisecond here.
+
+Per request (``/generate``, ``/v1/completions``, ``/v1/chat/completions``, streaming included):
+
+1. tenant = the trusted header (``--tenant-header``) if configured, else the body's ``cache_salt``;
+2. token ids: ``input_ids`` when given, else the served model's tokenizer (transformers
+   AutoTokenizer from the local model path: ``encode(text)`` as SGLang does for text prompts; for
+   chat, ``apply_chat_template(messages, add_generation_prompt=True)``, which matches SGLang's
+   template path for plain text messages and is approximate otherwise: a mismatch only costs
+   locality, never correctness);
+3. the same chained page hashes as the servers (seeded by the ``CacheKey`` the servers publish in
+   the index and the namespace (cache_salt, no extra key));
+4. one Redis round trip (pipelined ``HGETALL`` of the prompt's page keys + the heartbeats) gives
+   each worker's matched prefix; Redis down or slower than ``--index-timeout-ms`` means "no
+   index" and routing falls back to affinity + load (counted);
+5. ``AffinityCachePolicy`` picks the worker (see routing.py); load = requests in flight from this
+   router, queue delay = their not-yet-cached prompt tokens x c_tok.
+
+A worker that fails health checks or a connection leaves the routing set (its tenants rehome by
+rendezvous, about 1/n of them) until it answers again; a request whose connection fails before
+any byte reached the client is retried once on the next choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from sglang_tiered.core.keys import CacheKey, chain_page_hashes
+from sglang_tiered.fleet.index import alive_key, ckey_key, holders_from_replies, page_key
+from sglang_tiered.fleet.routing import AffinityCachePolicy, FleetView, RouteRequest, longest_match
+
+logger = logging.getLogger("sglang_tiered.router")
+ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+MAX_LOOKUP_PAGES = 512
+
+
+@dataclass
+class WorkerState:
+    url: str
+    healthy: bool = True
+    inflight: int = 0
+    inflight_tokens: int = 0
+    routed: int = 0
+    failures: int = 0
+    down_until: float = 0.0
+
+
+@dataclass
+class RouterStats:
+    requests: int = 0
+    spills: int = 0
+    index_lookups: int = 0
+    index_hits: int = 0  # requests sent to a worker the index said holds part of the prompt
+    index_errors: int = 0
+    index_unavailable: int = 0  # requests routed without the index
+    retries: int = 0
+    failed: int = 0
+    matched_tokens: int = 0
+    prompt_tokens: int = 0
+    route_ms_total: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class Router:
+    def __init__(self, workers: list[str], redis_url: Optional[str] = None, *, k: int = 1,
+                 model_path: Optional[str] = None, tenant_header: Optional[str] = None,
+                 c_tok_us: float = 35.0, page_size: int = 16, index_ttl_s: float = 30.0,
+                 index_timeout_ms: float = 50.0, health_interval_s: float = 1.0):  # fmt: skip
+        self.workers = {w.rstrip("/"): WorkerState(w.rstrip("/")) for w in workers}
+        self.redis_url = redis_url
+        self.policy = AffinityCachePolicy(k=k, c_tok_s=c_tok_us * 1e-6)
+        self.model_path = model_path
+        self.tenant_header = tenant_header.lower() if tenant_header else None
+        self.page_size = page_size
+        self.index_ttl_s = index_ttl_s
+        self.index_timeout_s = index_timeout_ms / 1e3
+        self.health_interval_s = health_interval_s
+        self.stats = RouterStats()
+        self.tokenizer = None
+        self.cache_key: Optional[CacheKey] = None
+        self._seeds: dict = {}
+        self._redis = None
+        self._redis_down_until = 0.0
+        self._session = None
+
+    # ------------------------------------------------------------------ setup
+    async def start(self):
+        import aiohttp
+
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=2))
+        if self.model_path is None:
+            self.model_path = await self._model_path_from_workers()
+        if self.model_path:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+        if self.redis_url:
+            import redis.asyncio as aredis
+
+            self._redis = aredis.Redis.from_url(self.redis_url, socket_timeout=self.index_timeout_s * 4,
+                                                socket_connect_timeout=self.index_timeout_s * 4)  # fmt: skip
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def close(self):
+        self._health_task.cancel()
+        if self._session is not None:
+            await self._session.close()
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    async def _model_path_from_workers(self) -> Optional[str]:
+        for w in self.workers:
+            try:
+                async with self._session.get(w + "/model_info") as r:
+                    return (await r.json()).get("model_path")
+            except Exception:  # noqa: BLE001
+                continue
+        return None
+
+    async def _health_loop(self):
+        while True:
+            for ws in list(self.workers.values()):
+                try:
+                    import aiohttp
+
+                    async with self._session.get(ws.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                        ok = r.status == 200
+                except Exception:  # noqa: BLE001
+                    ok = False
+                if ok and time.monotonic() >= ws.down_until:
+                    ws.healthy = True
+                elif not ok:
+                    ws.healthy = False
+            await asyncio.sleep(self.health_interval_s)
+
+    # ------------------------------------------------------------------ request -> tokens, hashes
+    def tokens_of(self, path: str, body: dict) -> list[int]:
+        ids = body.get("input_ids")
+        if isinstance(ids, list) and ids and isinstance(ids[0], int):
+            return ids
+        tok = self.tokenizer
+        if tok is None:
+            return []
+        if path == "/v1/chat/completions":
+            msgs = body.get("messages")
+            if isinstance(msgs, list):
+                try:
+                    out = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+                    if hasattr(out, "keys") and "input_ids" in out:  # transformers 5: BatchEncoding
+                        out = out["input_ids"]
+                    return [int(t) for t in out]
+                except Exception:  # noqa: BLE001 - no template / odd content: approximate
+                    text = "".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
+                    return tok.encode(text)
+            return []
+        text = body.get("text") if path == "/generate" else body.get("prompt")
+        if isinstance(text, str):
+            return tok.encode(text)
+        if isinstance(text, list) and text and isinstance(text[0], int):
+            return text
+        return []
+
+    async def _ensure_cache_key(self):
+        if self.cache_key is not None or self._redis is None:
+            return
+        for w in self.workers:
+            raw = await self._redis.get(ckey_key(w))
+            if raw:
+                self.cache_key = CacheKey(**json.loads(raw))
+                return
+
+    def hashes_of(self, tokens, tenant) -> list[bytes]:
+        if self.cache_key is None:
+            return []
+        s = self._seeds.get(tenant)
+        if s is None:
+            if len(self._seeds) > 4096:
+                self._seeds.clear()
+            s = self._seeds[tenant] = self.cache_key.namespace_seed(tenant, None)
+        return chain_page_hashes(s, tokens[: MAX_LOOKUP_PAGES * self.page_size], self.page_size)
+
+    async def matched(self, hashes, workers) -> Optional[dict]:
+        """Matched prefix tokens per worker from the index; None when the index is unavailable."""
+        if self._redis is None or time.monotonic() < self._redis_down_until:
+            return None
+        try:
+            async def lookup():
+                await self._ensure_cache_key()
+                pipe = self._redis.pipeline(transaction=False)
+                for w in workers:
+                    pipe.exists(alive_key(w))
+                for h in hashes:
+                    pipe.hgetall(page_key(h))
+                return await pipe.execute()
+
+            if not hashes and self.cache_key is not None:
+                return {}
+            replies = await asyncio.wait_for(lookup(), self.index_timeout_s)
+        except Exception:  # noqa: BLE001 - Redis down or slow: route without it
+            self.stats.index_errors += 1
+            self._redis_down_until = time.monotonic() + 1.0
+            return None
+        self.stats.index_lookups += 1
+        alive = {w: bool(r) for w, r in zip(workers, replies[: len(workers)])}
+        holders = holders_from_replies(replies[len(workers) :], alive, self.index_ttl_s)
+        return longest_match(hashes, holders, self.page_size, workers)
+
+    async def choose(self, tokens, tenant, exclude=()):
+        live = [w for w, s in self.workers.items() if s.healthy and w not in exclude]
+        if not live:
+            live = [w for w in self.workers if w not in exclude] or list(self.workers)
+        if self.cache_key is None and self._redis is not None and time.monotonic() >= self._redis_down_until:
+            try:
+                await asyncio.wait_for(self._ensure_cache_key(), self.index_timeout_s)
+            except Exception:  # noqa: BLE001
+                self._redis_down_until = time.monotonic() + 1.0
+        hashes = self.hashes_of(tokens, tenant)
+        matched = await self.matched(hashes, live)
+        if matched is None:
+            self.stats.index_unavailable += 1
+        st = self.workers
+        view = FleetView(live, {w: float(st[w].inflight) for w in live},
+                         {w: st[w].inflight_tokens * self.policy.c_tok_s for w in live}, matched)  # fmt: skip
+        req = RouteRequest(len(tokens), hashes, tenant, self.page_size)
+        if tenant is None and hashes:
+            req.key = None
+        return self.policy.route(req, view)
+
+    # ------------------------------------------------------------------ HTTP
+    def _tenant(self, request, body) -> Optional[str]:
+        if self.tenant_header:
+            v = request.headers.get(self.tenant_header)
+            if v:
+                return v
+        salt = body.get("cache_salt") if isinstance(body, dict) else None
+        return salt if isinstance(salt, str) and salt else None
+
+    async def handle(self, request):
+        from aiohttp import web
+
+        t0 = time.perf_counter()
+        raw = await request.read()
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError:
+            body = {}
+        path = request.path
+        tenant = self._tenant(request, body)
+        try:  # the prompt only steers locality: anything odd routes by affinity + load instead
+            tokens = [int(t) for t in self.tokens_of(path, body)] if isinstance(body, dict) else []
+        except Exception:  # noqa: BLE001
+            tokens = []
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in ("host", "content-length", "transfer-encoding", "connection")}  # fmt: skip
+        tried: list[str] = []
+        for attempt in range(2):
+            d = await self.choose(tokens, tenant, exclude=tried)
+            ws = self.workers[d.worker]
+            if attempt == 0:
+                self.stats.requests += 1
+                self.stats.spills += d.spill
+                self.stats.index_hits += d.matched > 0
+                self.stats.matched_tokens += d.matched
+                self.stats.prompt_tokens += len(tokens)
+                self.stats.route_ms_total += (time.perf_counter() - t0) * 1e3
+            else:
+                self.stats.retries += 1
+            tried.append(d.worker)
+            ws.routed += 1
+            ws.inflight += 1
+            pending = max(0, len(tokens) - d.matched)
+            ws.inflight_tokens += pending
+            resp = None
+            try:
+                async with self._session.request(request.method, ws.url + request.path_qs, data=raw,
+                                                 headers=headers) as up:  # fmt: skip
+                    resp = web.StreamResponse(status=up.status)
+                    for k, v in up.headers.items():
+                        if k.lower() not in ("content-length", "transfer-encoding", "connection",
+                                             "content-encoding", "date", "server"):  # fmt: skip
+                            resp.headers[k] = v
+                    resp.headers["x-sglang-tiered-worker"] = ws.url
+                    await resp.prepare(request)
+                    async for chunk in up.content.iter_any():
+                        await resp.write(chunk)
+                    await resp.write_eof()
+                    return resp
+            except Exception as exc:  # noqa: BLE001
+                ws.failures += 1
+                if resp is not None and resp.prepared:
+                    self.stats.failed += 1  # bytes already went out: cannot retry transparently
+                    raise
+                ws.healthy = False
+                ws.down_until = time.monotonic() + 2.0
+                logger.warning("router: %s failed (%s); %s", ws.url, exc,
+                               "retrying once" if attempt == 0 else "giving up")  # fmt: skip
+            finally:
+                ws.inflight -= 1
+                ws.inflight_tokens -= pending
+        self.stats.failed += 1
+        return web.json_response({"error": {"message": "no worker could serve the request"}}, status=502)
+
+    def stats_doc(self) -> dict:
+        s = self.stats
+        n = max(1, s.requests)
+        return {
+            "requests": s.requests,
+            "spill_rate": s.spills / n,
+            "index_hit_rate": s.index_hits / n,
+            "index_matched_token_rate": s.matched_tokens / max(1, s.prompt_tokens),
+            "index_lookups": s.index_lookups,
+            "index_errors": s.index_errors,
+            "index_unavailable": s.index_unavailable,
+            "retries": s.retries,
+            "failed": s.failed,
+            "mean_route_ms": s.route_ms_total / n,
+            "workers": {w: {"routed": x.routed, "inflight": x.inflight, "healthy": x.healthy,
+                            "failures": x.failures} for w, x in self.workers.items()},  # fmt: skip
+        }
+
+    def app(self):
+        from aiohttp import web
+
+        app = web.Application(client_max_size=64 << 20)
+
+        async def stats(_):
+            return web.json_response(self.stats_doc())
+
+        async def health(_):
+            ok = any(s.healthy for s in self.workers.values())
+            return web.json_response({"healthy": ok}, status=200 if ok else 503)
+
+        async def on_startup(_):
+            await self.start()
+
+        async def on_cleanup(_):
+            await self.close()
+
+        app.router.add_get("/router/stats", stats)
+        app.router.add_get("/health", health)
+        for r in ROUTES:
+            app.router.add_post(r, self.handle)
+        app.on_startup.append(on_startup)
+        app.on_cleanup.append(on_cleanup)
+        return app
+
+
+def serve(workers, redis_url=None, *, host="127.0.0.1", port=30100, **kw) -> None:
+    from aiohttp import web
+
+    router = Router(workers, redis_url, **kw)
+    web.run_app(router.app(), host=host, port=port, print=None, access_log=None)

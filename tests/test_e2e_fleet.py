@@ -1,0 +1,198 @@
+"""The fleet end to end on loopback: Redis + 2 tiered servers publishing the hint index + the router.
+Faults: Redis killed mid-run, a server killed mid-run. Everything listens on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from tests.conftest import LOG_DIR
+
+pytestmark = pytest.mark.server
+TTL_S = 3
+
+
+def _post(url, payload, timeout=120, headers=None):
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST")
+    req.add_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.status, json.loads(r.read()), r.headers.get("x-sglang-tiered-worker")
+
+
+def _get(url, timeout=10):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def start_redis(port: int, log) -> subprocess.Popen:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+    p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                         stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    import socket
+
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return p
+        except OSError:
+            time.sleep(0.05)
+    p.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+def start_router(workers, redis_url, port, model, log) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "sglang_tiered.cli", "route", "--workers", *workers, "--port", str(port),
+            "--model", model, "--k", "1", "--index-ttl-s", str(TTL_S)]  # fmt: skip
+    if redis_url:
+        argv += ["--redis", redis_url]
+    p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    for _ in range(200):
+        try:
+            _get(f"http://127.0.0.1:{port}/router/stats", timeout=1)
+            return p
+        except OSError:
+            if p.poll() is not None:
+                raise RuntimeError("router exited")
+            time.sleep(0.1)
+    p.kill()
+    raise RuntimeError("router did not start")
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sglang_tiered.server import Server, ServerSpec, free_port
+
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    rport = free_port()
+    redis_log = open(LOG_DIR / "fleet-redis.log", "wb")
+    redis = start_redis(rport, redis_log)
+    redis_url = f"redis://127.0.0.1:{rport}/0"
+    servers = []
+    for i in range(2):
+        port = free_port()
+        env = {"SGLANG_TIERED_INDEX_URL": redis_url, "SGLANG_TIERED_SERVER_ID": f"http://127.0.0.1:{port}",
+               "SGLANG_TIERED_INDEX_TTL_S": str(TTL_S), "SGLANG_TIERED_HOST": "off"}  # fmt: skip
+        spec = ServerSpec(model_path=tiny_model_path, port=port, max_total_tokens=4096, env=env)
+        servers.append(Server(spec, LOG_DIR / f"fleet-{i}.log"))
+    with ThreadPoolExecutor(2) as ex:
+        list(ex.map(lambda s: s.start(timeout_s=300), servers))
+    router_port = free_port()
+    router_log = open(LOG_DIR / "fleet-router.log", "wb")
+    router = start_router([s.url for s in servers], redis_url, router_port, tiny_model_path, router_log)
+    state = {"redis": redis, "redis_url": redis_url, "servers": servers, "router": f"http://127.0.0.1:{router_port}",
+             "router_proc": router, "rport": rport}  # fmt: skip
+    yield state
+    router.terminate()
+    for s in servers:
+        s.stop()
+    if state["redis"].poll() is None:
+        state["redis"].terminate()
+    redis_log.close()
+    router_log.close()
+
+
+def _prompt(tenant: str, i: int) -> dict:
+    body = f"{tenant} system prompt: you are a careful assistant for {tenant}. " * 6
+    return {"text": body + f" question {i}?", "cache_salt": tenant,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 4}}  # fmt: skip
+
+
+def _send_all(router, tenants, rounds, start=0):
+    out = []
+    for i in range(start, start + rounds):
+        for t in tenants:
+            status, body, worker = _post(router + "/generate", _prompt(t, i))
+            assert status == 200, body
+            out.append((t, worker, body["meta_info"].get("cached_tokens", 0), body["text"]))
+    return out
+
+
+def test_fleet_routes_by_affinity_and_index_and_survives_faults(fleet):
+    import redis as redis_py
+
+    router, servers = fleet["router"], fleet["servers"]
+    tenants = [f"tenant-{i}" for i in range(6)]
+    res = _send_all(router, tenants, 3)
+    # affinity: each tenant stays on one server; its repeats hit the cache
+    homes = {}
+    for t, w, cached, _ in res:
+        homes.setdefault(t, set()).add(w)
+    assert all(len(ws) == 1 for ws in homes.values()), homes
+    assert sum(c for _, _, c, _ in res[len(tenants):]) > 0
+    # the index is populated by the servers (rank 0 publishers) and used by the router
+    r = redis_py.Redis.from_url(fleet["redis_url"])
+    deadline = time.time() + 10
+    while time.time() < deadline and not r.keys(b"st:p:*"):
+        time.sleep(0.2)
+    assert r.keys(b"st:p:*") and r.exists(b"st:alive:" + servers[0].url.encode())
+    time.sleep(0.5)
+    _send_all(router, tenants, 1, start=3)
+    st = _get(router + "/router/stats")
+    assert st["index_lookups"] > 0 and st["index_hit_rate"] > 0, st
+    stats = servers[0].request("GET", "/cache/stats")[1]
+    assert stats["index"]["enabled"] and stats["index"]["published_pages"] > 0
+
+    # OpenAI routes and streaming pass through the router (same answers as the worker directly)
+    chat = {"model": "default", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4,
+            "temperature": 0, "cache_salt": "tenant-0"}  # fmt: skip
+    status, body, worker = _post(router + "/v1/chat/completions", chat)
+    assert status == 200 and body["choices"][0]["message"] is not None and worker
+    comp = {"model": "default", "prompt": "def f(x):", "max_tokens": 4, "temperature": 0, "cache_salt": "tenant-1"}
+    status, body, worker = _post(router + "/v1/completions", comp)
+    direct = [s for s in servers if s.url == worker][0].request("POST", "/v1/completions", comp)[1]
+    assert status == 200 and body["choices"][0]["text"] == direct["choices"][0]["text"]
+    req = urllib.request.Request(router + "/generate", method="POST", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({**_prompt("tenant-2", 0), "stream": True}).encode())  # fmt: skip
+    with urllib.request.urlopen(req, timeout=120) as r:
+        lines = [ln for ln in r.read().decode().splitlines() if ln.startswith("data:")]
+    assert lines[-1].strip() == "data: [DONE]" and len(lines) >= 2
+    texts = [json.loads(ln[5:])["text"] for ln in lines[:-1]]
+    assert res[2][3] in (texts[-1], "".join(texts))  # same text as unstreamed (cumulative or deltas)
+
+    # --- fault 1: Redis killed mid-run: no request fails, routing falls back to affinity + load
+    fleet["redis"].kill()
+    fleet["redis"].wait()
+    res = _send_all(router, tenants, 2, start=4)
+    for t, w, _, _ in res:
+        assert w in homes[t], (t, w, homes[t])  # same homes without the index
+    st = _get(router + "/router/stats")
+    assert st["index_unavailable"] > 0 and st["failed"] == 0
+    for s in servers:
+        assert s.request("GET", "/health")[0] == 200  # servers unaffected by Redis being gone
+        idx = s.request("GET", "/cache/stats")[1]["index"]
+        assert idx["errors"] >= 0
+
+    # Redis back (empty); servers republish their held pages
+    fleet["redis"] = start_redis(fleet["rport"], open(LOG_DIR / "fleet-redis2.log", "wb"))
+    r = redis_py.Redis.from_url(fleet["redis_url"])
+    deadline = time.time() + 15
+    while time.time() < deadline and not r.exists(b"st:alive:" + servers[1].url.encode()):
+        time.sleep(0.2)
+    assert r.exists(b"st:alive:" + servers[1].url.encode())
+
+    # --- fault 2: a server killed mid-run: its tenants rehome, no request fails
+    victim = servers[1]
+    os.killpg(victim.proc.pid, 9)
+    victim.proc.wait()
+    res = _send_all(router, tenants, 2, start=6)
+    assert all(w == servers[0].url for _, w, _, _ in res)
+    st = _get(router + "/router/stats")
+    assert st["failed"] == 0
+    # the index forgets the dead server within its expiry (heartbeat TTL)
+    deadline = time.time() + TTL_S + 3
+    while time.time() < deadline and r.exists(b"st:alive:" + victim.url.encode()):
+        time.sleep(0.2)
+    assert not r.exists(b"st:alive:" + victim.url.encode())
