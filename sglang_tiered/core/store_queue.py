@@ -34,7 +34,7 @@ import heapq
 import itertools
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 logger = logging.getLogger("sglang_tiered")
 
@@ -171,6 +171,11 @@ class StoreQueue:
                 if job is None:
                     return
             self._execute(job)
+
+    @property
+    def pending(self) -> bool:
+        """Whether any write is queued or in flight (a fence is a no-op otherwise)."""
+        return bool(self._page_job)
 
     @property
     def depth_pages(self) -> int:

@@ -168,8 +168,8 @@ class HintMiddleware:
         path = scope.get("path", "")
         tenant_mode = self.tenant_header is not None
         if tenant_mode and path in UNSALTED_PATHS:
-            return await _reply(scope, receive, send, 403, f"{path} cannot carry a tenant and is disabled while "
-                                f"SGLANG_TIERED_TENANT_HEADER is set (tenants would share one cache namespace)")  # fmt: skip
+            return await _error(403, f"{path} cannot carry a tenant and is disabled while SGLANG_TIERED_TENANT_HEADER "
+                                "is set (tenants would share one cache namespace)")(scope, receive, send)  # fmt: skip
         if path not in SALT_PATHS:
             return await self.app(scope, receive, send)
         chunks, more = [], True
@@ -187,7 +187,7 @@ class HintMiddleware:
             else:
                 new = raw
         except BadRequest as exc:
-            return await _reply(scope, receive, send, exc.status, str(exc))
+            return await _error(exc.status, str(exc))(scope, receive, send)
         if new is not raw:
             scope = dict(scope)
             scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-length"] + [
@@ -221,12 +221,6 @@ def _replay(body: bytes, receive, pending=None):
         return await receive()
 
     return replay
-
-
-async def _reply(scope, receive, send, status: int, message: str):
-    from starlette.responses import JSONResponse
-
-    await JSONResponse({"error": {"code": status, "message": message}}, status_code=status)(scope, receive, send)
 
 
 def _merge_custom_params(holder: dict, skip: bool, where: str) -> None:

@@ -287,10 +287,19 @@ class TieredRadixCache(RadixCache):
 
         return StoreQueue(capacity_pages, write, threaded=threaded)
 
+    def _page_ids(self, node) -> list:
+        """Device page ids of a node's slots (one per page)."""
+        return (node.value[:: self.page_size] // self.page_size).tolist()
+
+    def _fence(self, node, run: bool) -> None:
+        """Before a node's device pages are freed: no store of them may be pending or running."""
+        if self.store is not None and self.store.pending:
+            self.store.fence(self._page_ids(node), run=run)
+
     def _write_through(self, anchor, last) -> None:
         """Offer the runs of pages a request just added to the tree (``anchor``..``last``) to the
         store queue, one job per node, valued ``frequency x pages`` (R3)."""
-        ps, store, policy = self.page_size, self.store, self.policy
+        store, policy = self.store, self.policy
         ready = None
         if self.host.k_buffers[0].is_cuda:
             ready = torch.cuda.Event()
@@ -300,7 +309,7 @@ class TieredRadixCache(RadixCache):
             hashes = node.tiered_hashes
             if hashes and not node.tiered_invalid:
                 freq = policy.node_frequency(hashes)
-                store.offer((node.value[::ps] // ps).tolist(), hashes, freq * len(hashes), frequency=freq,
+                store.offer(self._page_ids(node), hashes, freq * len(hashes), frequency=freq,
                             tenant=name_hash(tenant_of(node.key.cache_salt)), ctx=ready)  # fmt: skip
             node = node.parent
 
@@ -312,7 +321,7 @@ class TieredRadixCache(RadixCache):
         pages = x.value[::ps] // ps
         tenant = name_hash(tenant_of(x.key.cache_salt))
         if self.store is not None:
-            self.store.fence(pages.tolist(), run=True)
+            self._fence(x, run=True)
             if self.host.touch(x.tiered_hashes) or (x.hit_count < 2 and not self._flushing):
                 return
             self.store.stats.inline_pages += self.host.demote(pages, x.tiered_hashes, tenant)
@@ -728,8 +737,7 @@ class TieredRadixCache(RadixCache):
 
     def _drop_node(self, node) -> int:
         n = len(node.key)
-        if self.store is not None:  # an invalidated page is never written to T1
-            self.store.fence((node.value[:: self.page_size] // self.page_size).tolist(), run=False)
+        self._fence(node, run=False)  # an invalidated page is never written to T1
         self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
         tc = self.tenants.get(tenant_of(node.key.cache_salt))
         tc.invalidated_pages += n // self.page_size
@@ -839,8 +847,7 @@ class TieredRadixCache(RadixCache):
                 if self.index_listener is not None:  # a demoted page stays held, in T1
                     self._notify("on_remove", [h for h in x.tiered_hashes if not self.host.pool.contains(h)])
             else:  # gone from this server
-                if self.store is not None:
-                    self.store.fence((x.value[::ps] // ps).tolist(), run=False)
+                self._fence(x, run=False)
                 self._notify("on_remove", x.tiered_hashes)
             free_segment(x.value, start_pos=0)
             num_evicted += len(x.value)
