@@ -25,8 +25,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.trace_replay import environment  # noqa: E402
-from sglang_tiered.server import Server, ServerSpec  # noqa: E402
-from sglang_tiered.workloads import multi_tenant  # noqa: E402
+from sglang_tiered.dev.server import Server, ServerSpec  # noqa: E402
+from sglang_tiered.dev.workloads import multi_tenant  # noqa: E402
 
 
 def stream_generate(url: str, payload: dict, timeout: float = 600.0, headers: dict | None = None) -> dict:
@@ -142,9 +142,9 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="demo")
     args = ap.parse_args(argv)
 
-    from sglang_tiered.models.tiny import build_model
+    from sglang_tiered.dev.tiny_model import build_model
 
-    from sglang_tiered.models.tiny import TinyModelSpec
+    from sglang_tiered.dev.tiny_model import TinyModelSpec
 
     model = args.model or str(build_model(TinyModelSpec(num_layers=args.layers)))
     reqs = multi_tenant(n_requests=args.requests, seed=args.seed, scale=args.scale)

@@ -23,13 +23,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.live_compare import stream_generate  # noqa: E402
-from sglang_tiered.workloads import load_mooncake  # noqa: E402
+from sglang_tiered.dev.workloads import load_mooncake  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", required=True)
-    ap.add_argument("--trace", help="trace JSONL(.gz) (default: the bundled Mooncake conversation trace)")
+    ap.add_argument("--trace", default=str(ROOT / "bench" / "data" / "mooncake_conversation_trace.jsonl.gz"),
+                    help="trace JSONL(.gz) (default: the bundled Mooncake conversation trace)")
     ap.add_argument("--limit", type=int, default=300)
     ap.add_argument("--tokens-per-block", type=int, default=16)
     ap.add_argument("--time-scale", type=float, default=60.0, help="arrival compression factor")

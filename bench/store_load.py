@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.live_compare import replay, summarize  # noqa: E402
 from bench.trace_replay import environment  # noqa: E402
-from sglang_tiered.server import Server, ServerSpec  # noqa: E402
-from sglang_tiered.workloads import multi_tenant  # noqa: E402
+from sglang_tiered.dev.server import Server, ServerSpec  # noqa: E402
+from sglang_tiered.dev.workloads import multi_tenant  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=40, help="requests per interleaved chunk")
     args = ap.parse_args(argv)
 
-    from sglang_tiered.models.tiny import TinyModelSpec, build_model
+    from sglang_tiered.dev.tiny_model import TinyModelSpec, build_model
 
     model = str(build_model(TinyModelSpec(num_layers=args.layers)))
     reqs = multi_tenant(n_requests=args.requests, seed=args.seed, scale=args.scale)

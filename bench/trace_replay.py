@@ -25,7 +25,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sglang_tiered.workloads import load_mooncake, multi_tenant  # noqa: E402
+from sglang_tiered.dev.workloads import load_mooncake, multi_tenant  # noqa: E402
 
 PAGE = 16
 SGLANG_POLICIES = ["lru", "lfu", "slru", "fifo", "priority"]
@@ -93,7 +93,7 @@ def belady_hits(pages, capacity_pages: int) -> int:
 def replay_sglang(reqs, capacity_tokens: int, policy: str):
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
-    from sglang_tiered.integration.simulate import CacheDriver, make_params
+    from sglang_tiered.dev.simulate import CacheDriver, make_params
 
     params, alloc, pool = make_params(capacity_tokens, PAGE, 1 << 17, eviction_policy=policy)
     return _replay(CacheDriver(RadixCache(params), alloc, pool), reqs)
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
 
     workloads = {}
     if args.workload in ("mooncake", "both"):
-        mc = load_mooncake(limit=args.limit)
+        mc = load_mooncake(ROOT / "bench" / "data" / "mooncake_conversation_trace.jsonl.gz", limit=args.limit)
         workloads["mooncake"] = mc[int(len(mc) * args.mooncake_from):]
     if args.workload in ("multitenant", "both"):
         workloads["multitenant"] = multi_tenant(n_requests=args.limit or 4000, seed=args.seed)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import signal
 import sys
@@ -11,7 +10,7 @@ import time
 
 
 def _cmd_build_model(args: argparse.Namespace) -> int:
-    from sglang_tiered.models.tiny import TinyModelSpec, build_model
+    from sglang_tiered.dev.tiny_model import TinyModelSpec, build_model
 
     spec = TinyModelSpec(num_layers=args.layers, max_position_embeddings=args.context, dtype=args.dtype)
     print(build_model(spec))
@@ -25,11 +24,11 @@ def default_max_total_tokens() -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from sglang_tiered.server import Server, ServerSpec
+    from sglang_tiered.dev.server import Server, ServerSpec
 
-    model = args.model or os.environ.get("MODEL")
+    model = args.model  # (make serve passes MODEL=... as --model)
     if not model:
-        from sglang_tiered.models.tiny import build_model
+        from sglang_tiered.dev.tiny_model import build_model
 
         model = str(build_model())
     spec = ServerSpec(
@@ -119,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(func=_cmd_build_model)
 
     s = sub.add_parser("serve", help="serve a model on CPU with --radix-cache-backend tiered")
-    s.add_argument("--model", help="model folder (default: $MODEL, else the built-in tiny model)")
+    s.add_argument("--model", help="model folder (default: the built-in tiny model)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=30000)
     s.add_argument("--page-size", type=int, default=16)

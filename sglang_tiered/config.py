@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import pathlib
 import re
 from dataclasses import dataclass
 
@@ -75,6 +76,16 @@ def _float(env, name, default, upper):
     if f > upper:
         raise ConfigError(f"{name}={v!r}: must be <= {upper:g}")
     return f
+
+
+def cache_root(env=None) -> pathlib.Path:
+    """Where sglang-tiered keeps files between runs (built tiny models, weight digests):
+    ``SGLANG_TIERED_CACHE``, else ``$XDG_CACHE_HOME/sglang-tiered``, else ``~/.cache/sglang-tiered``."""
+    env = os.environ if env is None else env
+    base = env.get("SGLANG_TIERED_CACHE") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sglang-tiered"
+    )
+    return pathlib.Path(base)
 
 
 def load_config(env=None) -> TieredConfig:

@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - xxhash is in our env, but the core mus
 
 
 def _memo_path() -> pathlib.Path:
-    from sglang_tiered.models.tiny import cache_root
+    from sglang_tiered.config import cache_root
 
     return cache_root() / "weights-digests.json"
 

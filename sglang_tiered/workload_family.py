@@ -1,7 +1,7 @@
 """A wide, seeded, parametric family of prefix-cache workloads (pure Python).
 
 ``draw(seed)`` picks a point in the knob space below; ``generate(params)`` turns it into a list of
-``Request`` (same type as ``sglang_tiered.workloads``). Same seed, same workload, on every
+``Request`` (same type as ``sglang_tiered.dev.workloads``). Same seed, same workload, on every
 platform. Knobs (each drawn per workload; see ``draw``):
 
 * tenants 1-64 (Zipf popularity across tenants), each with its own shared prefixes (system
@@ -29,7 +29,7 @@ import random
 from array import array
 from dataclasses import asdict, dataclass, field
 
-from sglang_tiered.workloads import TOKEN_HI, TOKEN_LO, Request
+from sglang_tiered.dev.workloads import TOKEN_HI, TOKEN_LO, Request
 
 KINDS = ("chat", "agent", "rag", "scan", "batch")
 

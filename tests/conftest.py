@@ -13,13 +13,13 @@ LOG_DIR = ROOT / "logs" / "tests"
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
-    from sglang_tiered.models.tiny import build_model
+    from sglang_tiered.dev.tiny_model import build_model
 
     return str(build_model())
 
 
 def _start(spec, name: str):
-    from sglang_tiered.server import Server
+    from sglang_tiered.dev.server import Server
 
     server = Server(spec, LOG_DIR / f"{name}.log")
     server.start(timeout_s=300)
@@ -28,7 +28,7 @@ def _start(spec, name: str):
 
 @pytest.fixture(scope="session")
 def tiered_server(tiny_model_path):
-    from sglang_tiered.server import ServerSpec
+    from sglang_tiered.dev.server import ServerSpec
 
     # A small device pool (4,096 tokens) so workloads overflow it and eviction + admission run.
     server = _start(
@@ -43,7 +43,7 @@ def tiered_server(tiny_model_path):
 @pytest.fixture(scope="session")
 def admin_server(tiny_model_path):
     """Tiered server with SGLang's API keys and a trusted tenant header configured."""
-    from sglang_tiered.server import ServerSpec
+    from sglang_tiered.dev.server import ServerSpec
 
     server = _start(
         ServerSpec(model_path=tiny_model_path, backend="tiered", page_size=16, max_total_tokens=4096,
@@ -58,7 +58,7 @@ def admin_server(tiny_model_path):
 @pytest.fixture(scope="session")
 def reference_server(tiny_model_path):
     """Stock SGLang with --disable-radix-cache: the ground truth for greedy outputs."""
-    from sglang_tiered.server import ServerSpec
+    from sglang_tiered.dev.server import ServerSpec
 
     server = _start(
         ServerSpec(model_path=tiny_model_path, backend=None, disable_radix_cache=True, page_size=16),

@@ -73,7 +73,7 @@ def start_router(workers, redis_url, port, model, log) -> subprocess.Popen:
 def fleet(tiny_model_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from sglang_tiered.server import Server, ServerSpec, free_port
+    from sglang_tiered.dev.server import Server, ServerSpec, free_port
 
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     rport = free_port()

@@ -33,7 +33,7 @@ T1_NAME = f"soak-{os.getpid()}"
 def soak_server(tiny_model_path, tmp_path_factory):
     """float32 (exact comparisons), small device pool, T1 on in a named segment, debug invariants
     after every cache operation, tenants from a trusted header."""
-    from sglang_tiered.server import Server, ServerSpec
+    from sglang_tiered.dev.server import Server, ServerSpec
     from sglang_tiered.tier.host_pool import SHM_DIR
 
     spec = ServerSpec(model_path=tiny_model_path, page_size=PAGE, max_total_tokens=4096, dtype="float32",
@@ -50,7 +50,7 @@ def soak_server(tiny_model_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference32(tiny_model_path, tmp_path_factory):
-    from sglang_tiered.server import Server, ServerSpec
+    from sglang_tiered.dev.server import Server, ServerSpec
 
     spec = ServerSpec(model_path=tiny_model_path, backend=None, disable_radix_cache=True, page_size=PAGE,
                       dtype="float32", extra_args=["--max-running-requests", "8"])  # fmt: skip
@@ -271,7 +271,7 @@ def test_fuzz_http_surface_never_5xx(soak_server):
 # ---------------------------------------------------------------- one test per finding
 def test_second_server_on_the_same_named_t1_fails_fast(soak_server, tiny_model_path, tmp_path):
     """Finding 1: two live servers on one named T1 overwrote each other's slots."""
-    from sglang_tiered.server import Server, ServerSpec, ServerStartError
+    from sglang_tiered.dev.server import Server, ServerSpec, ServerStartError
 
     spec = ServerSpec(model_path=tiny_model_path, max_total_tokens=2048,
                       env={"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_NAME": T1_NAME})  # fmt: skip
@@ -283,7 +283,7 @@ def test_second_server_on_the_same_named_t1_fails_fast(soak_server, tiny_model_p
 
 def test_t1_bigger_than_its_tmpfs_turns_off_and_serves(tiny_model_path, tmp_path):
     """Finding 2: a named T1 larger than the tmpfs behind it crashed the scheduler with SIGBUS."""
-    from sglang_tiered.server import Server, ServerSpec
+    from sglang_tiered.dev.server import Server, ServerSpec
 
     mnt = tmp_path / "shm"
     mnt.mkdir()
@@ -390,7 +390,7 @@ def test_stats_stay_bounded_with_many_long_salts(tiered_server):
 @pytest.mark.parametrize("env", [{"SGLANG_TIERED_HOST_GB": "inf"}, {"SGLANG_TIERED_HOST_RATIO": "1e400"}])
 def test_non_finite_config_stops_the_launch(tiny_model_path, tmp_path, env):
     """Finding 7: these passed validation and crashed the scheduler after the model loaded."""
-    from sglang_tiered.server import Server, ServerSpec, ServerStartError
+    from sglang_tiered.dev.server import Server, ServerSpec, ServerStartError
 
     log = tmp_path / "bad.log"
     with pytest.raises(ServerStartError, match="code 2"):
@@ -403,7 +403,7 @@ def test_non_finite_config_stops_the_launch(tiny_model_path, tmp_path, env):
 def test_tp2_without_a_name_shares_its_auto_t1(tiny_model_path, tmp_path):
     """Both TP ranks of one server map the unnamed (auto-<launcher pid>) T1; ownership checks must
     not turn it off on one rank (the ranks would then diverge)."""
-    from sglang_tiered.server import Server, ServerSpec
+    from sglang_tiered.dev.server import Server, ServerSpec
     from sglang_tiered.tier.host_pool import SHM_DIR
 
     spec = ServerSpec(model_path=tiny_model_path, tp=2, max_total_tokens=2048, env={"SGLANG_TIERED_HOST": "on"})

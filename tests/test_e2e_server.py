@@ -60,7 +60,7 @@ def test_greedy_outputs_match_no_cache_reference(tiered_server, reference_server
 
 
 def test_backend_not_registered_when_plugin_excluded(tiny_model_path, tmp_path):
-    from sglang_tiered.server import Server, ServerSpec, ServerStartError
+    from sglang_tiered.dev.server import Server, ServerSpec, ServerStartError
 
     spec = ServerSpec(model_path=tiny_model_path, backend="tiered", env={"SGLANG_PLUGINS": "none"})
     server = Server(spec, tmp_path / "excluded.log")

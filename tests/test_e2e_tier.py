@@ -18,7 +18,7 @@ def _gen(server, prompts, n=6):
 
 
 def test_t1_promotions_match_no_cache(tiny_model_path, reference_server, tmp_path):
-    from sglang_tiered.server import Server, ServerSpec
+    from sglang_tiered.dev.server import Server, ServerSpec
 
     prompts = [make_prompt(700 + i, 420) for i in range(8)]  # ~3.4k tokens > 2,048-token pool
     rounds = prompts + prompts[:4] + prompts[::-1]
@@ -38,7 +38,7 @@ def test_t1_promotions_match_no_cache(tiny_model_path, reference_server, tmp_pat
 
 
 def test_warm_restart_across_tp_change_and_changed_weights(tiny_model_path, tmp_path):
-    from sglang_tiered.server import Server, ServerSpec
+    from sglang_tiered.dev.server import Server, ServerSpec
 
     name = f"warm-{os.getpid()}"
     common = dict(max_total_tokens=2048, dtype="float32", extra_args=["--served-model-name", "tiny"])

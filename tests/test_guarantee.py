@@ -9,7 +9,7 @@ import random
 import pytest
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
-from sglang_tiered.integration.simulate import CacheDriver, make_params
+from sglang_tiered.dev.simulate import CacheDriver, make_params
 from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
 
 PAGE = 16
@@ -110,7 +110,7 @@ def test_adversarial_workloads_stay_within_the_bound_of_lru(build):
 def test_followed_order_is_exactly_sglangs(order):
     """While the duel follows a fixed order, the real cache is SGLang's RadixCache with that
     eviction policy: the same hit for every request."""
-    from sglang_tiered.workloads import multi_tenant
+    from sglang_tiered.dev.workloads import multi_tenant
 
     reqs = [(r.tokens, r.tenant) for r in multi_tenant(n_requests=250, scale=0.2)]
     cap_pages = 120

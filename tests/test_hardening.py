@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from sglang_tiered.core.keys import CacheKey
-from sglang_tiered.integration.tiered_radix_cache import SEED_TABLE_MAX, TieredRadixCache
+from sglang_tiered.integration.page_hashes import SEED_TABLE_MAX
+from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
 
 PAGE = 16
 
@@ -174,10 +175,10 @@ def test_tables_stay_bounded_with_many_salts():
         salt = f"tenant-{i % 5000:05d}-" + "x" * 2000
         toks = shared + [rng.randrange(10_000) for _ in range(rng.randrange(1, 5 * PAGE))]
         cache.driver.run(toks, tenant=salt)
-    assert len(cache._seeds) <= SEED_TABLE_MAX
+    assert cache.hashes.seeds_held <= SEED_TABLE_MAX
     assert len(cache.tenants.by_name) <= cache.tenants.max_tenants + 1
     assert all(len(name) <= 81 for name in cache.tenants.by_name)
-    assert not cache._counted and not cache._pending_host
+    assert cache.open_requests() == 0
     assert not hasattr(cache.host, "tenant_of")  # tenant tags live in the pool's per-slot index
     assert cache.host.pool.resident <= cache.host.pool.capacity
     size = len(json.dumps(cache.stats_snapshot()))

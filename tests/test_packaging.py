@@ -41,7 +41,7 @@ def test_wheel_installs_into_a_fresh_venv_and_serves_with_t1(tmp_path, tiny_mode
     import sysconfig
     import venv
 
-    from sglang_tiered.server import Server, ServerSpec
+    from sglang_tiered.dev.server import Server, ServerSpec
 
     src = tmp_path / "src"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "logs", "build", ".cache",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from sglang_tiered.models.tiny import TinyModelSpec, build_model
+from sglang_tiered.dev.tiny_model import TinyModelSpec, build_model
 
 
 def _digest(path):

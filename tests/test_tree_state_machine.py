@@ -155,7 +155,7 @@ def test_replayed_workload_keeps_invariants_and_serves_exact_kv(fraction):
     """Real traffic shapes (system prompts, chats, agents, RAG, one-shot scans, 6 tenants) through
     the adaptive policy with T1 on: invariants (incl. the victim queue) after every cache call,
     and every hit's KV, device or promoted from T1, equal to recomputation."""
-    from sglang_tiered.workloads import multi_tenant, unique_pages
+    from sglang_tiered.dev.workloads import multi_tenant, unique_pages
 
     reqs = multi_tenant(n_requests=600, scale=0.25)
     ps = 16

@@ -4,8 +4,8 @@ Scheduler processes:
   * AFTER ``SchedulerInternalStateController.get_internal_state``: adds ``internal_state
     ["sglang_tiered"]`` = the tree's per-rank stats (msgpack-safe), read by ``GET /cache/stats``.
   * AFTER ``SchedulerInternalStateController._update_handlers``: adds numeric update keys
-    ``sglang_tiered_invalidate_{nonce,tenant,version,all}`` (SGLang's set_internal_state carries
-    numbers only, so names travel as 62-bit hashes) that run ``TieredRadixCache.invalidate``.
+    ``protocol.INVALIDATE_KEYS`` (SGLang's set_internal_state carries numbers only, so names
+    travel as 62-bit hashes) that run ``TieredRadixCache.invalidate``.
 HTTP (launcher) process:
   * BEFORE ``http_server._setup_and_run_http_server``: mounts ``/cache/stats`` and
     ``/cache/invalidate`` and the request-hint middleware before uvicorn starts (and before SGLang
@@ -17,15 +17,10 @@ from __future__ import annotations
 import logging
 import multiprocessing
 
+from sglang_tiered.integration.protocol import INVALIDATE_KEYS, STATE_KEY
+
 logger = logging.getLogger("sglang_tiered")
 
-STATE_KEY = "sglang_tiered"
-INVALIDATE_KEYS = (
-    "sglang_tiered_invalidate_nonce",
-    "sglang_tiered_invalidate_tenant",
-    "sglang_tiered_invalidate_version",
-    "sglang_tiered_invalidate_all",
-)
 _INTERNAL = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 _HTTP = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
 
@@ -67,9 +62,8 @@ def _after_update_handlers(handlers, controller, *args, **kwargs):
 
 
 def _before_http_server(*args, **kwargs):
-    import os
-
-    from sglang_tiered.integration.http import TENANT_HEADER_ENV, install
+    from sglang_tiered.config import load_config
+    from sglang_tiered.integration.http import install
 
     server_args = args[0] if args else kwargs.get("server_args")
     workers = int(getattr(server_args, "tokenizer_worker_num", 1) or 1)
@@ -77,8 +71,8 @@ def _before_http_server(*args, **kwargs):
         # Extra tokenizer workers re-import SGLang's app without our middleware and routes.
         msg = ("sglang-tiered: --tokenizer-worker-num > 1 serves HTTP from worker processes that do "
                "not carry the tenant-header middleware or /cache/* routes")  # fmt: skip
-        if os.environ.get(TENANT_HEADER_ENV):
-            logger.error("%s; refusing to start with %s set (tenant isolation would be off)", msg, TENANT_HEADER_ENV)
+        if load_config().tenant_header:
+            logger.error("%s; refusing to start with SGLANG_TIERED_TENANT_HEADER set (tenant isolation would be off)", msg)
             raise SystemExit(2)
         logger.warning(msg)
     install()

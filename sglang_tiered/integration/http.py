@@ -15,22 +15,20 @@ it; with only ``--api-key`` they need that.
 import itertools
 import json
 import logging
-import os
 import time
 
 import msgspec
 from fastapi import Request
 from typing import Optional
 
-from sglang_tiered.core.tenants import name_hash
-from sglang_tiered.integration.hooks import STATE_KEY
+from sglang_tiered.config import load_config
+from sglang_tiered.integration.protocol import STATE_KEY, invalidation_args
 from sglang_tiered.stats import aggregate
 
 logger = logging.getLogger("sglang_tiered")
 _installed = False
 _nonce = itertools.count(int(time.time() * 1000) % (1 << 40))
 
-TENANT_HEADER_ENV = "SGLANG_TIERED_TENANT_HEADER"
 
 
 class InvalidateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -98,13 +96,7 @@ def add_routes(app) -> None:
         except ValueError as exc:
             return _error(400, str(exc))
         nonce = next(_nonce)
-        args: dict[str, int] = {"sglang_tiered_invalidate_nonce": nonce}
-        if req.tenant is not None:
-            args["sglang_tiered_invalidate_tenant"] = name_hash(req.tenant)
-        if req.model_version is not None:
-            args["sglang_tiered_invalidate_version"] = name_hash(req.model_version)
-        if req.all:
-            args["sglang_tiered_invalidate_all"] = 1
+        args = invalidation_args(nonce, tenant=req.tenant, model_version=req.model_version, everything=bool(req.all))
         tm = get_global_state().tokenizer_manager
         updated = await tm.set_internal_state(SetInternalStateReq(server_args=args))
         if not updated or not all(updated):
@@ -309,6 +301,6 @@ def install() -> None:
 
     add_routes(app)
     # Innermost (appended, where add_middleware prepends): it sees the body the route parses.
-    app.user_middleware.append(Middleware(HintMiddleware, tenant_header=os.environ.get(TENANT_HEADER_ENV)))
+    app.user_middleware.append(Middleware(HintMiddleware, tenant_header=load_config().tenant_header))
     _installed = True
     logger.info("sglang-tiered: mounted /cache/stats, /cache/invalidate and the request-hint middleware")

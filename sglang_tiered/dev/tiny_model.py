@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import pathlib
 import shutil
 import tempfile
 from typing import Iterator
+
+from sglang_tiered.config import cache_root
 
 BUILDER_VERSION = 1
 
@@ -65,11 +66,6 @@ class TinyModelSpec:
         return f"tiny-llama-l{self.num_layers}-ctx{self.max_position_embeddings}-{self.digest()}"
 
 
-def cache_root() -> pathlib.Path:
-    base = os.environ.get("SGLANG_TIERED_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sglang-tiered"
-    )
-    return pathlib.Path(base)
 
 
 _WORDS = (

@@ -37,14 +37,14 @@ def block_tokens(block_id, n: int, salt: str = "mooncake") -> list[int]:
     return out[:n]
 
 
-def default_trace_path() -> pathlib.Path:
-    return pathlib.Path(__file__).resolve().parents[1] / "bench" / "data" / "mooncake_conversation_trace.jsonl.gz"
-
-
-def load_mooncake(path=None, tokens_per_block: int = 16, limit: int | None = None) -> list[Request]:
-    """Map each 512-token hash block to ``tokens_per_block`` tokens; the last, partial block is
-    scaled in proportion (it always has its own id in the trace, so it is never shared)."""
-    path = pathlib.Path(path) if path else default_trace_path()
+def load_mooncake(path, tokens_per_block: int = 16, limit: int | None = None) -> list[Request]:
+    """Read a Mooncake trace (JSONL, optionally gzipped; the repository's copy is
+    bench/data/mooncake_conversation_trace.jsonl.gz). Each 512-token hash block maps to
+    ``tokens_per_block`` tokens; the last, partial block is scaled in proportion (it always has
+    its own id in the trace, so it is never shared)."""
+    if not path:
+        raise ValueError("load_mooncake needs the trace path (e.g. bench/data/mooncake_conversation_trace.jsonl.gz)")
+    path = pathlib.Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     reqs: list[Request] = []
     cache: dict[int, list[int]] = {}

@@ -1,0 +1,136 @@
+"""Admission: what ``checkpoint`` lets the device tree adopt of a request's new pages.
+
+SGLang's ownership contract is kept: the tree owns ``[0, req.kv.cache_protected_len)`` of a
+request's KV row, and whatever ``checkpoint`` does not adopt is freed by ``release_kv_cache``
+(sglang/srt/mem_cache/common.py:400-444). We never pass ``checkpoint`` an ``up_to`` below
+``cache_protected_len`` (that would double-free tree pages).
+
+Per request: reuse is counted once (DESIGN.md decision 5) on its first checkpoint, its new pages
+are hashed once, the policy decides how many of them to keep (TinyLFU against the next victim
+while filtering is on), refused pages go to T1, and a cold prompt's new nodes enter aged.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from sglang_tiered.core.eviction import is_reused
+from sglang_tiered.core.keys import chain_page_hashes
+from sglang_tiered.integration.clock import bump_hits
+
+COUNTED_MAX = 65536  # requests between their first checkpoint and their release (aborted ones age out)
+
+
+class AdmissionPlan(NamedTuple):
+    """What one ``checkpoint`` call adopts: ``[cpl, admit_len)`` of the request's row."""
+
+    anchor: object  # the request's last tree node before this checkpoint
+    cpl: int  # cache_protected_len (tokens the tree already owns)
+    admit_len: int  # tokens up to which SGLang's checkpoint runs
+    hashes: list  # page hashes of the request up to its page-aligned length
+    admitted: list  # hashes of the newly admitted pages
+    before_tokens: int  # tree tokens before the insert (to count what was stored)
+
+
+def no_store(req) -> bool:
+    """The request asked not to be stored (``no_store`` or LMCache's ``lmcache.skip_save``)."""
+    if getattr(req, "no_store", False):
+        return True
+    sp = getattr(req, "sampling_params", None)
+    cp = getattr(sp, "custom_params", None)
+    return bool(cp) and isinstance(cp, dict) and cp.get("lmcache.skip_save") is True
+
+
+class Admission:
+    def __init__(self, cache):
+        self.cache = cache
+        self.counted: dict[str, int] = {}  # rid -> pages already counted in the sketch
+
+    def reset(self) -> None:
+        self.counted.clear()
+
+    def forget(self, rid) -> None:
+        self.counted.pop(rid, None)
+
+    def _first_sighting(self, rid) -> Optional[int]:
+        counted = self.counted.get(rid)
+        if counted is None:
+            if len(self.counted) >= COUNTED_MAX:  # never released (aborted): forget the oldest
+                del self.counted[next(iter(self.counted))]
+            self.counted[rid] = 0
+            self.cache.policy.begin_request()
+        return counted
+
+    def plan(self, req, up_to: int) -> Optional[AdmissionPlan]:
+        """Decide what to adopt; None when nothing is (the request's row is left alone)."""
+        cache, policy = self.cache, self.cache.policy
+        ps = cache.page_size
+        cpl = req.kv.cache_protected_len
+        aligned = (up_to // ps) * ps
+        anchor = req.last_node if req.last_node is not None else cache.root_node
+        refuse_all = no_store(req)
+        counted = self._first_sighting(req.rid)
+        first = counted is None
+        if refuse_all or anchor.tiered_invalid or cache.invalidation.next_is_invalid(anchor, req, cpl):
+            # Refuse: leave row, lock, last_node and cache_protected_len alone; release_kv_cache
+            # frees [cache_protected_len, owned). No-store requests leave no trace (not even in
+            # the sketch); paths through invalidated entries are never extended.
+            if first and refuse_all:
+                policy.stats.no_store_requests += 1
+                cache.tenant(req.cache_salt).no_store_requests += 1
+            return None
+        base = cache.path_hashes(anchor)
+        assert len(base) * ps == cpl or anchor is cache.root_node, (len(base), cpl)
+        prev = base[-1] if base else cache.hashes.seed(req.extra_key, req.cache_salt)
+        tokens = req.full_untruncated_fill_ids
+        new = chain_page_hashes(prev, tokens[len(base) * ps : aligned], ps) if aligned > cpl else []
+        hashes = base + new
+        n_admit = self._decide(req, first, counted or 0, base, new, hashes)
+        admit_len = cpl + n_admit * ps
+        if n_admit < len(new) and cache.t1 is not None:
+            cache.t1.on_refused(req, admit_len, new[n_admit:])
+        if admit_len <= cpl:
+            if first:
+                bump_hits(anchor, cache.root_node)  # still count the prefix reuse
+                cache.clock.now()
+                cache.clock.stamp(anchor, cache.root_node)  # as SGLang's insert of the matched path would
+            return None
+        if admit_len >= aligned:
+            admit_len = up_to  # admit everything: let SGLang page-align as usual
+        before = cache.evictable_size_ + cache.protected_size_
+        cache.clock.now()
+        return AdmissionPlan(anchor, cpl, admit_len, hashes, new[:n_admit], before)
+
+    def _decide(self, req, first: bool, counted: int, base: list, new: list, hashes: list) -> int:
+        """Count the request in the sketch (once per page) and ask the policy. Returns pages kept."""
+        cache, policy = self.cache, self.cache.policy
+        if first and new:
+            policy.on_miss(new[0])  # ghost hit? (adapts the eviction order)
+        if len(hashes) > counted:
+            policy.observe(hashes[counted:], max(0, len(base) - counted))
+            self.counted[req.rid] = len(hashes)
+        victim_freq = cache.eviction.victim_frequency() if (new and policy.filtering) else None
+        n_admit = policy.admit_pages(new, victim_freq)
+        cache.tenant(req.cache_salt).rejected_pages += len(new) - n_admit
+        return n_admit
+
+    def adopted(self, req, plan: AdmissionPlan) -> None:
+        """After SGLang's checkpoint inserted ``[cpl, admit_len)``: hashes, stamps, T1, aging."""
+        cache, policy = self.cache, self.cache.policy
+        stored = (cache.evictable_size_ + cache.protected_size_ - plan.before_tokens) // cache.page_size
+        tc = cache.tenant(req.cache_salt)
+        tc.admitted_pages += stored
+        tc.resident_pages += stored
+        cache.hashes.attach(req.last_node, plan.hashes)
+        cache.index.notify("on_store", plan.admitted)
+        cache.clock.stamp(req.last_node, cache.root_node)
+        if cache.t1 is not None:
+            cache.t1.on_admitted(plan.anchor, req.last_node)
+        if plan.cpl == 0 and policy.adaptive_extras:
+            # A cold prompt (nothing of it cached): its new nodes enter aged, so a one-shot prompt
+            # cannot push out reused context; one that comes back is stamped fresh on use.
+            n, old = req.last_node, policy.tick - policy.cold_age()
+            while n is not cache.root_node and not is_reused(n.hit_count):
+                n.tiered_tick = old
+                n.tiered_cold = True
+                n = n.parent

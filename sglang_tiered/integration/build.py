@@ -1,0 +1,83 @@
+"""Construction of a ``TieredRadixCache``: from SGLang's build context (a server), or simulated.
+
+The adapter's classmethods delegate here, so the adapter holds SGLang's overrides only.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from sglang_tiered.core.keys import CacheKey
+from sglang_tiered.core.policy import PolicyConfig
+
+
+def from_build_context(cls, ctx):
+    """The cache SGLang's ``create_tree_cache`` builds for ``--radix-cache-backend tiered``."""
+    from sglang_tiered.config import load_config
+    from sglang_tiered.integration.identity import cache_key_from_context
+
+    cfg = load_config()
+    key = cache_key_from_context(ctx)
+    cache = cls(ctx.params, cache_key=key, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size, debug_checks=cfg.debug)
+    setup_host_tier(cache, ctx, cfg)
+    if cfg.index_url and ctx.tp_rank == 0:  # ranks are identical: rank 0 publishes
+        from sglang_tiered.fleet.publisher import IndexPublisher
+
+        cache.attach_index(IndexPublisher.from_config(cfg, key))
+    cache.invalidation.versions = {
+        "model_id": key.model_id,
+        "weights_digest": key.weights_digest,
+        "weight_version": str(getattr(ctx.server_args, "weight_version", "") or ""),
+    }
+    return cache
+
+
+def setup_host_tier(cache, ctx, cfg) -> None:
+    """Build T1 where it pays off (host_setup.py) and its store queue."""
+    from sglang_tiered.integration.host_setup import build_host_tier
+    from sglang_tiered.integration.t1 import make_store_queue
+
+    host, cache.host_decision = build_host_tier(cache, ctx, cfg)
+    if host is None:
+        return
+    store = None
+    if cfg.store == "async":
+        # default: the device pool (a pending page is a device page, so this never binds
+        # unless half the pool waits for T1: then one-shots are filtered and value-drop runs)
+        pages = cfg.store_queue_pages or max(64, cache.capacity_tokens // cache.page_size)
+        # TP ranks share one T1 and must make identical slot and drop decisions, so with TP > 1
+        # the queue drains at the end of every batch in the scheduler thread (same point on
+        # every rank) instead of on a free-running worker whose timing differs per rank.
+        # On CPU a worker thread only competes with the forward pass for the GIL and the cores
+        # (measured: TTFT p50 x1.6 on the demo workload), so there the queue drains at the
+        # end of each batch too; the worker thread is for CUDA, where the copy runs on a side
+        # stream while the forward pass runs.
+        threaded = cache.tp_size == 1 and host.k_buffers[0].is_cuda
+        store = make_store_queue(host, pages, threaded=threaded)
+    cache.attach_host(host, store)
+
+
+def create_simulated(cls, capacity_tokens: int, page_size: int = 16, policy_config: Optional[PolicyConfig] = None,
+                     cache_key: Optional[CacheKey] = None, max_request_tokens: int = 1 << 17,
+                     debug_checks: bool = False, host_pages: int = 0, verify_kv: bool = False,
+                     store_queue_pages: int = 0):  # fmt: skip
+    """See ``TieredRadixCache.create_simulated``."""
+    from sglang_tiered.dev.simulate import CacheDriver, make_params
+
+    params, alloc, pool = make_params(capacity_tokens, page_size, max_request_tokens,
+                                      with_kv=bool(host_pages or verify_kv))  # fmt: skip
+    cache = cls(params, cache_key=cache_key, policy_config=policy_config,
+                capacity_tokens=alloc.size, debug_checks=debug_checks)  # fmt: skip
+    if host_pages:
+        from sglang_tiered.integration.t1 import make_store_queue
+        from sglang_tiered.tier.host_tier import HostTier
+
+        kv = alloc.get_kvcache()
+        host = HostTier.build(kv, page_size=page_size, total_kv_heads=kv.head_num, tp_size=1,
+                              tp_rank=0, capacity_pages=host_pages, name=None)  # fmt: skip
+        cache.host_decision = host.decision = "on: simulated"
+        # written by drain() after every request (deterministic)
+        store = make_store_queue(host, store_queue_pages, threaded=False) if store_queue_pages else None
+        cache.attach_host(host, store)
+    cache.driver = CacheDriver(cache, alloc, pool, verify_kv=verify_kv)
+    return cache

@@ -1,0 +1,130 @@
+"""Device-tier eviction: which leaf goes first, pinned hot prefixes last, victims to T1.
+
+Order (``core/eviction.py``): least recently used leaf first, leaves reused by >= 2 requests
+aged by the policy's learned protection boost; while the safety duel follows a fixed order, that
+order exactly (lru: the same queue with no boost; slru: reused leaves after all others; lfu:
+fewest requests first). Pinned prefixes (near the root, high sketch frequency, within a page
+budget) are set aside as the queue reaches them (oldest first) and evicted only once nothing else
+is left. The mechanics are RadixCache.evict's: free the leaf's slots, delete it, offer its parent.
+Evicted leaves feed the policy's ghost list.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Optional
+
+from sglang_tiered.core.eviction import RebuiltQueue, VictimQueue, fixed_order_priority
+from sglang_tiered.integration.node_state import node_kind, node_pages, node_tenant
+
+NOT_PINNABLE = 1 << 62  # hit-count threshold that no node reaches (pinning off)
+
+
+class Eviction:
+    """Eviction state of one ``TieredRadixCache`` (``cache`` gives the tree and the tiers)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.queue: Optional[VictimQueue] = None  # adaptive order: persistent across calls
+        self.pin_budget_pages = cache.policy.pin_budget_pages()
+
+    def reset(self) -> None:
+        """After the tree was (re)built: the adaptive order's persistent queue, or none (the fixed
+        orders rebuild a heap per call)."""
+        adaptive = self.cache.policy.eviction_order == "adaptive"
+        self.queue = VictimQueue(self.cache.evictable_leaves) if adaptive else None
+
+    def offer(self, node) -> None:
+        """``node``'s leaf status changed: queue it if it is an evictable leaf."""
+        if self.queue is not None and node in self.cache.evictable_leaves:
+            self.queue.offer(node)
+
+    def victims(self):
+        """The eviction order: the persistent queue (adaptive) or a heap built now (fixed)."""
+        if self.queue is not None and self.cache.policy.followed_order in ("adaptive", "lru"):
+            return self.queue  # (lru: the same queue with no boost; exactly SGLang's lru order)
+        priority = fixed_order_priority(self.cache.policy.followed_order)
+        return RebuiltQueue([(priority(n), n.id, n) for n in self.cache.evictable_leaves], priority)
+
+    def next_victim(self):
+        """The leaf ``evict`` would take first now (pinning aside), or None; changes nothing."""
+        return self.victims().peek(self.cache.policy.protection_boost())[0]
+
+    def victim_frequency(self) -> Optional[int]:
+        """Sketch frequency of the next victim (TinyLFU admission compares against it)."""
+        best = self.next_victim()
+        if best is None:
+            return None
+        self.cache.hashes.ensure(best)
+        return self.cache.policy.node_frequency(best.tiered_hashes) if best.tiered_hashes else 0
+
+    def is_pinned(self, node, pinned_pages: int) -> bool:
+        """Small, hot prefixes (near the root, high sketch frequency) are evicted last."""
+        policy = self.cache.policy
+        cfg = policy.cfg
+        if (node.hit_count < cfg.pin_min_freq or node.tiered_end > cfg.pin_max_tokens
+                or pinned_pages >= self.pin_budget_pages):  # fmt: skip
+            return False
+        self.cache.hashes.ensure(node)
+        hashes = node.tiered_hashes
+        return bool(hashes) and policy.node_frequency(hashes) >= cfg.pin_min_freq
+
+    def run(self, num_tokens: int) -> int:
+        """Evict at least ``num_tokens`` tokens if possible. Returns the tokens evicted."""
+        cache = self.cache
+        ps = cache.page_size
+        # pinning is part of the adaptive policy; a followed fixed order (safety duel) has none
+        pin_hits = cache.policy.cfg.pin_min_freq if cache.policy.pinning else NOT_PINNABLE
+        queue = self.victims()
+        boost = cache.policy.protection_boost()
+        pinned, pinned_pages = [], 0
+        num_evicted = 0
+        while num_evicted < num_tokens:
+            x = queue.pop(boost)
+            if x is not None:
+                if x.hit_count >= pin_hits and self.is_pinned(x, pinned_pages):
+                    pinned_pages += node_pages(x, ps)
+                    heapq.heappush(pinned, (x.last_access_time, x.id, x))
+                    continue
+                was_pinned = False
+            elif pinned:
+                _, _, x = heapq.heappop(pinned)
+                was_pinned = True
+            else:
+                break
+            num_evicted += self._remove(x, was_pinned, queue)
+        for _, _, x in pinned:  # spared: back in the queue for next time
+            queue.offer(x)
+        return num_evicted
+
+    def _remove(self, x, was_pinned: bool, queue) -> int:
+        """Free one victim leaf (to T1 first where it goes there). Returns its tokens."""
+        cache = self.cache
+        ps = cache.page_size
+        t1 = cache.t1
+        if t1 is not None and not x.tiered_invalid and x.tiered_hashes:
+            t1.on_evict(x)
+        else:  # gone from this server
+            if t1 is not None:
+                t1.fence(x, run=False)
+            cache.index.notify("on_remove", x.tiered_hashes)
+        cache.token_to_kv_pool_allocator.free_segment(x.value, start_pos=0)
+        n = len(x.value)
+        cache.policy.on_evict(node_pages(x, ps), pinned=was_pinned,
+                              first_hash=x.tiered_hashes[0] if x.tiered_hashes else None,
+                              kind=node_kind(x), last_tick=x.tiered_tick)  # fmt: skip
+        tc = cache.tenants.get(node_tenant(x))
+        tc.evicted_pages += node_pages(x, ps)
+        tc.resident_pages -= node_pages(x, ps)
+        parent = x.parent
+        cache._delete_leaf(x)
+        if parent is not cache.root_node and len(parent.children) == 0 and parent.lock_ref == 0:
+            queue.offer(parent)
+        cache.kv_events.record_remove(x)
+        return n
+
+    def check_invariants(self) -> None:
+        """Every evictable leaf has a live entry in the victim queue (possibly stale, then
+        re-queued when it reaches the top), so nothing evictable is ever lost to eviction."""
+        if self.queue is not None:
+            self.queue.check_invariants()

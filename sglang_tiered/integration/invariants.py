@@ -1,0 +1,45 @@
+"""The invariant checker of a ``TieredRadixCache``: one function, called from three places.
+
+``check_cache`` runs (a) in the Hypothesis machines of tests/, (b) from
+``TieredRadixCache.sanity_check()``, which SGLang's scheduler calls when
+``SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK`` is on, and (c) after every operation with
+``SGLANG_TIERED_DEBUG=1``.
+
+  T1 locks: ``lock_ref >= 0``, and a locked node's parent (unless the root) holds at least as many;
+  T2 device accounting: ``evictable_size_`` / ``protected_size_`` equal the sums over unlocked /
+     locked nodes, and every node has one slot per token;
+  plus H1-H2 (page_hashes.py), I1 (core/eviction.py), the host pool's
+  ``free + resident == capacity``, the store queue's and the policy's own checkers.
+"""
+
+from __future__ import annotations
+
+
+def check_tree(cache) -> None:
+    """T1, T2 over the whole device tree."""
+    evictable = protected = 0
+    stack = list(cache.root_node.children.values())
+    while stack:
+        n = stack.pop()
+        assert n.lock_ref >= 0, f"T1 violated: lock_ref={n.lock_ref} on node {n.id}"
+        if n.lock_ref > 0:
+            assert n.parent is cache.root_node or n.parent.lock_ref >= n.lock_ref, \
+                f"T1 violated: lock of node {n.id} not on its path"
+            protected += len(n.key)
+        else:
+            evictable += len(n.key)
+        assert n.value is not None and len(n.value) == len(n.key), f"T2 violated: node {n.id} value/key length"
+        stack.extend(n.children.values())
+    assert evictable == cache.evictable_size_, ("T2 violated: evictable", evictable, cache.evictable_size_)
+    assert protected == cache.protected_size_, ("T2 violated: protected", protected, cache.protected_size_)
+
+
+def check_cache(cache) -> None:
+    """Every checker of the cache and the structures it owns."""
+    check_tree(cache)
+    if cache.t1 is not None:
+        cache.t1.check_invariants()
+    cache.hashes.check(cache.root_node)
+    cache.policy.check_invariants()  # shadows of the safety duel, learned quantities bounded
+    cache.eviction.check_invariants()
+    assert cache.invalidation.count >= 0, "V1 violated: negative invalidated-node count"

@@ -1,0 +1,269 @@
+"""T1, the host DRAM tier behind the device tree: probe, promote (load back), demote, store queue.
+
+The tier interface the adapter calls (a T2 tier behind T1 implements the same verbs; see
+ARCHITECTURE.md "Adding a tier"):
+
+| verb | called from | does |
+|---|---|---|
+| ``probe(params, result)`` | ``match_prefix`` | counts the pages after the device match it holds; remembers a ``PendingLoad`` |
+| ``load_back(params)`` | ``init_load_back`` | promotes the pending pages into new device pages, all or nothing |
+| ``on_admitted(anchor, last)`` | ``checkpoint`` | offers a request's new pages to the store queue (write-through) |
+| ``on_refused(req, start, hashes)`` | ``checkpoint`` | pages the device refused go to T1 instead |
+| ``on_evict(node)`` | ``evict`` | a device victim's pages go to (or stay in) T1 |
+| ``fence(node, run)`` | before device pages are freed | no store of them may be pending or running |
+| ``invalidate(tenant_hash, everything)`` | invalidation | drops T1 entries, cancels pending writes |
+| ``after_batch()`` / ``forget(rid)`` | scheduler | drains the queue / forgets a finished request |
+
+State table of a page (by chained hash): device only -> (evict/refuse, T1 on) -> T1 only ->
+(probe + load_back) -> device + T1 (T1 copy kept as a victim-cache entry; its recency refreshed on
+the next demotion). A failed load is a clean miss: the device pages are freed, nothing partial.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+
+from sglang_tiered.core.eviction import is_reused
+from sglang_tiered.core.keys import chain_page_hashes
+from sglang_tiered.core.tenants import name_hash, tenant_of
+from sglang_tiered.integration.node_state import node_tenant
+
+PENDING_HOST_MAX = 4096  # T1 probes of requests still waiting for admission (aborted ones age out)
+
+
+class PendingLoad(NamedTuple):
+    """Pages ``probe`` found in T1 for one request, right after its device match ``node``."""
+
+    node: TreeNode  # the device match's last node; the pages continue from its end
+    hashes: list  # chained page hashes of the run, in order
+    tokens: list  # the run's tokens (``len(hashes) x page_size``)
+
+
+def make_store_queue(host, capacity_pages: int, threaded: bool = True):
+    """The T1 store queue (``core/store_queue.py``) writing through ``host``. On CUDA the worker
+    copies on a side stream after the event recorded at enqueue."""
+    from sglang_tiered.core.store_queue import StoreQueue
+
+    side = None
+    if host.k_buffers[0].is_cuda:
+        side = torch.cuda.Stream(device=host.k_buffers[0].device)
+
+    def write(job) -> None:
+        pages = torch.tensor(job.pages, dtype=torch.int64)
+        if side is None:
+            host.demote(pages, job.hashes, job.tenant)
+            return
+        with torch.cuda.stream(side):
+            host.demote(pages, job.hashes, job.tenant, ready=job.ctx)
+
+    return StoreQueue(capacity_pages, write, threaded=threaded)
+
+
+class T1Tier:
+    """The host tier as seen by one ``TieredRadixCache`` (``cache`` gives the tree)."""
+
+    def __init__(self, cache, host, store=None):
+        self.cache = cache
+        self.host = host  # tier/host_tier.py HostTier
+        self.store = store  # StoreQueue, or None: synchronous demotion at eviction
+        self.pending: dict[str, PendingLoad] = {}
+        self.load_locks: list = []  # promoted nodes held until the batch that uses them ran
+        self.flushing = False  # /flush_cache: everything goes to T1, whatever the queue judged
+
+    # ------------------------------------------------------------------ helpers
+    def _page_ids(self, node) -> list:
+        """Device page ids of a node's slots (one per page)."""
+        ps = self.cache.page_size
+        return (node.value[::ps] // ps).tolist()
+
+    def fence(self, node, run: bool) -> None:
+        """Before a node's device pages are freed: no store of them may be pending or running."""
+        if self.store is not None and self.store.pending:
+            self.store.fence(self._page_ids(node), run=run)
+
+    def holds(self, page_hash) -> bool:
+        return self.host.pool.contains(page_hash)
+
+    # ------------------------------------------------------------------ stores
+    def on_admitted(self, anchor, last) -> None:
+        """Offer the runs of pages a request just added to the tree (``anchor``..``last``) to the
+        store queue, one job per node, valued ``frequency x pages`` (R3)."""
+        if self.store is None:
+            return
+        cache, store, policy = self.cache, self.store, self.cache.policy
+        ready = None
+        if self.host.k_buffers[0].is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()  # the forward pass that wrote these pages
+        node = last
+        while node is not anchor and node is not cache.root_node:
+            hashes = node.tiered_hashes
+            if hashes and not node.tiered_invalid:
+                freq = policy.node_frequency(hashes)
+                store.offer(self._page_ids(node), hashes, freq * len(hashes), frequency=freq,
+                            tenant=name_hash(node_tenant(node)), ctx=ready)  # fmt: skip
+            node = node.parent
+
+    def on_refused(self, req, start: int, hashes: list) -> None:
+        """Pages the device refused go to T1 instead (the host tier is the victim buffer in which
+        frequency evidence accumulates): a later request promotes them like any demoted page.
+        Their KV is complete (``checkpoint`` runs after the forward pass that wrote it)."""
+        cache = self.cache
+        ps = cache.page_size
+        row = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start : start + len(hashes) * ps]
+        self.host.demote(row[::ps] // ps, hashes, name_hash(tenant_of(req.cache_salt)))
+        if cache.index.listener is not None:
+            cache.index.notify("on_store", [h for h in hashes if self.holds(h)])
+
+    def on_evict(self, x) -> None:
+        """T1 gets an evicted leaf's pages: with the store queue they are usually there already
+        (a pending write is finished inline; then only T1's recency is refreshed); a reused leaf
+        the queue dropped is copied now; without the queue, every leaf is copied now."""
+        self._demote_victim(x)
+        index = self.cache.index
+        if index.listener is not None:  # a demoted page stays held, in T1
+            index.notify("on_remove", [h for h in x.tiered_hashes if not self.holds(h)])
+
+    def _demote_victim(self, x) -> None:
+        ps = self.cache.page_size
+        pages = x.value[::ps] // ps
+        tenant = name_hash(node_tenant(x))
+        if self.store is not None:
+            self.fence(x, run=True)
+            if self.host.touch(x.tiered_hashes) or (not is_reused(x.hit_count) and not self.flushing):
+                return
+            self.store.stats.inline_pages += self.host.demote(pages, x.tiered_hashes, tenant)
+            return
+        self.host.demote(pages, x.tiered_hashes, tenant)
+
+    def invalidate(self, tenant_hash, everything: bool) -> int:
+        """Drop T1 entries of a tenant (or all) and cancel their pending writes. Returns tokens."""
+        if self.store is not None:  # pending writes of what is invalidated never land
+            self.store.cancel_where(lambda j: everything or j.tenant == tenant_hash)
+        if everything:
+            return self.host.clear() * self.cache.page_size
+        if tenant_hash is not None:
+            return self.host.drop_tenant(tenant_hash) * self.cache.page_size
+        return 0
+
+    def after_batch(self) -> None:
+        if self.store is not None and self.store._thread is None:
+            self.store.drain()  # no worker thread (simulation): the writes land between batches
+        while self.load_locks:
+            self.cache.unlock(self.load_locks.pop())
+
+    def forget(self, rid) -> None:
+        self.pending.pop(rid, None)
+
+    # ------------------------------------------------------------------ probe
+    def probe(self, params, result):
+        """Count the pages right after the device match that T1 holds (by chained page hash)."""
+        key = params.key
+        if getattr(key, "is_bigram", False):
+            return result
+        node = result.last_device_node
+        if node.tiered_invalid:
+            return result
+        ps = self.cache.page_size
+        toks = key.raw_token_ids()
+        start = result.device_prefix_len
+        n_pages = (len(toks) - start) // ps
+        if n_pages <= 0:
+            return result
+        rid = params.req.rid
+        pending = self.pending.get(rid)
+        if pending is not None and pending.node is node and all(self.holds(h) for h in pending.hashes):
+            # match_prefix runs on every admission attempt: reuse this request's hashes from the
+            # last attempt instead of hashing the same pages again.
+            return result._replace(host_hit_length=len(pending.hashes) * ps, best_match_node=node)
+        hashes = self._held_run(node, key, toks, start, n_pages)
+        self.pending.pop(rid, None)
+        if not hashes:
+            return result
+        if len(self.pending) >= PENDING_HOST_MAX:  # requests aborted before release: forget the oldest
+            del self.pending[next(iter(self.pending))]
+        self.pending[rid] = PendingLoad(node, hashes, toks[start : start + len(hashes) * ps])
+        return result._replace(host_hit_length=len(hashes) * ps, best_match_node=node)
+
+    def _held_run(self, node, key, toks, start: int, n_pages: int) -> list:
+        """Hashes of the pages after ``start`` that T1 holds, hashing only as far as it has them."""
+        ps = self.cache.page_size
+        self.cache.hashes.ensure(node)
+        prev = self.cache.hashes.prev_of(node, key)
+        hashes = []
+        for i in range(n_pages):
+            h = chain_page_hashes(prev, toks[start + i * ps : start + (i + 1) * ps], ps)[0]
+            if not self.holds(h):
+                break
+            hashes.append(h)
+            prev = h
+        return hashes
+
+    # ------------------------------------------------------------------ promote
+    def load_back(self, params):
+        """Promote the T1 pages probed for this request into new device pages, all or nothing.
+        Returns (loaded_tokens, new_last_node); (0, node) is a clean miss (recompute); None when
+        the device cannot make room now (the scheduler retries later)."""
+        cache = self.cache
+        node, req = params.best_match_node, params.req
+        pending = self.pending.pop(getattr(req, "rid", None), None)
+        if pending is None or pending.node is not node:
+            return 0, node
+        hashes, toks = pending.hashes, pending.tokens
+        if len(hashes) * cache.page_size != params.host_hit_length:
+            hashes = hashes[: params.host_hit_length // cache.page_size]
+            toks = toks[: len(hashes) * cache.page_size]
+        n = len(toks)
+        if n == 0:
+            return 0, node
+        key = RadixKey(toks, req.extra_key, cache_salt=req.cache_salt)
+        if key.child_key(cache.page_size) in node.children:
+            return 0, node  # the device got these pages meanwhile: nothing to promote
+        lock = cache.lock(node)  # allocation below may evict; keep the matched path
+        try:
+            slots = self._alloc(n)
+            if slots is None:  # (the lock is released in ``finally``, once)
+                return None
+            if not self.host.load(hashes, slots[:: cache.page_size] // cache.page_size):
+                cache.token_to_kv_pool_allocator.free(slots)
+                return 0, node  # failed transfer: a clean miss, never partial KV
+            new = cache.graft(node, key, slots, hashes)
+            tc = cache.tenant(req.cache_salt)
+            tc.resident_pages += len(hashes)
+            tc.promoted_pages += len(hashes)
+            # Hold the new node until the batch that uses it has run (the scheduler locks
+            # req.last_node when it commits the admission); released in after_batch.
+            self.load_locks.append(cache.lock(new))
+        finally:
+            cache.unlock(lock)
+        cache.after_op()
+        return n, new
+
+    def _alloc(self, n: int):
+        alloc = self.cache.token_to_kv_pool_allocator
+        if alloc.available_size() < n:
+            self.cache.evict(EvictParams(num_tokens=n - alloc.available_size()))
+        return alloc.alloc(n) if alloc.available_size() >= n else None
+
+    # ------------------------------------------------------------------ stats, invariants
+    def snapshot(self) -> dict:
+        snap = self.host.snapshot()
+        q = self.store
+        snap["store"] = "async" if q is not None else "sync"
+        if q is not None:
+            st = q.stats
+            snap.update(queue_capacity_pages=q.capacity_pages, queue_depth_pages=st.queued_pages,
+                        stored_pages=st.stored_pages, inline_pages=st.inline_pages,
+                        value_dropped_pages=st.value_dropped_pages, filtered_pages=st.filtered_pages,
+                        cancelled_pages=st.cancelled_pages)  # fmt: skip
+        return snap
+
+    def check_invariants(self) -> None:
+        with self.host.lock:  # the store queue's worker may be mid-write (slots reserved)
+            self.host.pool.check_invariants()  # host: free + resident == capacity
+        if self.store is not None:
+            self.store.check_invariants()
