@@ -1,22 +1,30 @@
-"""sglang-tiered options (environment variables, validated before the model loads).
+"""sglang-tiered options: one frozen, validated ``TieredConfig``, and the only reader of the environment.
 
 SGLang's launcher has no hook for plugin CLI flags, so the options are environment variables with
 units in their names; the plugin validates them in the launcher process at registration and stops
-the launch with a clear message if one is bad.
+the launch with a clear message if one is bad (``ConfigError``). ``load_config()`` parses the
+environment; ``TieredConfig.__post_init__`` validates every field, so a config built in code
+(tests, benchmarks) is held to the same rules.
 
-| variable | default | meaning |
+| variable | field | default |
 |---|---|---|
-| SGLANG_TIERED_HOST | auto | T1 host tier: on, off, or auto (on only where the start-up measurement says a host->device copy beats recomputing) |
-| SGLANG_TIERED_HOST_RATIO | 4.0 | T1 size as a multiple of the device KV pool (ignored when HOST_GB is set); finite, (0, 1024] |
-| SGLANG_TIERED_HOST_GB | unset | T1 size in GB (1e9 bytes); finite, > 0, at most the machine's physical memory |
-| SGLANG_TIERED_HOST_NAME | unset | name of the shared-memory segment; set it to keep T1 across restarts (also at another TP degree) |
-| SGLANG_TIERED_TENANT_HEADER | unset | trusted request header that sets the tenant (e.g. x-tenant-id) |
-| SGLANG_TIERED_DEBUG | 0 | 1: check tree and tier invariants after every operation |
-| SGLANG_TIERED_STORE | async | T1 writes: async (a value-ordered store queue drained by a worker thread, off the request path) or sync (copy at eviction) |
-| SGLANG_TIERED_STORE_QUEUE_PAGES | unset | pending-write bound of the store queue, in pages (default: the device pool's pages, at least 64) |
-| SGLANG_TIERED_INDEX_URL | unset | fleet hint index: redis://HOST:PORT/DB; rank 0 publishes the page hashes it holds |
-| SGLANG_TIERED_SERVER_ID | unset | this server's id in the index (required with INDEX_URL): the URL routers reach it at |
-| SGLANG_TIERED_INDEX_TTL_S | 30 | seconds until a silent server's entries are ignored (heartbeat) and expire; finite, [1, 86400] |
+| SGLANG_TIERED_HOST | ``host_mode`` | auto |
+| SGLANG_TIERED_HOST_RATIO | ``host_ratio`` | 4.0 |
+| SGLANG_TIERED_HOST_GB | ``host_gb`` | unset |
+| SGLANG_TIERED_HOST_NAME | ``host_name`` | unset |
+| SGLANG_TIERED_TENANT_HEADER | ``tenant_header`` | unset |
+| SGLANG_TIERED_DEBUG | ``debug`` | 0 |
+| SGLANG_TIERED_STORE | ``store`` | async |
+| SGLANG_TIERED_STORE_QUEUE_PAGES | ``store_queue_pages`` | unset |
+| SGLANG_TIERED_INDEX_URL | ``index_url`` | unset |
+| SGLANG_TIERED_SERVER_ID | ``server_id`` | unset |
+| SGLANG_TIERED_INDEX_TTL_S | ``index_ttl_s`` | 30 |
+| SGLANG_TIERED_SHM_DIR | ``shm_dir()`` (named T1 segments and their locks) | /dev/shm |
+| SGLANG_TIERED_CACHE, XDG_CACHE_HOME | ``cache_root()`` (tiny models, weight digests) | ~/.cache/sglang-tiered |
+
+Not configuration, and so not here: ``SGLANG_TIERED_T1_OWNER`` (tier/host_pool.py), the token a
+launcher hands its own scheduler processes to prove it owns a named T1; and the client library's
+``KV_CACHE_*`` knobs (client.py), read in the client's process, not the server's.
 """
 
 from __future__ import annotations
@@ -25,26 +33,13 @@ import math
 import os
 import pathlib
 import re
-from dataclasses import dataclass
+from typing import Literal, Optional
+
+import msgspec
 
 
 class ConfigError(ValueError):
     pass
-
-
-@dataclass(frozen=True)
-class TieredConfig:
-    host_mode: str = "auto"
-    host_ratio: float = 4.0
-    host_gb: float | None = None
-    host_name: str | None = None
-    tenant_header: str | None = None
-    debug: bool = False
-    store: str = "async"
-    store_queue_pages: int | None = None
-    index_url: str | None = None
-    server_id: str | None = None
-    index_ttl_s: float = 30.0
 
 
 # Upper bounds that catch typos and absurd values at launch (a T1 bigger than these is not a
@@ -52,6 +47,101 @@ class TieredConfig:
 # T1 is built, where a T1 that does not fit is turned off with one warning).
 MAX_HOST_RATIO = 1024.0
 MAX_HOST_GB = 1e6  # 1 PB
+MAX_STORE_QUEUE_PAGES = 1 << 30
+MAX_INDEX_TTL_S = 86400.0
+
+ENV = {  # field -> environment variable
+    "host_mode": "SGLANG_TIERED_HOST",
+    "host_ratio": "SGLANG_TIERED_HOST_RATIO",
+    "host_gb": "SGLANG_TIERED_HOST_GB",
+    "host_name": "SGLANG_TIERED_HOST_NAME",
+    "tenant_header": "SGLANG_TIERED_TENANT_HEADER",
+    "debug": "SGLANG_TIERED_DEBUG",
+    "store": "SGLANG_TIERED_STORE",
+    "store_queue_pages": "SGLANG_TIERED_STORE_QUEUE_PAGES",
+    "index_url": "SGLANG_TIERED_INDEX_URL",
+    "server_id": "SGLANG_TIERED_SERVER_ID",
+    "index_ttl_s": "SGLANG_TIERED_INDEX_TTL_S",
+}
+
+
+class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Every option of the backend. Frozen; validated on construction (``ConfigError``)."""
+
+    # T1 host tier. "auto": on only where the start-up measurement says a host->device copy beats
+    # recomputing (integration/host_setup.py); "on"/"off" override it. Recommended: auto.
+    host_mode: Literal["auto", "on", "off"] = "auto"
+    # T1 size as a multiple of the device KV pool (pages), when host_gb is unset. Finite, (0, 1024].
+    # Sizing: T1 is a victim buffer; 2-8x the device pool covers the reuse distances of the
+    # Mooncake trace (bench/results/trace_replay.csv). Recommended: 4.
+    host_ratio: float = 4.0
+    # T1 size in GB (1e9 bytes); overrides host_ratio. Finite, > 0, at most the machine's memory
+    # (checked by load_config). Recommended: what the host can spare after the model's own RAM.
+    host_gb: Optional[float] = None
+    # Name of the shared-memory segment holding T1 (1-64 of [A-Za-z0-9_.-]). Set it to keep T1
+    # across restarts (also at another TP degree). Default: unnamed (private to this server).
+    host_name: Optional[str] = None
+    # Trusted request header that sets the tenant (e.g. x-tenant-id); unset: clients' cache_salt.
+    tenant_header: Optional[str] = None
+    # Check tree and tier invariants after every operation (slow: O(tree) per call). Default off.
+    debug: bool = False
+    # T1 writes: "async" (a value-ordered store queue, off the request path) or "sync" (copy at
+    # eviction). Recommended: async.
+    store: Literal["async", "sync"] = "async"
+    # Pending-write bound of the store queue, in pages, [1, 2^30]. Default (None): the device
+    # pool's pages, at least 64 (a pending page is a device page, so more can never be pending).
+    store_queue_pages: Optional[int] = None
+    # Fleet hint index, redis://HOST:PORT[/DB]; rank 0 publishes the page hashes it holds.
+    index_url: Optional[str] = None
+    # This server's id in the index (the URL routers reach it at); required with index_url.
+    server_id: Optional[str] = None
+    # Seconds until a silent server's index entries are ignored (heartbeat) and expire, [1, 86400].
+    # Sizing: a few heartbeats (one per ttl/3); too short drops live servers under load.
+    index_ttl_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.host_mode not in ("auto", "on", "off"):
+            _bad("host_mode", self.host_mode, "expected auto, on or off")
+        _positive("host_ratio", self.host_ratio, MAX_HOST_RATIO)
+        if self.host_gb is not None:
+            _positive("host_gb", self.host_gb, MAX_HOST_GB)
+        if self.host_name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.host_name):
+            _bad("host_name", self.host_name, "use 1-64 letters, digits, '.', '_' or '-'")
+        if self.tenant_header is not None and not re.fullmatch(r"[A-Za-z0-9-]{1,64}", self.tenant_header):
+            _bad("tenant_header", self.tenant_header, "not a valid header name")
+        if self.store not in ("async", "sync"):
+            _bad("store", self.store, "expected async or sync")
+        qp = self.store_queue_pages
+        if qp is not None and (isinstance(qp, bool) or not isinstance(qp, int) or not 1 <= qp <= MAX_STORE_QUEUE_PAGES):
+            _bad("store_queue_pages", qp, "expected a whole number of pages in [1, 2^30]")
+        self._check_index()
+
+    def _check_index(self) -> None:
+        if self.index_url is not None:
+            if not re.fullmatch(r"rediss?://[A-Za-z0-9_.\[\]:@%-]+(/[0-9]{1,2})?", self.index_url):
+                _bad("index_url", self.index_url, "expected redis://HOST:PORT[/DB]")
+            if self.server_id is None:
+                raise ConfigError("SGLANG_TIERED_INDEX_URL is set but SGLANG_TIERED_SERVER_ID is not")
+        if self.server_id is not None and not re.fullmatch(r"[A-Za-z0-9_.:/\[\]-]{1,200}", self.server_id):
+            _bad("server_id", self.server_id, "use up to 200 URL-safe characters")
+        _positive("index_ttl_s", self.index_ttl_s, MAX_INDEX_TTL_S)
+        if self.index_ttl_s < 1:
+            _bad("index_ttl_s", self.index_ttl_s, "must be >= 1")
+
+
+def _bad(field: str, value, why: str):
+    raise ConfigError(f"{ENV[field]}={value!r}: {why}")
+
+
+def _positive(field: str, value, upper: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _bad(field, value, "expected a number")
+    if not math.isfinite(value):
+        _bad(field, value, "must be a finite number")
+    if not value > 0:
+        _bad(field, value, "must be > 0")
+    if value > upper:
+        _bad(field, value, f"must be <= {upper:g}")
 
 
 def _physical_gb() -> float | None:
@@ -61,21 +151,47 @@ def _physical_gb() -> float | None:
         return None
 
 
-def _float(env, name, default, upper):
-    v = env.get(name)
+def _float(env, field: str) -> Optional[float]:
+    v = env.get(ENV[field])
     if v is None or v.strip() == "":
-        return default
+        return None
     try:
-        f = float(v)
+        return float(v)
     except ValueError:
-        raise ConfigError(f"{name}={v!r}: expected a number") from None
-    if not math.isfinite(f):
-        raise ConfigError(f"{name}={v!r}: must be a finite number")
-    if not f > 0:
-        raise ConfigError(f"{name}={v!r}: must be > 0")
-    if f > upper:
-        raise ConfigError(f"{name}={v!r}: must be <= {upper:g}")
-    return f
+        raise ConfigError(f"{ENV[field]}={v!r}: expected a number") from None
+
+
+def _text(env, field: str) -> Optional[str]:
+    return env.get(ENV[field]) or None
+
+
+def load_config(env=None) -> TieredConfig:
+    """Parse the environment (``os.environ`` unless given) into a validated ``TieredConfig``."""
+    env = os.environ if env is None else env
+    debug = env.get(ENV["debug"], "0").strip()
+    if debug not in ("0", "1"):
+        raise ConfigError(f"SGLANG_TIERED_DEBUG={debug!r}: expected 0 or 1")
+    qp = env.get(ENV["store_queue_pages"], "").strip()
+    if qp and not qp.isdigit():
+        raise ConfigError(f"SGLANG_TIERED_STORE_QUEUE_PAGES={qp!r}: expected a whole number of pages in [1, 2^30]")
+    fields = {
+        "host_mode": env.get(ENV["host_mode"], "auto").strip().lower(),
+        "host_ratio": _float(env, "host_ratio"),
+        "host_gb": _float(env, "host_gb"),
+        "host_name": _text(env, "host_name"),
+        "tenant_header": _text(env, "tenant_header"),
+        "debug": debug == "1",
+        "store": env.get(ENV["store"], "async").strip().lower(),
+        "store_queue_pages": int(qp) if qp else None,
+        "index_url": _text(env, "index_url"),
+        "server_id": _text(env, "server_id"),
+        "index_ttl_s": _float(env, "index_ttl_s"),
+    }
+    cfg = TieredConfig(**{k: v for k, v in fields.items() if v is not None or k in ("host_gb",)})
+    phys = _physical_gb()
+    if cfg.host_gb is not None and phys and cfg.host_gb > phys:
+        raise ConfigError(f"SGLANG_TIERED_HOST_GB={cfg.host_gb:g}: more than this machine's memory ({phys:.1f} GB)")
+    return cfg
 
 
 def cache_root(env=None) -> pathlib.Path:
@@ -88,52 +204,8 @@ def cache_root(env=None) -> pathlib.Path:
     return pathlib.Path(base)
 
 
-def load_config(env=None) -> TieredConfig:
+def shm_dir(env=None) -> pathlib.Path:
+    """Directory of named T1 segments and their lock files (a tmpfs): ``SGLANG_TIERED_SHM_DIR``,
+    default /dev/shm. Read once, when tier/host_pool.py is imported."""
     env = os.environ if env is None else env
-    mode = env.get("SGLANG_TIERED_HOST", "auto").strip().lower()
-    if mode not in ("auto", "on", "off"):
-        raise ConfigError(f"SGLANG_TIERED_HOST={mode!r}: expected auto, on or off")
-    name = env.get("SGLANG_TIERED_HOST_NAME") or None
-    if name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
-        raise ConfigError(f"SGLANG_TIERED_HOST_NAME={name!r}: use 1-64 letters, digits, '.', '_' or '-'")
-    header = env.get("SGLANG_TIERED_TENANT_HEADER") or None
-    if header is not None and not re.fullmatch(r"[A-Za-z0-9-]{1,64}", header):
-        raise ConfigError(f"SGLANG_TIERED_TENANT_HEADER={header!r}: not a valid header name")
-    debug = env.get("SGLANG_TIERED_DEBUG", "0").strip()
-    if debug not in ("0", "1"):
-        raise ConfigError(f"SGLANG_TIERED_DEBUG={debug!r}: expected 0 or 1")
-    store = env.get("SGLANG_TIERED_STORE", "async").strip().lower()
-    if store not in ("async", "sync"):
-        raise ConfigError(f"SGLANG_TIERED_STORE={store!r}: expected async or sync")
-    qp = env.get("SGLANG_TIERED_STORE_QUEUE_PAGES", "").strip()
-    if qp and not (qp.isdigit() and 1 <= int(qp) <= 1 << 30):
-        raise ConfigError(f"SGLANG_TIERED_STORE_QUEUE_PAGES={qp!r}: expected a whole number of pages in [1, 2^30]")
-    host_gb = _float(env, "SGLANG_TIERED_HOST_GB", None, MAX_HOST_GB)
-    phys = _physical_gb()
-    if host_gb is not None and phys and host_gb > phys:
-        raise ConfigError(f"SGLANG_TIERED_HOST_GB={host_gb:g}: more than this machine's memory ({phys:.1f} GB)")
-    index_url = env.get("SGLANG_TIERED_INDEX_URL") or None
-    server_id = env.get("SGLANG_TIERED_SERVER_ID") or None
-    if index_url is not None:
-        if not re.fullmatch(r"rediss?://[A-Za-z0-9_.\[\]:@%-]+(/[0-9]{1,2})?", index_url):
-            raise ConfigError(f"SGLANG_TIERED_INDEX_URL={index_url!r}: expected redis://HOST:PORT[/DB]")
-        if server_id is None:
-            raise ConfigError("SGLANG_TIERED_INDEX_URL is set but SGLANG_TIERED_SERVER_ID is not")
-    if server_id is not None and not re.fullmatch(r"[A-Za-z0-9_.:/\[\]-]{1,200}", server_id):
-        raise ConfigError(f"SGLANG_TIERED_SERVER_ID={server_id!r}: use up to 200 URL-safe characters")
-    ttl = _float(env, "SGLANG_TIERED_INDEX_TTL_S", 30.0, 86400.0)
-    if ttl < 1:
-        raise ConfigError(f"SGLANG_TIERED_INDEX_TTL_S={ttl:g}: must be >= 1")
-    return TieredConfig(
-        host_mode=mode,
-        host_ratio=_float(env, "SGLANG_TIERED_HOST_RATIO", 4.0, MAX_HOST_RATIO),
-        host_gb=host_gb,
-        host_name=name,
-        tenant_header=header,
-        debug=debug == "1",
-        store=store,
-        store_queue_pages=int(qp) if qp else None,
-        index_url=index_url,
-        server_id=server_id,
-        index_ttl_s=ttl,
-    )
+    return pathlib.Path(env.get("SGLANG_TIERED_SHM_DIR") or "/dev/shm")

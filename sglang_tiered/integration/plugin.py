@@ -46,14 +46,10 @@ def _claim_named_host_tier(cfg) -> None:
 
     if not cfg.host_name or cfg.host_mode == "off":
         return
-    import os
-
     from sglang_tiered.config import ConfigError
-    from sglang_tiered.tier.host_pool import OWNER_ENV, HostPoolError, acquire_owner
+    from sglang_tiered.tier.host_pool import HostPoolError, acquire_owner, inherited_owner
 
-    if multiprocessing.current_process().name != "MainProcess" or os.environ.get(OWNER_ENV, "").startswith(
-        f"{cfg.host_name}:"
-    ):
+    if multiprocessing.current_process().name != "MainProcess" or inherited_owner(cfg.host_name):
         return  # a process of this server: schedulers check the launcher's token when they map T1
 
     try:

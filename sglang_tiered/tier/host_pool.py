@@ -40,9 +40,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from sglang_tiered.config import shm_dir
+
 logger = logging.getLogger("sglang_tiered")
 HASH_BYTES = 16
-SHM_DIR = pathlib.Path(os.environ.get("SGLANG_TIERED_SHM_DIR", "/dev/shm"))
+SHM_DIR = shm_dir()  # SGLANG_TIERED_SHM_DIR (config.py)
 LAYOUT_VERSION = 2
 OWNER_ENV = "SGLANG_TIERED_T1_OWNER"  # "name:token" of the named T1 this server's launcher owns
 _owned: dict[str, tuple[int, str]] = {}  # name -> (lock fd, token) held by this process
@@ -138,6 +140,11 @@ def release_owner(name: str) -> None:
         os.close(entry[0])
         if os.environ.get(OWNER_ENV, "").startswith(f"{name}:"):
             del os.environ[OWNER_ENV]
+
+
+def inherited_owner(name: str) -> bool:
+    """Whether this process was started by the launcher that owns the named T1 (``OWNER_ENV``)."""
+    return os.environ.get(OWNER_ENV, "").startswith(f"{name}:")
 
 
 def check_owner(name: str) -> None:
