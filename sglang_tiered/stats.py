@@ -13,6 +13,8 @@ import msgspec
 
 
 class TenantStats(msgspec.Struct, kw_only=True):
+    """One tenant's counters (``core.tenants.TenantCounters``, summed over ranks) and hit rates."""
+
     requests: int = 0
     requests_hit: int = 0
     prompt_tokens: int = 0
@@ -55,7 +57,10 @@ class TierStats(msgspec.Struct, kw_only=True):
     decision: str = ""
 
 
-class PolicyStats(msgspec.Struct, kw_only=True):
+class PolicyReport(msgspec.Struct, kw_only=True):
+    """One rank's admission/eviction policy, as reported (a subset of ``AdaptivePolicy.snapshot``;
+    its counters are ``core.policy.PolicyStats``). The rank snapshot sends exactly these fields."""
+
     mode: str
     admission_filtering: bool
     thrashing: bool
@@ -101,7 +106,7 @@ class CacheStats(msgspec.Struct, kw_only=True):
     page_size: int = 0
     totals: TenantStats
     tiers: list[TierStats]
-    policy: list[PolicyStats]
+    policy: list[PolicyReport]
     tenants: dict[str, TenantStats]
     tenant: Optional[str] = None
     index: IndexStats = msgspec.field(default_factory=IndexStats)
@@ -147,7 +152,7 @@ def aggregate(rank_stats: list[dict], tenant: Optional[str] = None) -> CacheStat
                 if isinstance(v, int) and not isinstance(v, bool):
                     acc[k] = acc.get(k, 0) + v
         if "policy" in rs:
-            policies.append(PolicyStats(**{k: rs["policy"][k] for k in PolicyStats.__struct_fields__
+            policies.append(PolicyReport(**{k: rs["policy"][k] for k in PolicyReport.__struct_fields__
                                            if k in rs["policy"]}))  # fmt: skip
     finished = {name: _finish(c) for name, c in sorted(tenants.items())}
     if tenant is not None:

@@ -54,3 +54,17 @@ def test_only_config_reads_the_environment():
             if isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv") and getattr(n.value, "id", "") == "os":
                 readers.add(str(p.relative_to(ROOT)))
     assert readers <= ENV_READERS, sorted(readers - ENV_READERS)
+
+
+def test_stats_schema_covers_what_ranks_send():
+    """One schema per concept: the rank snapshot's tenant counters and policy fields are exactly
+    the stats Structs' (no hand-kept list to fall out of step)."""
+    import dataclasses
+
+    from sglang_tiered.core.policy import AdaptivePolicy
+    from sglang_tiered.core.tenants import TenantCounters
+    from sglang_tiered.stats import PolicyReport, TenantStats
+
+    counters = {f.name for f in dataclasses.fields(TenantCounters)}
+    assert counters == set(TenantStats.__struct_fields__) - {"token_hit_rate", "request_hit_rate"}
+    assert set(PolicyReport.__struct_fields__) <= set(AdaptivePolicy(64).snapshot())

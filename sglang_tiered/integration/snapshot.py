@@ -1,15 +1,13 @@
-"""Per-rank stats of a ``TieredRadixCache`` (msgpack-safe; summed by ``sglang_tiered/stats.py``)."""
+"""Per-rank stats of a ``TieredRadixCache`` (msgpack-safe; summed by ``sglang_tiered/stats.py``,
+whose Structs are the schema: ``TenantStats``, ``TierStats``, ``PolicyReport``, ``IndexStats``)."""
 
 from __future__ import annotations
 
-# The policy fields a rank reports (the rest of ``AdaptivePolicy.snapshot`` is for debugging).
-POLICY_FIELDS = (
-    "mode", "admission_filtering", "thrashing", "thrash_windows", "admissions_refused",
-    "pages_admitted", "pages_rejected", "evicted_pages", "evicted_pinned", "sketch_resets",
-    "protection_k", "cold_age_c", "lru_cycle_requests", "following", "fallbacks",
-    "cycle_clamped", "shadow_rate", "shadow_lru_hit_rate", "real_sampled_hit_rate",
-    "lru_model_bias",
-)  # fmt: skip
+from sglang_tiered.stats import PolicyReport
+
+# The policy fields a rank reports: the schema's (the rest of ``AdaptivePolicy.snapshot`` is for
+# debugging), so the schema is the one list.
+POLICY_FIELDS = PolicyReport.__struct_fields__
 
 
 def device_tier(cache) -> dict:
