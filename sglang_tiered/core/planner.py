@@ -58,7 +58,12 @@ def kv_bytes_per_token(m: ModelShape, kv_dtype: str = "fp16") -> int:
 
 
 def recompute_s_per_token(m: ModelShape, flops_per_gpu: float, tp: int = 1) -> float:
-    return 2.0 * m.params / (flops_per_gpu * tp)
+    return recompute_s_per_token_of(m.params, flops_per_gpu, tp)
+
+
+def recompute_s_per_token_of(params: float, flops_per_gpu: float, tp: int = 1) -> float:
+    """Prefill recompute time of one token: 2 FLOPs per parameter over the TP group's FLOP/s."""
+    return 2.0 * params / (flops_per_gpu * tp)
 
 
 def break_even_bytes_per_s(m: ModelShape, flops_per_gpu: float, tp: int = 1, kv_dtype: str = "fp16") -> float:

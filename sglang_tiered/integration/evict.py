@@ -15,7 +15,7 @@ import heapq
 from typing import Optional
 
 from sglang_tiered.core.eviction import RebuiltQueue, VictimQueue, fixed_order_priority
-from sglang_tiered.integration.node_state import node_kind, node_pages, node_tenant
+from sglang_tiered.integration.node_state import node_kind, node_pages
 
 NOT_PINNABLE = 1 << 62  # hit-count threshold that no node reaches (pinning off)
 
@@ -113,7 +113,7 @@ class Eviction:
         cache.policy.on_evict(node_pages(x, ps), pinned=was_pinned,
                               first_hash=x.tiered_hashes[0] if x.tiered_hashes else None,
                               kind=node_kind(x), last_tick=x.tiered_tick)  # fmt: skip
-        tc = cache.tenants.get(node_tenant(x))
+        tc = cache.tenant(x.key.cache_salt)
         tc.evicted_pages += node_pages(x, ps)
         tc.resident_pages -= node_pages(x, ps)
         parent = x.parent

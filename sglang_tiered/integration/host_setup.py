@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from sglang_tiered.core.planner import estimate_params
+from sglang_tiered.core.planner import estimate_params, recompute_s_per_token_of
 from sglang_tiered.tier.host_pool import HostPoolError, PoolLayout
 from sglang_tiered.tier.host_tier import HostTier
 
@@ -64,6 +64,35 @@ def _agree(value: int, group) -> int:
         return value
 
 
+def _auto_decision(ctx, kv, k0) -> tuple[bool, str]:
+    """SGLANG_TIERED_HOST=auto: measure host->device copy bandwidth against this model's
+    break-even bandwidth (seed R1); every TP rank agrees on the most conservative answer."""
+    on = True
+    hf = ctx.model_config.hf_config
+    hf_dict = hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
+    try:
+        params = estimate_params(hf_dict)
+    except KeyError:
+        params = None
+    gbps = measure_copy_gbps(k0.device)
+    flops = measure_flops(k0.device, k0.dtype if k0.dtype.is_floating_point else torch.bfloat16)
+    kv_bytes = 2 * len(kv.k_buffer) * k0.shape[1] * k0.shape[2] * k0.element_size()  # this rank
+    if params:
+        recompute_s = recompute_s_per_token_of(params, flops, max(1, ctx.tp_size))  # (seed section 6)
+        break_even = kv_bytes / recompute_s / 1e9  # this rank's KV bytes per token, as in plan()
+        on = gbps > break_even
+        decision = (f"{'on' if on else 'off'}: measured copy {gbps:.1f} GB/s vs break-even "
+                    f"{break_even:.2f} GB/s (recompute {recompute_s * 1e6:.1f} us/token at "
+                    f"{flops / 1e9:.0f} GFLOP/s, {kv_bytes} KV bytes/token/rank)")  # fmt: skip
+    else:
+        decision = f"on: measured copy {gbps:.1f} GB/s; model size unknown, assuming T1 wins"
+    agreed = _agree(1 if on else 0, getattr(ctx.params, "tp_cache_group", None))
+    if agreed != (1 if on else 0):
+        on = bool(agreed)
+        decision += f" (overridden by another TP rank: {'on' if on else 'off'})"
+    return on, decision
+
+
 def build_host_tier(cache, ctx, cfg):
     """Return (HostTier or None, decision text)."""
     if cfg.host_mode == "off":
@@ -83,28 +112,7 @@ def build_host_tier(cache, ctx, cfg):
     decision = "on: SGLANG_TIERED_HOST=on"
     on = True
     if cfg.host_mode == "auto":
-        hf = ctx.model_config.hf_config
-        hf_dict = hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
-        try:
-            params = estimate_params(hf_dict)
-        except KeyError:
-            params = None
-        gbps = measure_copy_gbps(k0.device)
-        flops = measure_flops(k0.device, k0.dtype if k0.dtype.is_floating_point else torch.bfloat16)
-        kv_bytes = 2 * len(kv.k_buffer) * k0.shape[1] * k0.shape[2] * k0.element_size()  # this rank
-        if params:
-            recompute_s = 2.0 * params / (flops * max(1, ctx.tp_size))
-            break_even = kv_bytes / recompute_s / 1e9
-            on = gbps > break_even
-            decision = (f"{'on' if on else 'off'}: measured copy {gbps:.1f} GB/s vs break-even "
-                        f"{break_even:.2f} GB/s (recompute {recompute_s * 1e6:.1f} us/token at "
-                        f"{flops / 1e9:.0f} GFLOP/s, {kv_bytes} KV bytes/token/rank)")  # fmt: skip
-        else:
-            decision = f"on: measured copy {gbps:.1f} GB/s; model size unknown, assuming T1 wins"
-        agreed = _agree(1 if on else 0, getattr(ctx.params, "tp_cache_group", None))
-        if agreed != (1 if on else 0):
-            on = bool(agreed)
-            decision += f" (overridden by another TP rank: {'on' if on else 'off'})"
+        on, decision = _auto_decision(ctx, kv, k0)
     if not on:
         logger.info("sglang-tiered: T1 %s", decision)
         return None, decision

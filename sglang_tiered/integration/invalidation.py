@@ -96,7 +96,7 @@ class Invalidation:
         if cache.t1 is not None:
             cache.t1.fence(node, run=False)  # an invalidated page is never written to T1
         cache.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
-        tc = cache.tenants.get(node_tenant(node))
+        tc = cache.tenant(node.key.cache_salt)
         tc.invalidated_pages += node_pages(node, cache.page_size)
         tc.resident_pages -= node_pages(node, cache.page_size)
         cache._delete_leaf(node)
