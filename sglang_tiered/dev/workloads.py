@@ -14,6 +14,8 @@ import pathlib
 from array import array
 from dataclasses import dataclass
 
+from sglang_tiered.core.keys import chain_page_hashes
+
 TOKEN_LO, TOKEN_HI = 16, 2000
 
 
@@ -172,9 +174,5 @@ def unique_pages(reqs: list[Request], page: int) -> int:
     """Number of distinct full pages (by tenant + prefix chain) across the workload."""
     seen: set[bytes] = set()
     for r in reqs:
-        h = hashlib.blake2b((r.tenant or "").encode(), digest_size=16).digest()
-        toks = r.tokens
-        for p in range(len(toks) // page):
-            h = hashlib.blake2b(h + toks[p * page : (p + 1) * page].tobytes(), digest_size=16).digest()
-            seen.add(h)
+        seen.update(chain_page_hashes(hashlib.blake2b((r.tenant or "").encode(), digest_size=16).digest(), r.tokens, page))
     return len(seen)
