@@ -116,8 +116,7 @@ def test_layers_import_downward_only():
 # Development helpers (sglang_tiered/dev/) are never imported by the runtime. The two places that
 # may reach them, lazily and never while serving: create_simulated (build.py, like SGLang's own
 # RadixCache.create_simulated) and the command line's development commands (build-model, serve).
-DEV_ENTRY_POINTS = {"sglang_tiered.integration.build", "sglang_tiered.cli",
-                    "sglang_tiered.workload_family"}  # TODO(redesign): moves to dev/ in the last commit
+DEV_ENTRY_POINTS = {"sglang_tiered.integration.build", "sglang_tiered.cli"}
 
 
 def test_runtime_never_imports_dev():

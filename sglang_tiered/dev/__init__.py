@@ -6,6 +6,7 @@
 | ``server.py`` | start / wait for / stop CPU SGLang server processes (tests, benchmarks, ``serve``) |
 | ``simulate.py`` | a simulated page allocator and request driver (``TieredRadixCache.create_simulated``) |
 | ``workloads.py`` | the Mooncake trace loader and the multi-tenant generator (benchmarks, tests) |
+| ``workload_family.py`` | the seeded family of generated workloads (bench/workload_family.py) |
 
 tests/test_layering.py checks that nothing outside ``dev/`` imports it, except
 ``TieredRadixCache.create_simulated`` (lazily, like SGLang's own ``RadixCache.create_simulated``)
