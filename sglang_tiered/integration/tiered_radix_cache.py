@@ -40,7 +40,7 @@ from sglang_tiered.integration.invalidation import Invalidation
 from sglang_tiered.integration.invariants import check_cache
 from sglang_tiered.integration.page_hashes import PageHashes
 from sglang_tiered.integration.snapshot import stats_snapshot
-from sglang_tiered.integration.t1 import T1Tier
+from sglang_tiered.integration.t1 import T1Tier, Tier
 
 
 class TieredRadixCache(RadixCache):
@@ -64,7 +64,7 @@ class TieredRadixCache(RadixCache):
         self.eviction = Eviction(self)
         self.invalidation = Invalidation(self)
         self.index = IndexHints()  # fleet hint index (sglang_tiered.fleet.publisher)
-        self.t1: Optional[T1Tier] = None  # the host tier, when on
+        self.t1: Optional[Tier] = None  # the host tier (T1Tier), when on
         self.host_decision = "off"
         self.metrics = None
         if getattr(params, "enable_metrics", False) and tp_rank == 0:
