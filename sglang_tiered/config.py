@@ -17,6 +17,7 @@ the launch with a clear message if one is bad.
 | SGLANG_TIERED_INDEX_URL | unset | fleet hint index: redis://HOST:PORT/DB; rank 0 publishes the page hashes it holds |
 | SGLANG_TIERED_SERVER_ID | unset | this server's id in the index (required with INDEX_URL): the URL routers reach it at |
 | SGLANG_TIERED_INDEX_TTL_S | 30 | seconds until a silent server's entries are ignored (heartbeat) and expire; finite, [1, 86400] |
+| SGLANG_TIERED_T2 | unset | fleet DRAM tier behind T1: mooncake://MASTER_HOST:PORT?options (segment_mb, mode=auto/on/off, min_freq, queue_pages, max_run_pages, timeout_ms, protocol, device, local_hostname, metadata; sglang_tiered/tier/t2_config.py) |
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import math
 import os
 import re
 from dataclasses import dataclass
+
+from sglang_tiered.tier.t2_config import T2Config, T2ConfigError, parse_t2_url
 
 
 class ConfigError(ValueError):
@@ -44,6 +47,7 @@ class TieredConfig:
     index_url: str | None = None
     server_id: str | None = None
     index_ttl_s: float = 30.0
+    t2: T2Config | None = None
 
 
 # Upper bounds that catch typos and absurd values at launch (a T1 bigger than these is not a
@@ -113,7 +117,15 @@ def load_config(env=None) -> TieredConfig:
     ttl = _float(env, "SGLANG_TIERED_INDEX_TTL_S", 30.0, 86400.0)
     if ttl < 1:
         raise ConfigError(f"SGLANG_TIERED_INDEX_TTL_S={ttl:g}: must be >= 1")
+    t2 = None
+    t2_url = (env.get("SGLANG_TIERED_T2") or "").strip()
+    if t2_url:
+        try:
+            t2 = parse_t2_url(t2_url)
+        except T2ConfigError as exc:
+            raise ConfigError(str(exc)) from None
     return TieredConfig(
+        t2=t2,
         host_mode=mode,
         host_ratio=_float(env, "SGLANG_TIERED_HOST_RATIO", 4.0, MAX_HOST_RATIO),
         host_gb=host_gb,

@@ -170,6 +170,7 @@ class TieredRadixCache(RadixCache):
         self.store = None  # StoreQueue: T1 writes off the request path (None: synchronous demotion)
         self._flushing = False
         self.host_decision = "off"
+        self.t2_decision = "off: SGLANG_TIERED_T2 unset"
         self._pending_host: dict = {}  # rid -> (node, page hashes) probed in match_prefix
         self._load_locks: list = []
         if getattr(params, "enable_metrics", False) and tp_rank == 0:
@@ -253,6 +254,10 @@ class TieredRadixCache(RadixCache):
         from sglang_tiered.integration.host_setup import build_host_tier
 
         self.host, self.host_decision = build_host_tier(self, ctx, cfg)
+        if cfg.t2 is not None:
+            from sglang_tiered.integration.t2_setup import build_t2
+
+            self.t2_decision = build_t2(self, ctx, cfg.t2)
         if self.host is not None and cfg.store == "async":
             # default: the device pool (a pending page is a device page, so this never binds
             # unless half the pool waits for T1: then one-shots are filtered and value-drop runs)
@@ -618,6 +623,9 @@ class TieredRadixCache(RadixCache):
                 break
             hashes.append(h)
             prev = h
+        if len(hashes) < n_pages and self.host.t2 is not None:
+            self.host.touch(hashes)  # the fetch below must not make room in T1 with these
+            hashes += self._fetch_t2(prev, toks, start + len(hashes) * ps, n_pages - len(hashes), key.cache_salt)
         if not hashes:
             self._pending_host.pop(rid, None)
             return result
@@ -627,6 +635,15 @@ class TieredRadixCache(RadixCache):
             del pending[next(iter(pending))]
         pending[rid] = (node, hashes, toks[start : start + len(hashes) * ps])
         return result._replace(host_hit_length=len(hashes) * ps, best_match_node=node)
+
+    def _fetch_t2(self, prev: bytes, toks, pos: int, n_pages: int, salt) -> list:
+        """T2 (fleet store) holds pages past T1? Fetch the leading run into T1 (then promoted like
+        any T1 hit). Returns the page hashes now in T1."""
+        ps = self.page_size
+        n_pages = min(n_pages, self.host.t2.run)
+        rest = chain_page_hashes(prev, toks[pos : pos + n_pages * ps], ps)
+        got = self.host.fetch_t2(rest, name_hash(tenant_of(salt)))
+        return rest[:got]
 
     def init_load_back(self, params):
         """Promote the T1 pages probed for this request into new device pages, all or nothing.
@@ -702,6 +719,8 @@ class TieredRadixCache(RadixCache):
                 dropped += self.host.clear() * self.page_size
             elif tenant_hash is not None:
                 dropped += self.host.drop_tenant(tenant_hash) * self.page_size
+            if self.host.t2 is not None:  # this model's (or tenant's) objects, fleet-wide
+                self.host.t2.invalidate(tenant=tenant_hash, everything=everything)
         for top in targets:
             stack, order = [top], []
             while stack:
@@ -955,6 +974,8 @@ class TieredRadixCache(RadixCache):
                 },
                 self._host_snapshot() if self.host is not None else
                 {"name": "host", "enabled": False, "decision": self.host_decision},
+                self.host.t2.snapshot() if self.host is not None and self.host.t2 is not None else
+                {"name": "t2", "enabled": False, "decision": self.t2_decision},
             ],
             "index": self.index_listener.snapshot() if hasattr(self.index_listener, "snapshot") else None,
             "policy": {k: pol[k] for k in (
