@@ -314,9 +314,11 @@ class T2Tier:
             pairs = pool.reserve(hashes, evict=True)
             if pairs:
                 pos = {h: i for i, h in enumerate(hashes)}
-                rows = torch.tensor([pos[h] for h, _ in pairs], dtype=torch.int64)
+                rows = [pos[h] for h, _ in pairs]
                 slots = torch.tensor([s for _, s in pairs], dtype=torch.int64)
-                src = self._data_view(staging, len(hashes))[rows]  # [n, kv, layer, head, token, dim]
+                src = self._data_view(staging, len(hashes))  # [n, kv, layer, head, token, dim]
+                if rows != list(range(len(hashes))):  # some pages were already in T1
+                    src = src[torch.tensor(rows, dtype=torch.int64)]
                 pool.data.index_copy_(3, slots, src.permute(1, 2, 3, 0, 4, 5))
                 pool.commit(pairs, tenant)
             self.flush()
