@@ -64,8 +64,10 @@ def hit_rates(workload: str, reqs, n_servers: int, device: int, host_ratio: floa
     from sglang_tiered.tier.t2_config import parse_t2_url
 
     rows = []
-    for label, route, with_t2 in (("round_robin", "rr", False), ("round_robin+T2", "rr", True),
-                                  ("tenant_affinity", "aff", False)):  # fmt: skip
+    runs = [("round_robin", "rr", False), ("round_robin+T2", "rr", True)]
+    if any(t for _, t in reqs):  # affinity needs tenants (the Mooncake trace has none)
+        runs.append(("tenant_affinity", "aff", False))
+    for label, route, with_t2 in runs:
         key = CacheKey(model_id=f"bench-{workload}", weights_digest=f"{label}-{time.time_ns()}", kv_dtype="float32")
         servers = []
         for _ in range(n_servers):
@@ -200,7 +202,8 @@ def main() -> None:
     except Exception:  # noqa: BLE001
         mc = "?"
     meta = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "python": platform.python_version(),
-            "torch": torch.__version__, "mooncake": mc, "git_sha": sha, "args": vars(args),
+            "torch": torch.__version__, "mooncake": mc, "git_sha": sha,
+            "args": {**vars(args), "out": os.path.relpath(args.out, ROOT)},
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -183,7 +183,7 @@ class T2Machine(RuleBasedStateMachine):
         for h, slot in self.pool.slot_of.items():
             assert torch.equal(self.pool.data[:, :, :, slot], page_data(h, self.tenant_of[h])), "wrong KV in T1"
         self.pool.check_invariants()
-        self.t2.queue.check_invariants()
+        self.t2.check_invariants()
         for k, obj in list(self.store.objects.items()):
             assert len(obj) == self.t2.obj_bytes and obj[:4] == b"SGT2"
 

@@ -908,6 +908,8 @@ class TieredRadixCache(RadixCache):
         if self.host is not None:
             with self.host.lock:  # the store queue's worker may be mid-write (slots reserved)
                 self.host.pool.check_invariants()  # host: free + resident == capacity
+            if self.host.t2 is not None:
+                self.host.t2.check_invariants()
         if self.store is not None:
             self.store.check_invariants()
         # Identity: every node's stored page hashes equal a fresh chain over its tokens.

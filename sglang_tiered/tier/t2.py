@@ -420,6 +420,15 @@ class T2Tier:
             time.sleep(0.01)
         return not self.queue.pending
 
+    def check_invariants(self) -> None:
+        """The write queue's rules (bounded, reachable, one job per page); no fetch in progress
+        between cache calls; the victim buffer never outgrows one run."""
+        self.queue.check_invariants()
+        assert not any(s.busy for s in self._read), "a read staging buffer left busy"
+        assert len(self._victims) < self.run, "victims not flushed"
+        for j in [j for j in self.queue._page_job.values()]:
+            assert j.ctx is not None and j.ctx.shape[0] == len(j.hashes), "job data out of step with its pages"
+
     # ------------------------------------------------------------------ reporting
     def snapshot(self) -> dict:
         s = self.stats
