@@ -262,6 +262,9 @@ class T2Tier:
         found = self._call("exists", self.client.exists, keys)
         if found is None:
             return 0
+        if found and found[0] < 0:  # an error code, not "absent": the store is not answering
+            self._failed("exists", f"code {found[0]}")
+            return 0
         n = 0
         for f in found:
             if f != 1:
@@ -340,6 +343,8 @@ class T2Tier:
 
     def flush(self) -> None:
         """Offer the copied-out victims to the store queue as runs (one job per tenant and run)."""
+        if not self._victims:
+            return
         victims, self._victims = self._victims, []
         by_tenant: dict = {}
         for v in victims:
@@ -378,6 +383,8 @@ class T2Tier:
             self.stats.dropped_pages += n
             return
         stored = sum(1 for r in res if r == 0)
+        if res and all(r < 0 for r in res):  # store down or full: back off (drops are counted)
+            self._failed("put", f"codes {sorted(set(res))[:3]}")
         self.stats.stored_pages += stored
         self.stats.stored_bytes += stored * self.layout.page_bytes
         self.stats.dropped_pages += n - stored  # full store, or already there under lease
