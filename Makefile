@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env model serve demo test test-fast soak bench bench-family fleet-sim fleet-bench redis clean
+.PHONY: env model serve demo test test-fast soak bench bench-family fleet-sim fleet-bench t2-bench redis clean
 
 env:
 	@bash scripts/setup_env.sh
@@ -35,6 +35,12 @@ fleet-sim: env
 # cache_aware, prefix_hash; JSON/CSV/PNG under bench/results/. Not part of CI (about 10 min).
 fleet-bench: env redis
 	@HF_HUB_OFFLINE=1 $(PY) bench/fleet_live.py $(FLEET_BENCH_ARGS)
+
+# T2 on Mooncake Store: fleet hit rate with/without T2 under round robin + T2 vs raw Mooncake GB/s,
+# in a loopback-only network namespace (needs root); JSON/CSV/PNG under bench/results/ (~5 min).
+t2-bench: env
+	@bash scripts/install_t2_deps.sh
+	@$(PY) bench/t2_fleet.py $(T2_BENCH_ARGS)
 
 # redis-server (Debian package) for the fleet tests and fleet-bench; needs root or sudo.
 redis:

@@ -4,6 +4,7 @@
 #   + torchvision 0.28.0 --no-deps with patches/torchvision_meta_guard.py
 #   + patches/sgl_kernel_cpu (pure-torch stand-in for the two sgl_kernel ops used on CPU)
 #   + env/fleet.txt (redis, hiredis, smg: the fleet hint index and the live baseline router)
+#   + env/t2.txt (Mooncake Store client and master, CPU build: T2; needs libibverbs1, scripts/install_t2_deps.sh)
 #   + this package, editable.
 # The Debian package redis-server is needed by the fleet tests and `make fleet-bench`:
 # scripts/install_redis.sh (root) installs it; .ci/run calls it.
@@ -16,7 +17,7 @@ SGLANG_VERSION=0.5.23
 TORCH_VERSION=2.13.0
 TORCHVISION_VERSION=0.28.0
 
-stamp_inputs=(scripts/setup_env.sh env/sglang-deps-cpu.txt env/fleet.txt pyproject.toml setup.py
+stamp_inputs=(scripts/setup_env.sh env/sglang-deps-cpu.txt env/fleet.txt env/t2.txt pyproject.toml setup.py
   patches/torchvision_meta_guard.py patches/sgl_kernel_cpu/pyproject.toml
   patches/sgl_kernel_cpu/sgl_kernel/__init__.py)
 want=$(cat "${stamp_inputs[@]}" | sha256sum | cut -c1-16)
@@ -34,6 +35,7 @@ pip install --upgrade "pip>=24" "setuptools>=70" wheel
 pip install "torch==$TORCH_VERSION"
 pip install -r env/sglang-deps-cpu.txt "torch==$TORCH_VERSION"
 pip install -r env/fleet.txt
+pip install --no-deps -r env/t2.txt
 pip install --no-deps "sglang==$SGLANG_VERSION" "torchvision==$TORCHVISION_VERSION"
 pip install --no-deps --no-build-isolation ./patches/sgl_kernel_cpu
 "$VENV/bin/python" patches/torchvision_meta_guard.py

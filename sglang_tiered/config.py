@@ -19,6 +19,7 @@ environment; ``TieredConfig.__post_init__`` validates every field, so a config b
 | SGLANG_TIERED_INDEX_URL | ``index_url`` | unset |
 | SGLANG_TIERED_SERVER_ID | ``server_id`` | unset |
 | SGLANG_TIERED_INDEX_TTL_S | ``index_ttl_s`` | 30 |
+| SGLANG_TIERED_T2 | ``t2`` (``tier/t2_config.py``: mooncake://MASTER_HOST:PORT?options) | unset |
 | SGLANG_TIERED_SHM_DIR | ``shm_dir()`` (named T1 segments and their locks) | /dev/shm |
 | SGLANG_TIERED_CACHE, XDG_CACHE_HOME | ``cache_root()`` (tiny models, weight digests) | ~/.cache/sglang-tiered |
 
@@ -36,6 +37,8 @@ import re
 from typing import Literal, Optional
 
 import msgspec
+
+from sglang_tiered.tier.t2_config import T2Config, T2ConfigError, parse_t2_url
 
 
 class ConfigError(ValueError):
@@ -62,6 +65,7 @@ ENV = {  # field -> environment variable
     "index_url": "SGLANG_TIERED_INDEX_URL",
     "server_id": "SGLANG_TIERED_SERVER_ID",
     "index_ttl_s": "SGLANG_TIERED_INDEX_TTL_S",
+    "t2": "SGLANG_TIERED_T2",
 }
 
 
@@ -98,6 +102,10 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Seconds until a silent server's index entries are ignored (heartbeat) and expire, [1, 86400].
     # Sizing: a few heartbeats (one per ttl/3); too short drops live servers under load.
     index_ttl_s: float = 30.0
+    # T2, the fleet DRAM tier behind T1 on Mooncake Store (tier/t2.py): parsed and validated from
+    # mooncake://MASTER_HOST:PORT?options by tier/t2_config.py (each option with unit, default and
+    # bounds there). Unset: no T2.
+    t2: Optional[T2Config] = None
 
     def __post_init__(self) -> None:
         if self.host_mode not in ("auto", "on", "off"):
@@ -165,6 +173,16 @@ def _text(env, field: str) -> Optional[str]:
     return env.get(ENV[field]) or None
 
 
+def _t2(env) -> Optional[T2Config]:
+    url = (env.get(ENV["t2"]) or "").strip()
+    if not url:
+        return None
+    try:
+        return parse_t2_url(url)
+    except T2ConfigError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def load_config(env=None) -> TieredConfig:
     """Parse the environment (``os.environ`` unless given) into a validated ``TieredConfig``."""
     env = os.environ if env is None else env
@@ -186,6 +204,7 @@ def load_config(env=None) -> TieredConfig:
         "index_url": _text(env, "index_url"),
         "server_id": _text(env, "server_id"),
         "index_ttl_s": _float(env, "index_ttl_s"),
+        "t2": _t2(env),
     }
     cfg = TieredConfig(**{k: v for k, v in fields.items() if v is not None or k in ("host_gb",)})
     phys = _physical_gb()

@@ -57,6 +57,37 @@ class TierStats(msgspec.Struct, kw_only=True):
     decision: str = ""
 
 
+class T2TierStats(msgspec.Struct, kw_only=True):
+    """The fleet tier (Mooncake Store, sglang_tiered/tier/t2.py): pages, bytes, ms, counts."""
+
+    name: str = "t2"
+    enabled: bool = False
+    decision: str = ""
+    backend: str = ""
+    available: bool = False  # False while the circuit breaker skips T2 (after an error or timeout)
+    down_for_s: float = 0.0
+    probes: int = 0  # batched existence checks
+    probe_pages_hit: int = 0
+    fetched_pages: int = 0  # verified pages brought into T1 (then promoted like T1 hits)
+    fetched_bytes: int = 0
+    fetch_ms: float = 0.0
+    read_gbps: Optional[float] = None
+    bad_pages: int = 0  # short reads or wrong headers: misses
+    offered_pages: int = 0  # T1 victims queued for T2
+    filtered_pages: int = 0  # T1 victims below min_freq
+    stored_pages: int = 0
+    stored_bytes: int = 0
+    store_ms: float = 0.0
+    write_gbps: Optional[float] = None
+    dropped_pages: int = 0  # refused or value-dropped by the queue, store full or down
+    queue_depth_pages: int = 0
+    queue_capacity_pages: int = 0
+    failures: int = 0  # calls that errored or missed their deadline
+    skipped_down: int = 0
+    invalidations: int = 0
+    removed_objects: int = 0
+
+
 class PolicyReport(msgspec.Struct, kw_only=True):
     """One rank's admission/eviction policy, as reported (a subset of ``AdaptivePolicy.snapshot``;
     its counters are ``core.policy.PolicyStats``). The rank snapshot sends exactly these fields."""
@@ -110,6 +141,7 @@ class CacheStats(msgspec.Struct, kw_only=True):
     tenants: dict[str, TenantStats]
     tenant: Optional[str] = None
     index: IndexStats = msgspec.field(default_factory=IndexStats)
+    t2: T2TierStats = msgspec.field(default_factory=T2TierStats)
 
 
 _COUNTERS = [f for f in TenantStats.__struct_fields__ if f not in ("token_hit_rate", "request_hit_rate")]
@@ -128,6 +160,7 @@ def aggregate(rank_stats: list[dict], tenant: Optional[str] = None) -> CacheStat
     policies = []
     page_size = 0
     index = None
+    t2 = T2TierStats()
     for rs in rank_stats:
         if rs.get("index"):
             d = rs["index"]
@@ -143,6 +176,9 @@ def aggregate(rank_stats: list[dict], tenant: Optional[str] = None) -> CacheStat
             for k in _COUNTERS:
                 acc[k] = acc.get(k, 0) + counters.get(k, 0)
         for tier in rs.get("tiers", []):
+            if tier["name"] == "t2":  # TP = 1 only: one rank reports it
+                t2 = T2TierStats(**{k: v for k, v in tier.items() if k in T2TierStats.__struct_fields__})
+                continue
             acc = tiers.setdefault(tier["name"], {"name": tier["name"], "enabled": False})
             acc["enabled"] = acc["enabled"] or tier.get("enabled", False)
             acc["decision"] = tier.get("decision", acc.get("decision", ""))
@@ -172,4 +208,5 @@ def aggregate(rank_stats: list[dict], tenant: Optional[str] = None) -> CacheStat
         tenants=finished,
         tenant=tenant,
         index=index or IndexStats(),
+        t2=t2,
     )

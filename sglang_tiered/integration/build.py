@@ -55,6 +55,10 @@ def setup_host_tier(cache, ctx, cfg) -> None:
         threaded = cache.tp_size == 1 and host.k_buffers[0].is_cuda
         store = make_store_queue(host, pages, threaded=threaded)
     cache.attach_host(host, store)
+    if cfg.t2 is not None:  # T2 (fleet store) behind T1: integration/t2_setup.py
+        from sglang_tiered.integration.t2_setup import build_t2
+
+        cache.t2_decision = build_t2(cache, ctx, cfg.t2)
 
 
 def create_simulated(cls, capacity_tokens: int, page_size: int = 16, policy_config: Optional[PolicyConfig] = None,

@@ -64,28 +64,36 @@ def _agree(value: int, group) -> int:
         return value
 
 
-def _auto_decision(ctx, kv, k0) -> tuple[bool, str]:
-    """SGLANG_TIERED_HOST=auto: measure host->device copy bandwidth against this model's
-    break-even bandwidth (seed R1); every TP rank agrees on the most conservative answer."""
-    on = True
+def break_even_gbps(ctx, kv, k0) -> tuple[float | None, str]:
+    """Bandwidth above which loading a token's KV (this rank's bytes) beats recomputing it on this
+    device (seed section 6, as in plan()); (None, why) when the model size is unknown. Shared by
+    T1 (host->device copy) and T2 (the fleet store's round trip, integration/t2_setup.py)."""
     hf = ctx.model_config.hf_config
     hf_dict = hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
     try:
         params = estimate_params(hf_dict)
     except KeyError:
         params = None
-    gbps = measure_copy_gbps(k0.device)
+    if not params:
+        return None, "model size unknown"
     flops = measure_flops(k0.device, k0.dtype if k0.dtype.is_floating_point else torch.bfloat16)
     kv_bytes = 2 * len(kv.k_buffer) * k0.shape[1] * k0.shape[2] * k0.element_size()  # this rank
-    if params:
-        recompute_s = recompute_s_per_token_of(params, flops, max(1, ctx.tp_size))  # (seed section 6)
-        break_even = kv_bytes / recompute_s / 1e9  # this rank's KV bytes per token, as in plan()
-        on = gbps > break_even
-        decision = (f"{'on' if on else 'off'}: measured copy {gbps:.1f} GB/s vs break-even "
-                    f"{break_even:.2f} GB/s (recompute {recompute_s * 1e6:.1f} us/token at "
-                    f"{flops / 1e9:.0f} GFLOP/s, {kv_bytes} KV bytes/token/rank)")  # fmt: skip
+    recompute_s = recompute_s_per_token_of(params, flops, max(1, ctx.tp_size))
+    return kv_bytes / recompute_s / 1e9, (f"recompute {recompute_s * 1e6:.1f} us/token at "
+                                          f"{flops / 1e9:.0f} GFLOP/s, {kv_bytes} KV bytes/token/rank")  # fmt: skip
+
+
+def _auto_decision(ctx, kv, k0) -> tuple[bool, str]:
+    """SGLANG_TIERED_HOST=auto: measure host->device copy bandwidth against this model's
+    break-even bandwidth (seed R1); every TP rank agrees on the most conservative answer."""
+    on = True
+    gbps = measure_copy_gbps(k0.device)
+    be, why = break_even_gbps(ctx, kv, k0)
+    if be is not None:
+        on = gbps > be
+        decision = f"{'on' if on else 'off'}: measured copy {gbps:.1f} GB/s vs break-even {be:.2f} GB/s ({why})"
     else:
-        decision = f"on: measured copy {gbps:.1f} GB/s; model size unknown, assuming T1 wins"
+        decision = f"on: measured copy {gbps:.1f} GB/s; {why}, assuming T1 wins"
     agreed = _agree(1 if on else 0, getattr(ctx.params, "tp_cache_group", None))
     if agreed != (1 if on else 0):
         on = bool(agreed)

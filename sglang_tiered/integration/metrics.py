@@ -48,6 +48,12 @@ class TieredMetrics:
                                  multiprocess_mode="livesum")  # fmt: skip
         self.store_pages = Counter("sglang_tiered_store_pages", "T1 store queue outcomes, in pages "
                                    "(stored by the worker, inline, value_dropped, filtered, cancelled)", ["outcome"])  # fmt: skip
+        self.t2_pages = Counter("sglang_tiered_t2_pages", "T2 (fleet store) outcomes, in pages (fetched, "
+                                "stored, dropped, filtered, bad)", ["outcome"])  # fmt: skip
+        self.t2_bytes = Counter("sglang_tiered_t2_bytes", "Bytes moved to and from T2", ["direction"])
+        self.t2_failures = Counter("sglang_tiered_t2_failures", "T2 calls that failed or missed their deadline")
+        self.t2_up = Gauge("sglang_tiered_t2_available", "1 while T2 is in use (0: breaker open)",
+                           multiprocess_mode="livemin")  # fmt: skip
         self._last: dict[tuple[str, str], int] = {}
         self._labels: dict[str, str] = {}
 
@@ -57,6 +63,22 @@ class TieredMetrics:
             lab = tenant if len(self._labels) < MAX_TENANT_LABELS else OTHER
             self._labels[tenant] = lab
         return lab
+
+    def _inc(self, counter, key: tuple, value: int) -> None:
+        if value > self._last.get(key, 0):
+            counter.inc(value - self._last.get(key, 0))
+        self._last[key] = value
+
+    def _publish_t2(self, t2) -> None:
+        st = t2.stats
+        for outcome, v in (("fetched", st.fetched_pages), ("stored", st.stored_pages),
+                           ("dropped", st.dropped_pages + t2.queue.stats.value_dropped_pages),
+                           ("filtered", st.filtered_pages), ("bad", st.bad_pages)):  # fmt: skip
+            self._inc(self.t2_pages.labels(outcome=outcome), ("__t2__", outcome), v)
+        self._inc(self.t2_bytes.labels(direction="read"), ("__t2__", "read"), st.fetched_bytes)
+        self._inc(self.t2_bytes.labels(direction="write"), ("__t2__", "write"), st.stored_bytes)
+        self._inc(self.t2_failures, ("__t2__", "failures"), st.failures)
+        self.t2_up.set(1 if t2.snapshot()["available"] else 0)
 
     def publish(self, cache) -> None:
         resident: dict[str, int] = {}
@@ -88,3 +110,6 @@ class TieredMetrics:
                 if v > self._last.get(key, 0):
                     self.store_pages.labels(outcome=outcome).inc(v - self._last.get(key, 0))
                 self._last[key] = v
+        t1 = getattr(cache, "t1", None)
+        if t1 is not None and t1.host.t2 is not None:
+            self._publish_t2(t1.host.t2)

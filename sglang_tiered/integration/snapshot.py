@@ -34,6 +34,8 @@ def stats_snapshot(cache) -> dict:
             device_tier(cache),
             cache.t1.snapshot() if cache.t1 is not None else
             {"name": "host", "enabled": False, "decision": cache.host_decision},
+            cache.t1.host.t2.snapshot() if cache.t1 is not None and cache.t1.host.t2 is not None else
+            {"name": "t2", "enabled": False, "decision": cache.t2_decision},
         ],
         "index": cache.index.snapshot(),
         "policy": {k: pol[k] for k in POLICY_FIELDS},

@@ -161,6 +161,8 @@ class T1Tier:
         """Drop T1 entries of a tenant (or all) and cancel their pending writes. Returns tokens."""
         if self.store is not None:  # pending writes of what is invalidated never land
             self.store.cancel_where(lambda j: everything or j.tenant == tenant_hash)
+        if self.host.t2 is not None:  # this model's (or tenant's) objects, fleet-wide
+            self.host.t2.invalidate(tenant=tenant_hash, everything=everything)
         if everything:
             return self.host.clear() * self.cache.page_size
         if tenant_hash is not None:
@@ -218,6 +220,14 @@ class T1Tier:
                 break
             hashes.append(h)
             prev = h
+        t2 = self.host.t2
+        if t2 is not None and len(hashes) < n_pages:
+            # T2 (the fleet store, tier/t2.py) may hold the pages that follow: its leading run is
+            # fetched into T1 now and then promoted like any T1 hit
+            self.host.touch(hashes)  # making room in T1 for the fetch must not evict these
+            pos = start + len(hashes) * ps
+            rest = chain_page_hashes(prev, toks[pos : pos + min(n_pages - len(hashes), t2.run) * ps], ps)
+            hashes += rest[: self.host.fetch_t2(rest, name_hash(tenant_of(key.cache_salt)))]
         return hashes
 
     # ------------------------------------------------------------------ promote
@@ -282,5 +292,7 @@ class T1Tier:
     def check_invariants(self) -> None:
         with self.host.lock:  # the store queue's worker may be mid-write (slots reserved)
             self.host.pool.check_invariants()  # host: free + resident == capacity
+            if self.host.t2 is not None:
+                self.host.t2.check_invariants()
         if self.store is not None:
             self.store.check_invariants()

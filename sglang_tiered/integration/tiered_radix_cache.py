@@ -66,6 +66,7 @@ class TieredRadixCache(RadixCache):
         self.index = IndexHints()  # fleet hint index (sglang_tiered.fleet.publisher)
         self.t1: Optional[Tier] = None  # the host tier (T1Tier), when on
         self.host_decision = "off"
+        self.t2_decision = "off: SGLANG_TIERED_T2 unset"
         self.metrics = None
         if getattr(params, "enable_metrics", False) and tp_rank == 0:
             from sglang_tiered.integration.metrics import TieredMetrics

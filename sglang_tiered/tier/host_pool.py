@@ -312,6 +312,10 @@ class HostPool:
                 if not evict or not self.lru:
                     break
                 victim, _ = self.lru.popitem(last=False)
+                if self.victim_listener is not None and self.index_valid[victim]:
+                    # T2: the page is still intact here; the listener copies it out
+                    self.victim_listener(bytes(self.index_hashes[victim].numpy()), victim,
+                                         int(self.index_tenant[victim]))  # fmt: skip
                 self._forget(victim)
             slot = self.free.pop()
             out.append((h, slot))
@@ -348,6 +352,7 @@ class HostPool:
             self.free.append(slot)
 
     forget_listener = None  # fleet hint index: told each page hash T1 drops
+    victim_listener = None  # T2: told (hash, slot, tenant) of each page ``reserve`` is about to reuse
 
     def _forget(self, slot: int) -> None:
         h = bytes(self.index_hashes[slot].numpy())

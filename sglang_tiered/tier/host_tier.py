@@ -55,6 +55,7 @@ class HostTier:
         # When T1 is full: True replaces its least recently used pages (a victim cache); False
         # skips the demotion (counted in demote_skipped_pages).
         self.replace_when_full = True
+        self.t2 = None  # T2Tier behind this T1 (sglang_tiered/tier/t2.py), fed by T1's victims
 
     @classmethod
     def build(cls, kvcache, *, page_size: int, total_kv_heads: int, tp_size: int, tp_rank: int,
@@ -123,10 +124,14 @@ class HostTier:
                 torch.cuda.current_stream(kb.device).synchronize()
         except Exception:  # noqa: BLE001 - a failed transfer is a skipped demotion, never partial
             self.pool.abort(pairs)
+            if self.t2 is not None:
+                self.t2.flush()
             self.stats.failed_demotions += len(pairs)
             logger.exception("sglang-tiered: demotion of %d pages failed; skipped", len(pairs))
             return 0
         self.pool.commit(pairs, tenant)
+        if self.t2 is not None:
+            self.t2.flush()  # the victims reserve() copied out go to T2's store queue
         self.stats.demoted_pages += len(pairs)
         self.stats.demote_seconds += time.perf_counter() - t0
         return len(pairs)
@@ -182,6 +187,12 @@ class HostTier:
         if kb.is_cuda and self.pool.data.is_pinned():
             ids = ids.to(kb.device)
         return ids
+
+    def fetch_t2(self, hashes: list[bytes], tenant: int) -> int:
+        """Bring the leading run of ``hashes`` that T2 holds into T1 (0 without T2)."""
+        if self.t2 is None:
+            return 0
+        return self.t2.fetch(hashes, tenant)
 
     def drop_tenant(self, tenant: int) -> int:
         with self.lock:

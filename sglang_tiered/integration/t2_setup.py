@@ -1,0 +1,107 @@
+"""Build the T2 tier (Mooncake Store) behind a server's T1, and decide whether it pays off.
+
+``mode=auto`` (default) measures this server's T2 round trip at start-up (a batched put and get of
+``max_run_pages`` pages of this model's page size through the real store) and enables T2 only where
+the slower direction beats the break-even bandwidth of recomputing (the same arithmetic as T1's:
+KV bytes per token over the measured recompute time per token). ``on`` skips the comparison (the
+measurement still runs and is reported), ``off`` disables it. T2 needs T1 (pages are staged
+there) and TP = 1 (see sglang_tiered/tier/t2.py, Limits).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+
+import torch
+
+from sglang_tiered.integration.host_setup import break_even_gbps
+from sglang_tiered.tier.t2 import KEY_ROOT, MooncakeClient, T2Tier
+from sglang_tiered.tier.t2_config import T2Config
+
+logger = logging.getLogger("sglang_tiered")
+
+
+def measure_t2_gbps(t2: T2Tier, pages: int | None = None) -> tuple[float, float]:
+    """(write GB/s, read GB/s) of one batched run through the store, on throwaway keys."""
+    n = min(pages or t2.run, t2.run)
+    ob = t2.obj_bytes
+    tag = f"{KEY_ROOT}/probe/{os.getpid()}-{time.monotonic_ns()}"
+    keys = [f"{tag}/{i}" for i in range(n)]
+    w, r = t2._write, t2._read[0]
+    w.buf[:n].random_(0, 255)
+    t0 = time.perf_counter()
+    res = t2.client.put(keys, [w.ptr + i * ob for i in range(n)], [ob] * n)
+    tw = time.perf_counter() - t0
+    if any(x != 0 for x in res):
+        raise RuntimeError(f"T2 probe put failed: {sorted(set(res))}")
+    t0 = time.perf_counter()
+    got = t2.client.get(keys, [r.ptr + i * ob for i in range(n)], [ob] * n)
+    tr = time.perf_counter() - t0
+    if any(x != ob for x in got) or not torch.equal(r.buf[:n], w.buf[:n]):
+        raise RuntimeError("T2 probe read back other bytes than written")
+    t2.client.remove_regex(f"^{tag}/")
+    return n * ob / tw / 1e9, n * ob / tr / 1e9
+
+
+def model_tag(cache_key) -> str:
+    """Short hex naming the model identity in T2 keys (invalidation patterns); the page hash
+    itself carries the full identity."""
+    ident = f"{cache_key.model_id}|{cache_key.weights_digest}|{cache_key.kv_dtype}"
+    return hashlib.blake2b(ident.encode(), digest_size=6).hexdigest()
+
+
+def _page_frequency(policy):
+    """The policy's sketch frequency of a page, None for pages the sketch does not sample."""
+    mask = policy.cfg.sketch_sample_mask
+
+    def value_of(h: bytes):
+        return None if h[0] & mask else policy.frequency(h)
+
+    return value_of
+
+
+def attach_t2(cache, cfg: T2Config, *, attach: bool = True) -> T2Tier:
+    """A T2Tier over a real Mooncake client behind ``cache.t1.host`` (also for simulated caches)."""
+    t2 = T2Tier(MooncakeClient(cfg), cache.t1.host.pool, cache.t1.host.lock, cfg=cfg,
+                model_tag=model_tag(cache.cache_key), value_of=_page_frequency(cache.policy))  # fmt: skip
+    if attach:
+        cache.t1.host.t2 = t2
+    return t2
+
+
+def build_t2(cache, ctx, cfg: T2Config) -> str:
+    """Attach a T2Tier to ``cache.t1.host``; returns the decision text (also in /cache/stats)."""
+    if cfg.mode == "off":
+        return "off: mode=off"
+    if cache.t1 is None:
+        return f"off: T2 needs T1 (T1 {cache.host_decision})"
+    if ctx.tp_size > 1:
+        decision = f"off: TP {ctx.tp_size} (T2 supports TP = 1; ranks would have to agree on every probe)"
+        logger.warning("sglang-tiered: T2 %s", decision)
+        return decision
+    try:
+        t2 = attach_t2(cache, cfg, attach=False)
+        w_gbps, r_gbps = measure_t2_gbps(t2)
+    except Exception as exc:  # noqa: BLE001 - T2 is an optimisation: serve without it
+        decision = f"off: {cfg.url} unavailable ({exc})"
+        logger.warning("sglang-tiered: T2 %s", decision)
+        return decision
+    k0 = cache.t1.host.k_buffers[0]
+    be, why = break_even_gbps(ctx, cache.token_to_kv_pool_allocator.get_kvcache(), k0)
+    slower = min(w_gbps, r_gbps)
+    on = cfg.mode == "on" or be is None or slower > be
+    decision = (f"{'on' if on else 'off'}: {cfg.url}, measured write {w_gbps:.2f} / read {r_gbps:.2f} GB/s"
+                + (f" vs break-even {be:.2f} GB/s ({why})" if be is not None else f" ({why})")
+                + (" [mode=on]" if cfg.mode == "on" else ""))  # fmt: skip
+    if not on:
+        t2.close()
+        logger.info("sglang-tiered: T2 %s", decision)
+        return decision
+    t2.decision = decision
+    t2.write_gbps_probe, t2.read_gbps_probe = w_gbps, r_gbps
+    cache.t1.host.t2 = t2
+    logger.info("sglang-tiered: T2 %s", decision)
+    return decision

@@ -1,0 +1,476 @@
+"""T2: a fleet-wide DRAM tier on Mooncake Store, behind T1 (issue #14, seed section 5).
+
+* **What goes there.** Pages that leave this server's T1 (T1's LRU victims), when the policy values
+  them (sketch frequency >= ``min_freq``), are copied out of their T1 slots *before* the slot is
+  reused and handed to a bounded, value-ordered store queue (``core/store_queue.py``: the lowest
+  valued run leaves when it is full, one-shots are refused under pressure). A worker thread writes
+  each run with one ``batch_put_from`` from a registered staging buffer. T2 full or down: the run
+  is dropped and counted, never a stall (the scheduler only copies host->host under T1's lock).
+* **What comes back.** On a request whose prefix continues past the device and T1, one batched
+  ``batch_is_exist`` finds the leading run T2 holds, one ``batch_get_into`` fetches it into a
+  registered staging buffer, every page's header is checked (magic, layout digest, page hash,
+  tenant), and the verified leading pages are written into T1 slots; the existing T1 promotion
+  then moves them to the device, all or nothing. Anything else (timeout, error, short read, bad
+  header) is a clean miss: the request recomputes.
+* **Identity.** An object is one page in the canonical TP-independent layout
+  ``[kv][layer][kv_head][token][dim]`` (all KV heads), behind a 64-byte header. Its key is
+  ``sgt/<model tag>/<tenant>/<chained page hash>``; the page hash already carries tenant, model,
+  weights digest, KV dtype, RoPE and attention implementation, so a tenant or a changed model
+  never finds another's page. The model tag and tenant in the key let invalidation name what to
+  remove by pattern, fleet-wide (``remove_by_regex``).
+* **Never a stall on the request path.** Every store call runs on a helper thread and is waited
+  for with a deadline (``timeout_ms`` plus the transfer time at ``min_gbps``); a call that fails or
+  misses its deadline opens a circuit breaker (T2 skipped for 1 s, doubling to 60 s while it keeps
+  failing). A staging buffer whose call timed out is not reused until that call returns, so a late
+  transfer can never land in a buffer another request reads.
+* **Limits.** TP = 1 only (ranks of a TP > 1 server would have to agree on every probe, which needs
+  a collective on the request path; T2 turns off there with a warning). Mooncake keeps a read
+  object leased for its lease TTL (10 s by default): an invalidation retries the removal after it,
+  and this server stops reading an invalidated tenant's or model's pages from T2 for that time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_tiered.core.store_queue import StoreQueue
+from sglang_tiered.tier.host_pool import PoolLayout
+from sglang_tiered.tier.t2_config import T2Config
+
+logger = logging.getLogger("sglang_tiered")
+
+HEADER_BYTES = 64
+MAGIC = b"SGT2"
+FORMAT_VERSION = 1
+KEY_ROOT = "sgt"
+
+
+# ---------------------------------------------------------------------- the store client
+class MooncakeClient:
+    """The few calls T2 makes, over ``mooncake.store.MooncakeDistributedStore``. Return codes are
+    Mooncake's: ``exists`` 1 / 0 / negative error, ``put`` 0 or negative, ``get`` bytes or negative."""
+
+    def __init__(self, cfg: T2Config):
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:  # pragma: no cover - depends on the machine
+            raise RuntimeError(
+                "SGLANG_TIERED_T2 needs Mooncake (pip install mooncake-transfer-engine, or "
+                f"mooncake-transfer-engine-non-cuda on CPU; it needs libibverbs1): {exc}"
+            ) from exc
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup(cfg.local_hostname, cfg.metadata, cfg.segment_mb << 20, cfg.buffer_mb << 20,
+                              cfg.protocol, cfg.device, cfg.master)  # fmt: skip
+        if rc:
+            raise RuntimeError(f"Mooncake store setup failed (code {rc}) for master {cfg.master}")
+
+    def register(self, t: torch.Tensor) -> None:
+        rc = self.store.register_buffer(t.data_ptr(), t.numel() * t.element_size())
+        if rc:
+            raise RuntimeError(f"Mooncake register_buffer failed (code {rc})")
+
+    def exists(self, keys: list[str]) -> list[int]:
+        return list(self.store.batch_is_exist(keys))
+
+    def put(self, keys, ptrs, sizes) -> list[int]:
+        return list(self.store.batch_put_from(keys, ptrs, sizes))
+
+    def get(self, keys, ptrs, sizes) -> list[int]:
+        return list(self.store.batch_get_into(keys, ptrs, sizes))
+
+    def remove_regex(self, pattern: str) -> int:
+        return int(self.store.remove_by_regex(pattern))
+
+    def close(self) -> None:
+        try:
+            self.store.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+# ---------------------------------------------------------------------- stats
+@dataclass
+class T2Stats:
+    probes: int = 0  # batched existence checks made
+    probe_pages_hit: int = 0  # pages T2 said it holds (leading runs)
+    fetched_pages: int = 0  # verified pages written into T1 (then promoted as T1 hits)
+    fetched_bytes: int = 0
+    fetch_seconds: float = 0.0  # exists + get + verify + copy into T1
+    bad_pages: int = 0  # short reads or headers that did not match: treated as misses
+    offered_pages: int = 0  # T1 victims offered (after the value filter)
+    filtered_pages: int = 0  # T1 victims below min_freq
+    stored_pages: int = 0  # written by the worker
+    stored_bytes: int = 0
+    store_seconds: float = 0.0
+    dropped_pages: int = 0  # refused or value-dropped by the queue, or the store was full/down
+    failures: int = 0  # calls that errored or missed their deadline
+    skipped_down: int = 0  # probes or writes skipped while the breaker was open
+    invalidations: int = 0
+    removed_objects: int = 0
+
+
+@dataclass
+class _Staging:
+    """A registered buffer of ``pages`` objects; busy while a store call may still write it."""
+
+    buf: torch.Tensor
+    busy: bool = False  # in use by a fetch or a put
+    late: bool = False  # a call that missed its deadline may still write it
+    ptr: int = field(init=False)
+
+    @property
+    def free(self) -> bool:
+        return not (self.busy or self.late)
+
+    def __post_init__(self):
+        self.ptr = self.buf.data_ptr()
+
+
+def layout_digest(layout: PoolLayout) -> bytes:
+    """8 bytes naming the page format (not the pool size): layers, heads, page size, dim, dtype."""
+    spec = f"{FORMAT_VERSION}|{layout.layers}|{layout.kv_heads}|{layout.page_size}|{layout.head_dim}|{layout.dtype}"
+    return hashlib.blake2b(spec.encode(), digest_size=8).digest()
+
+
+class T2Tier:
+    """T2 behind one server's T1 pool (``pool``: a ``HostPool``; ``lock``: the ``HostTier`` lock
+    that guards it). ``model_tag``: short hex naming the model identity (first key component)."""
+
+    def __init__(self, client, pool, lock, *, cfg: T2Config, model_tag: str, value_of=None):
+        self.client = client
+        self.pool = pool
+        self.lock = lock
+        self.cfg = cfg
+        self.model_tag = model_tag
+        self.value_of = value_of  # page hash -> sketch frequency, None where the sketch has no count
+        lay = pool.layout
+        self.layout = lay
+        self.obj_bytes = HEADER_BYTES + lay.page_bytes
+        self.digest = layout_digest(lay)
+        self.run = cfg.max_run_pages
+        self.stats = T2Stats()
+        self.decision = "on"
+        self._down_until = 0.0
+        self._backoff = 1.0
+        self._no_read: dict = {}  # tenant hash (or None: all) -> monotonic time reads resume
+        self._calls = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sglang-tiered-t2")
+        self._read = [_Staging(self._alloc(self.run)) for _ in range(2)]
+        self._write = _Staging(self._alloc(self.run))
+        self._stage_lock = threading.Lock()
+        self._closed = False
+        self._missed: OrderedDict = OrderedDict()  # first page hashes T2 just said it lacks
+        self._victims: list = []  # (hash, tenant, frequency, page data) copied out of T1
+        pool.victim_listener = self.on_victim
+        self.queue = StoreQueue(cfg.queue_pages, self._put_job, threaded=True, name="sglang-tiered-t2-store")
+
+    def _alloc(self, pages: int) -> torch.Tensor:
+        t = torch.zeros(pages * self.obj_bytes, dtype=torch.uint8)
+        self.client.register(t)
+        return t.view(pages, self.obj_bytes)
+
+    # ------------------------------------------------------------------ keys and headers
+    def key(self, h: bytes, tenant: int) -> str:
+        return f"{KEY_ROOT}/{self.model_tag}/{tenant & (2**64 - 1):016x}/{h.hex()}"
+
+    def _headers(self, hashes: list, tenant: int) -> torch.Tensor:
+        rows = [MAGIC + FORMAT_VERSION.to_bytes(2, "little") + b"\0\0" + self.digest + h
+                + (tenant & (2**64 - 1)).to_bytes(8, "little") for h in hashes]  # fmt: skip
+        hdr = torch.zeros(len(hashes), HEADER_BYTES, dtype=torch.uint8)
+        filled = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8).view(len(hashes), -1)
+        hdr[:, : filled.shape[1]] = filled
+        return hdr
+
+    def _data_view(self, staging: torch.Tensor, n: int) -> torch.Tensor:
+        """The page payloads of the first ``n`` staged objects as ``[n, kv, layer, head, token, dim]``."""
+        lay = self.layout
+        return staging[:n, HEADER_BYTES:].view(lay.torch_dtype).view(
+            n, 2, lay.layers, lay.kv_heads, lay.page_size, lay.head_dim)  # fmt: skip
+
+    # ------------------------------------------------------------------ breaker and deadlines
+    def available(self) -> bool:
+        if time.monotonic() < self._down_until:
+            self.stats.skipped_down += 1
+            return False
+        return True
+
+    def _failed(self, what: str, exc=None) -> None:
+        self.stats.failures += 1
+        self._down_until = time.monotonic() + self._backoff
+        if self.stats.failures == 1 or self._backoff >= 60:
+            logger.warning("sglang-tiered: T2 %s failed (%s); skipping T2 for %.0f s", what, exc or "error", self._backoff)
+        self._backoff = min(60.0, self._backoff * 2)
+
+    def _ok(self) -> None:
+        self._backoff = 1.0
+
+    def _call(self, what: str, fn, *args, nbytes: int = 0, staging: _Staging | None = None):
+        """Run one store call on a helper thread with a deadline; None on error or timeout."""
+        deadline = self.cfg.timeout_ms / 1e3 + nbytes / (self.cfg.min_gbps * 1e9)
+        try:
+            fut = self._calls.submit(fn, *args)
+        except RuntimeError as exc:  # executor shut down
+            self._failed(what, exc)
+            return None
+        try:
+            return fut.result(timeout=deadline)
+        except cf.TimeoutError:
+            if staging is not None:  # a late transfer may still write it: keep it out of use
+                staging.late = True
+                fut.add_done_callback(lambda _f: setattr(staging, "late", False))
+            self._failed(what, f"no answer within {deadline * 1e3:.0f} ms")
+        except Exception as exc:  # noqa: BLE001 - a failed transfer is a miss, never an error
+            self._failed(what, exc)
+        return None
+
+    # ------------------------------------------------------------------ read path
+    def _reads_blocked(self, tenant: int) -> bool:
+        if not self._no_read:
+            return False
+        now = time.monotonic()
+        for k in [k for k, t in self._no_read.items() if t <= now]:
+            del self._no_read[k]
+        return None in self._no_read or tenant in self._no_read
+
+    MISS_MEMO_S = 2.0  # a page T2 lacked is not asked for again for this long
+
+    def _recently_missed(self, h: bytes) -> bool:
+        t = self._missed.get(h)
+        if t is None:
+            return False
+        if time.monotonic() - t < self.MISS_MEMO_S:
+            return True
+        del self._missed[h]
+        return False
+
+    def fetch(self, hashes: list, tenant: int) -> int:
+        """Bring the leading run of ``hashes`` that T2 holds into T1. Returns how many of the
+        leading pages T1 holds afterwards from this fetch (0: nothing, the caller recomputes)."""
+        hashes = hashes[: self.run]
+        if not hashes or self._reads_blocked(tenant) or self._recently_missed(hashes[0]) or not self.available():
+            return 0
+        t0 = time.perf_counter()
+        keys = [self.key(h, tenant) for h in hashes]
+        self.stats.probes += 1
+        found = self._call("exists", self.client.exists, keys)
+        if found is None:
+            return 0
+        if found and found[0] < 0:  # an error code, not "absent": the store is not answering
+            self._failed("exists", f"code {found[0]}")
+            return 0
+        n = 0
+        for f in found:
+            if f != 1:
+                break
+            n += 1
+        if n == 0:
+            self._ok()
+            # match_prefix runs on every admission attempt of a waiting request: do not ask
+            # the store again for the same first page right away
+            self._missed[hashes[0]] = time.monotonic()
+            if len(self._missed) > 4096:
+                self._missed.popitem(last=False)
+            return 0
+        self.stats.probe_pages_hit += n
+        stage = next((s for s in self._read if s.free), None)
+        if stage is None:
+            return 0
+        stage.busy = True
+        try:
+            ob = self.obj_bytes
+            got = self._call("get", self.client.get, keys[:n], [stage.ptr + i * ob for i in range(n)], [ob] * n,
+                             nbytes=n * ob, staging=stage)  # fmt: skip
+            if got is None:
+                return 0
+            good = 0
+            for g in got:
+                if g != ob:
+                    break
+                good += 1
+            if good:
+                want = self._headers(hashes[:good], tenant)
+                ok = (stage.buf[:good, :HEADER_BYTES] == want).all(dim=1).tolist()
+                good = ok.index(False) if False in ok else good
+            self.stats.bad_pages += n - good
+            if good == 0:
+                return 0
+            self._ok()
+            landed = self._into_t1(hashes[:good], stage.buf, tenant)
+        finally:
+            stage.busy = False
+        self.stats.fetched_pages += landed
+        self.stats.fetched_bytes += landed * self.layout.page_bytes
+        self.stats.fetch_seconds += time.perf_counter() - t0
+        return landed
+
+    def _into_t1(self, hashes: list, staging: torch.Tensor, tenant: int) -> int:
+        """Write verified staged pages into T1 slots (T1's own victims go to T2 as usual)."""
+        pool = self.pool
+        with self.lock:
+            pairs = pool.reserve(hashes, evict=True)
+            if pairs:
+                pos = {h: i for i, h in enumerate(hashes)}
+                rows = [pos[h] for h, _ in pairs]
+                slots = torch.tensor([s for _, s in pairs], dtype=torch.int64)
+                src = self._data_view(staging, len(hashes))  # [n, kv, layer, head, token, dim]
+                if rows != list(range(len(hashes))):  # some pages were already in T1
+                    src = src[torch.tensor(rows, dtype=torch.int64)]
+                pool.data.index_copy_(3, slots, src.permute(1, 2, 3, 0, 4, 5))
+                pool.commit(pairs, tenant)
+            self.flush()
+            return pool.leading_hits(hashes)
+
+    # ------------------------------------------------------------------ write path
+    def on_victim(self, h: bytes, slot: int, tenant: int) -> None:
+        """``HostPool.victim_listener``: a T1 slot is about to be reused (caller holds T1's lock).
+        A valued page is copied out now (its slot is overwritten next) and waits for ``flush``."""
+        freq = self.value_of(h) if self.value_of is not None else None
+        if freq is None:  # the sketch does not count this page (sampled): no evidence either way
+            freq = self.cfg.min_freq
+        elif freq < self.cfg.min_freq:
+            self.stats.filtered_pages += 1
+            return
+        self._victims.append((h, tenant, freq, self.pool.data[:, :, :, slot].clone()))
+        if len(self._victims) >= self.run:
+            self.flush()
+
+    def flush(self) -> None:
+        """Offer the copied-out victims to the store queue as runs (one job per tenant and run)."""
+        if not self._victims:
+            return
+        victims, self._victims = self._victims, []
+        by_tenant: dict = {}
+        for v in victims:
+            by_tenant.setdefault(v[1], []).append(v)
+        for tenant, items in by_tenant.items():
+            hashes = [h for h, _, _, _ in items]
+            data = torch.stack([d for _, _, _, d in items])  # [n, kv, layer, head, token, dim]
+            freq = max(1, min(f for _, _, f, _ in items))
+            self.stats.offered_pages += len(items)
+            if not self.queue.offer(hashes, hashes, freq * len(items), frequency=freq, tenant=tenant, ctx=data):
+                self.stats.dropped_pages += len(items)
+
+    def _put_job(self, job) -> None:
+        """Worker: one batched put of a run from the registered staging buffer."""
+        n = len(job.hashes)
+        if not n:
+            return
+        if time.monotonic() < self._down_until:
+            self.stats.skipped_down += n
+            self.stats.dropped_pages += n
+            return
+        t0 = time.perf_counter()
+        data = job.ctx  # [n, kv, layer, head, token, dim], copied out of T1 (jobs are never fenced)
+        with self._stage_lock:
+            st = self._write
+            if not st.free:  # the last put missed its deadline and may still read the buffer
+                self.stats.dropped_pages += n
+                return
+            st.buf[:n, :HEADER_BYTES] = self._headers(job.hashes, job.tenant)
+            self._data_view(st.buf, n).copy_(data)
+            keys = [self.key(h, job.tenant) for h in job.hashes]
+            ob = self.obj_bytes
+            res = self._call("put", self.client.put, keys, [st.ptr + i * ob for i in range(n)], [ob] * n,
+                             nbytes=n * ob, staging=st)  # fmt: skip
+        if res is None:
+            self.stats.dropped_pages += n
+            return
+        stored = sum(1 for r in res if r == 0)
+        if res and all(r < 0 for r in res):  # store down or full: back off (drops are counted)
+            self._failed("put", f"codes {sorted(set(res))[:3]}")
+        self.stats.stored_pages += stored
+        self.stats.stored_bytes += stored * self.layout.page_bytes
+        self.stats.dropped_pages += n - stored  # full store, or already there under lease
+        self.stats.store_seconds += time.perf_counter() - t0
+        if stored:
+            self._ok()
+
+    # ------------------------------------------------------------------ invalidation
+    def invalidate(self, *, tenant: int | None = None, everything: bool = False) -> int:
+        """Remove this model's objects of ``tenant`` (or all of this model's) from the fleet store.
+        Objects read within Mooncake's lease TTL cannot be removed yet: the removal is retried
+        once after ``lease_s``, and this server does not read them from T2 meanwhile."""
+        if tenant is None and not everything:
+            return 0
+        self.stats.invalidations += 1
+        lease_s = self.cfg.lease_ms / 1e3 + 1.0
+        self._no_read[None if everything else tenant] = time.monotonic() + lease_s
+        self.queue.cancel_where(lambda j: everything or j.tenant == tenant)
+        pattern = f"^{KEY_ROOT}/{self.model_tag}/" + ("" if everything else f"{tenant & (2**64 - 1):016x}/")
+        removed = self._remove(pattern)
+        timer = threading.Timer(lease_s, self._remove, args=(pattern,))
+        timer.daemon = True
+        timer.start()
+        return removed
+
+    def _remove(self, pattern: str) -> int:
+        if self._closed:
+            return 0
+        n = self._call("remove", self.client.remove_regex, pattern)
+        if n is None or n < 0:
+            return 0
+        self.stats.removed_objects += n
+        return n
+
+    def wait_idle(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued write has been attempted (tests, benchmarks, shutdown)."""
+        self.flush()
+        end = time.monotonic() + timeout_s
+        while self.queue.pending and time.monotonic() < end:
+            time.sleep(0.01)
+        return not self.queue.pending
+
+    def check_invariants(self) -> None:
+        """The write queue's rules (bounded, reachable, one job per page); no fetch in progress
+        between cache calls; the victim buffer never outgrows one run."""
+        self.queue.check_invariants()
+        assert not any(s.busy for s in self._read), "a read staging buffer left busy"
+        assert len(self._victims) < self.run, "victims not flushed"
+        for j in [j for j in self.queue._page_job.values()]:
+            assert j.ctx is not None and j.ctx.shape[0] == len(j.hashes), "job data out of step with its pages"
+
+    # ------------------------------------------------------------------ reporting
+    def snapshot(self) -> dict:
+        s = self.stats
+        q = self.queue.stats
+        down = max(0.0, self._down_until - time.monotonic())
+        return {
+            "name": "t2",
+            "enabled": True,
+            "backend": self.cfg.url,
+            "decision": self.decision,
+            "available": down == 0.0,
+            "down_for_s": round(down, 3),
+            "probes": s.probes,
+            "probe_pages_hit": s.probe_pages_hit,
+            "fetched_pages": s.fetched_pages,
+            "fetched_bytes": s.fetched_bytes,
+            "fetch_ms": round(s.fetch_seconds * 1e3, 3),
+            "read_gbps": round(s.fetched_bytes / s.fetch_seconds / 1e9, 3) if s.fetch_seconds else None,
+            "bad_pages": s.bad_pages,
+            "offered_pages": s.offered_pages,
+            "filtered_pages": s.filtered_pages,
+            "stored_pages": s.stored_pages,
+            "stored_bytes": s.stored_bytes,
+            "store_ms": round(s.store_seconds * 1e3, 3),
+            "write_gbps": round(s.stored_bytes / s.store_seconds / 1e9, 3) if s.store_seconds else None,
+            "dropped_pages": s.dropped_pages + q.value_dropped_pages,
+            "queue_depth_pages": q.queued_pages,
+            "queue_capacity_pages": self.queue.capacity_pages,
+            "failures": s.failures,
+            "skipped_down": s.skipped_down,
+            "invalidations": s.invalidations,
+            "removed_objects": s.removed_objects,
+        }
+
+    def close(self) -> None:
+        self._closed = True
+        self.queue.close(drain=False)
+        self._calls.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,84 @@
+"""The T2 option, parsed and validated without torch (the launcher checks it before the model
+loads; see sglang_tiered/tier/t2.py for the tier itself)."""
+
+from __future__ import annotations
+
+import math
+import urllib.parse
+from dataclasses import dataclass
+
+
+class T2ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class T2Config:
+    """``SGLANG_TIERED_T2=mooncake://MASTER_HOST:PORT?key=value&...`` (validated at launch)."""
+
+    master: str  # host:port of mooncake_master
+    metadata: str = "P2PHANDSHAKE"  # Mooncake metadata server ("P2PHANDSHAKE": none needed)
+    protocol: str = "tcp"  # "tcp" or "rdma"
+    device: str = ""  # RDMA device name(s); empty for tcp
+    local_hostname: str = "127.0.0.1"  # the address peers reach this client's segment on
+    segment_mb: int = 1024  # DRAM this server contributes to the fleet store (MiB)
+    buffer_mb: int = 64  # Mooncake client's local transfer buffer (MiB)
+    mode: str = "auto"  # auto: on only where measured T2 bandwidth beats recompute; on; off
+    min_freq: int = 1  # T1 victims go to T2 only with sketch frequency >= this
+    queue_pages: int = 1024  # pages waiting to be written (bounded, value-ordered)
+    max_run_pages: int = 256  # pages per batched transfer (and per fetch)
+    timeout_ms: float = 200.0  # per store call, plus the transfer time at min_gbps
+    min_gbps: float = 0.1
+    lease_ms: int = 10_000  # the master's default_kv_lease_ttl: a read object cannot be removed for this long
+
+    @property
+    def url(self) -> str:
+        return f"mooncake://{self.master}"
+
+
+_INT_FIELDS = {"segment_mb": (16, 1 << 22), "buffer_mb": (1, 1 << 16), "min_freq": (0, 1 << 20),
+               "queue_pages": (1, 1 << 24), "max_run_pages": (1, 1 << 16), "lease_ms": (0, 3_600_000)}  # fmt: skip
+_FLOAT_FIELDS = {"timeout_ms": (1.0, 600_000.0), "min_gbps": (1e-4, 1e4)}
+
+
+def parse_t2_url(url: str) -> T2Config:
+    """Parse and validate the T2 option; raises ``T2ConfigError`` with what is wrong."""
+    u = urllib.parse.urlsplit(url)
+    if u.scheme != "mooncake":
+        raise T2ConfigError(f"SGLANG_TIERED_T2 must be mooncake://HOST:PORT[?options], got {url!r}")
+    if not u.hostname or not u.port:
+        raise T2ConfigError(f"SGLANG_TIERED_T2 needs the master's host and port: {url!r}")
+    kw: dict = {"master": f"{u.hostname}:{u.port}"}
+    for k, vs in urllib.parse.parse_qs(u.query, keep_blank_values=True).items():
+        if len(vs) != 1:
+            raise T2ConfigError(f"SGLANG_TIERED_T2 option {k!r} given {len(vs)} times")
+        v = vs[0]
+        if k in _INT_FIELDS:
+            lo, hi = _INT_FIELDS[k]
+            try:
+                kw[k] = int(v)
+            except ValueError:
+                raise T2ConfigError(f"SGLANG_TIERED_T2 option {k}={v!r}: not an integer") from None
+            if not lo <= kw[k] <= hi:
+                raise T2ConfigError(f"SGLANG_TIERED_T2 option {k}={v}: must be in [{lo}, {hi}]")
+        elif k in _FLOAT_FIELDS:
+            lo, hi = _FLOAT_FIELDS[k]
+            try:
+                kw[k] = float(v)
+            except ValueError:
+                raise T2ConfigError(f"SGLANG_TIERED_T2 option {k}={v!r}: not a number") from None
+            if not (math.isfinite(kw[k]) and lo <= kw[k] <= hi):
+                raise T2ConfigError(f"SGLANG_TIERED_T2 option {k}={v}: must be in [{lo}, {hi}]")
+        elif k == "mode":
+            if v not in ("auto", "on", "off"):
+                raise T2ConfigError(f"SGLANG_TIERED_T2 option mode={v!r}: use auto, on or off")
+            kw[k] = v
+        elif k == "protocol":
+            if v not in ("tcp", "rdma"):
+                raise T2ConfigError(f"SGLANG_TIERED_T2 option protocol={v!r}: use tcp or rdma")
+            kw[k] = v
+        elif k in ("metadata", "device", "local_hostname"):
+            kw[k] = v
+        else:
+            raise T2ConfigError(f"SGLANG_TIERED_T2: unknown option {k!r} (known: {', '.join(T2Config.__dataclass_fields__)})")
+    return T2Config(**kw)
