@@ -1,6 +1,7 @@
 """Live load test of the T1 store queue: the same tiered server (small device pool, 8 concurrent
 clients, the seeded multi-tenant workload) with T1 off, T1 with synchronous demotion at eviction
-(``SGLANG_TIERED_STORE=sync``) and T1 through the store queue (``async``, the default), one run.
+(``SGLANG_TIERED_STORE=sync``), T1 through the store queue (``async``, the default), and the
+queue bounded to a few runs so that it fills and value-drop runs under live load; one run.
 
     .venv/bin/python bench/store_load.py                       # ~5 min on 2 cores
     .venv/bin/python bench/store_load.py --requests 400 --concurrency 8 --pool-tokens 2048
@@ -38,6 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--name", default="store_load")
     ap.add_argument("--chunk", type=int, default=40, help="requests per interleaved chunk")
+    ap.add_argument("--small-queue-pages", type=int, default=24, help="queue bound of the t1_async_small_queue config")
     args = ap.parse_args(argv)
 
     from sglang_tiered.dev.tiny_model import TinyModelSpec, build_model
@@ -50,9 +52,12 @@ def main(argv=None) -> int:
         "t1_off": {"SGLANG_TIERED_HOST": "off"},
         "t1_sync": {"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_STORE": "sync"},
         "t1_async": {"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_STORE": "async"},
+        # the same queue bounded to a few runs: it fills, so value-drop runs under live load
+        "t1_async_small_queue": {"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_STORE": "async",
+                                 "SGLANG_TIERED_STORE_QUEUE_PAGES": str(args.small_queue_pages)},
     }
     logs = pathlib.Path(args.out) / "logs"
-    # All three servers run at once and take the workload in interleaved chunks (rotating which
+    # All servers run at once and take the workload in interleaved chunks (rotating which
     # goes first), so background load on the machine falls on all of them alike.
     servers = {}
     try:
@@ -70,7 +75,7 @@ def main(argv=None) -> int:
         names = list(servers)
         for k, start in enumerate(range(0, len(reqs), args.chunk)):
             chunk = reqs[start : start + args.chunk]
-            for name in names[k % 3 :] + names[: k % 3]:
+            for name in names[k % len(names) :] + names[: k % len(names)]:
                 res, wall = replay(servers[name], chunk, args.concurrency, f"{name} {start}")
                 results[name] += res
                 walls[name] += wall
@@ -118,7 +123,7 @@ def _plot(table, path, env) -> None:
 
     names = list(table)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    a1.bar(names, [table[n]["ttft_p50_ms"] for n in names], color=["grey", "tab:orange", "tab:green"])
+    a1.bar(names, [table[n]["ttft_p50_ms"] for n in names], color=["grey", "tab:orange", "tab:green", "tab:olive"][: len(names)])
     a1.set_ylabel("TTFT p50 ms")
     a1.set_title("TTFT p50, 8 concurrent clients")
     a2.bar(names, [table[n]["token_hit_rate"] - table[n]["host_hit_rate"] for n in names], label="device")
