@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import subprocess
@@ -59,12 +60,17 @@ def test_wheel_installs_into_a_fresh_venv_and_serves_with_t1(tmp_path, tiny_mode
     (pathlib.Path(fresh_site) / "borrowed.pth").write_text(ours + "\n")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", fresh_site, str(wheel)],
                    check=True, capture_output=True)  # fmt: skip
-    where = subprocess.run([str(py), "-c", "import sglang_tiered.tier.host_pool as m, sglang_tiered.kernels as k; "
-                            "print(m.__file__); print(k.__file__)"], cwd=tmp_path, check=True,
-                           capture_output=True, text=True).stdout  # fmt: skip
+    # Nothing of the source tree on the path (a PYTHONPATH pointing at a checkout would shadow the
+    # wheel; an empty one adds no entry), for the probe and for the server.
+    clean = {**os.environ, "PYTHONPATH": ""}
+    probe = subprocess.run([str(py), "-c", "import sglang_tiered.tier.host_pool as m, sglang_tiered.kernels as k; "
+                            "print(m.__file__); print(k.__file__)"], cwd=tmp_path, env=clean,
+                           capture_output=True, text=True)  # fmt: skip
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    where = probe.stdout
     assert str(ROOT) not in where and fresh_site in where, where
     spec = ServerSpec(model_path=tiny_model_path, max_total_tokens=2048, python=str(py), cwd=str(tmp_path),
-                      env={"SGLANG_TIERED_HOST": "on"})  # fmt: skip
+                      env={"SGLANG_TIERED_HOST": "on", "PYTHONPATH": ""})  # fmt: skip
     with Server(spec, tmp_path / "wheel-server.log") as server:
         out = server.generate({"text": "hello world " * 40, "sampling_params": {"max_new_tokens": 2}})
         host = next(t for t in server.request("GET", "/cache/stats")[1]["tiers"] if t["name"] == "host")
