@@ -217,3 +217,16 @@ def test_index_config_validation():
                 {"SGLANG_TIERED_INDEX_TTL_S": "0.5"}, {"SGLANG_TIERED_INDEX_TTL_S": "inf"}):  # fmt: skip
         with pytest.raises(ConfigError):
             load_config(bad)
+
+
+def test_token_affinity_key_is_stable_and_groups_families():
+    from sglang_tiered.fleet.routing import token_affinity_key
+
+    a = list(range(100, 140))  # 2.5 pages
+    assert token_affinity_key("acme", a, 16) == token_affinity_key("acme", a[:16] + [7] * 30, 16)  # same first page
+    assert token_affinity_key("acme", a, 16) != token_affinity_key("other", a, 16)  # tenants never share
+    assert token_affinity_key("acme", a[:10], 16) == b"t:acme"  # under a page: the tenant
+    assert token_affinity_key("acme", a, 16, per_prefix=False) == b"t:acme"
+    assert token_affinity_key(None, a, 16) == token_affinity_key(None, a[:32] + [1], 16)  # first 2 pages
+    assert token_affinity_key(None, a, 16) != token_affinity_key(None, a[:16] + [1] * 16, 16)
+    assert token_affinity_key(None, a[:5], 16) == b"p:"

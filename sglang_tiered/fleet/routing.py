@@ -24,7 +24,7 @@ Ours (``AffinityCachePolicy``), seed R2 + section 9.3, per request:
   (``FleetView.load``: requests in flight, or the simulator's recent work) exceeds ``overload`` x
   the fleet mean + ``slack`` (1.25 and 2); when the chosen home is over it, the request *spills* to
   the least loaded worker (R2's occupancy escape hatch, counted in ``spill``); when it is only above
-  ``cold_over`` (1.15) x the mean it goes to the least loaded worker too (``reason="cold"``).
+  ``cold_over`` (1.3) x the mean it goes to the least loaded worker too (``reason="cold"``).
 * **Locality from the index, priced in seconds** (section 9.3: prefer a warmer replica when
   matched_tokens x recompute cost per token > extra queue delay): the worker the index says holds
   the longest prefix (at least ``warm_frac`` of the prompt; ties: home order, then load), if not
@@ -82,6 +82,24 @@ def affinity_key(tenant: Optional[str], page_hashes: Sequence[bytes], affinity_p
     if page_hashes:
         return b"p:" + page_hashes[min(len(page_hashes), affinity_pages) - 1]
     return b"p:"
+
+
+def token_affinity_key(tenant: Optional[str], tokens: Sequence[int], page_size: int, affinity_pages: int = 2,
+                       per_prefix: bool = True) -> bytes:  # fmt: skip
+    """``affinity_key`` from the prompt's token ids instead of its chained page hashes: the same
+    families, but it does not depend on knowing the servers' ``CacheKey`` (a router that learns it
+    from the index later, or never because Redis is down, keeps every key's homes)."""
+
+    def digest(n_pages: int) -> bytes:
+        head = tokens[: n_pages * page_size]
+        return hashlib.blake2b(struct.pack(f"<{len(head)}q", *head), digest_size=16).digest()
+
+    full = len(tokens) // page_size
+    if tenant and not (per_prefix and full):
+        return b"t:" + tenant.encode()
+    if tenant:
+        return b"f:" + tenant.encode() + b"\x00" + digest(1)
+    return b"p:" + digest(min(full, affinity_pages)) if full else b"p:"
 
 
 @dataclass
@@ -145,7 +163,7 @@ class AffinityCachePolicy:
     horizon: int = 32  # window: horizon x N requests
     overload: float = 1.25  # the hatch: a worker is over above overload x the fleet mean load ...
     slack: float = 2.0  # ... plus this many requests (small fleets at low load never spill)
-    cold_over: float = 1.15  # a cold request leaves its home above cold_over x the mean load
+    cold_over: float = 1.3  # a cold request leaves its home above cold_over x the mean load
     warm_frac: float = 0.05  # an index match shorter than this fraction of the prompt is ignored
     c_tok_s: float = 35e-6  # recompute seconds per prompt token (seed: 35 us on its fleet)
     # A recomputed token delays this request and, queued on the server, the requests behind it:
