@@ -3,11 +3,14 @@ each routing policy, on the Mooncake conversation trace and the multi-tenant wor
 
     .venv/bin/python bench/fleet_sim.py                       # both workloads, N = 1..44
     .venv/bin/python bench/fleet_sim.py --workload multitenant --ns 8 44 --limit 2000
+    .venv/bin/python bench/fleet_sim.py --workload family-many-0 family-huge-0 --ns 1 8 44   # generated shapes
 
 The total cache is fixed per workload (device tokens, T1 = --host-ratio x device) and split evenly
 over the N servers, so N = 1 is "one server with the same total cache". Reports, per policy and
-N: fleet token hit rate, load imbalance (max/mean requests routed per server; also max/mean of
-uncached prompt tokens), spill rate. Writes bench/results/fleet_sim.{json,csv,png}.
+N: fleet token hit rate, load imbalance (work_imbalance, the acceptance's load metric: max/mean
+over servers of work done = uncached prompt tokens + 32 per request, i.e. busy time; beside it
+max/mean of requests routed), spill rate, mean queueing delay and a TTFT proxy (queueing delay +
+the request's own uncached prefill at c_tok). Writes bench/results/<name>.{json,csv,png}.
 """
 
 from __future__ import annotations

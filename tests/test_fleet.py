@@ -115,16 +115,22 @@ class KeyWindowMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.n = 3
-        self.pol = AffinityCachePolicy(horizon=2)
+        self.pol = AffinityCachePolicy(horizon=2, memory_pages=3)
         self.model: list = []
+        self.sent: dict = {}  # page hash -> last worker (the memory's model, unbounded)
+        self.order: list = []  # page hashes, least recently sent first
 
     @rule(key=st.sampled_from([b"a", b"b", b"c", b"d"]), n=st.integers(1, 4))
     def route(self, key, n):
         self.n = n
         ws = [f"w{i}" for i in range(n)]
-        d = self.pol.route(RouteRequest(16, [key * 16], key=key), _view(ws))
+        pages = [key * 16, key * 8 + b"x" * 8]
+        d = self.pol.route(RouteRequest(32, pages, key=key), _view(ws, matched={}))
         assert d.worker in ws
         self.model = (self.model + [key])[-2 * n :]
+        for h in pages:
+            self.sent[h] = d.worker
+            self.order = [x for x in self.order if x != h] + [h]
 
     @invariant()
     def window_matches_model(self):
@@ -132,9 +138,33 @@ class KeyWindowMachine(RuleBasedStateMachine):
         assert self.pol._count == {k: self.model.count(k) for k in set(self.model)}
         assert len(self.pol._window) <= self.pol.horizon * 4
 
+    @invariant()
+    def memory_is_the_last_sends_bounded(self):
+        keep = self.order[-3:]
+        assert list(self.pol._sent) == keep
+        assert all(self.pol._sent[h] == self.sent[h] for h in keep)
+
 
 TestKeyWindow = KeyWindowMachine.TestCase
 TestKeyWindow.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
+
+
+def test_routing_memory_returns_a_family_where_it_was_sent():
+    ws = [f"w{i}" for i in range(6)]
+    pages = [bytes([i]) * 16 for i in range(8)]
+    req = RouteRequest(128, pages, tenant="acme")
+    pol = AffinityCachePolicy(per_prefix=False)
+    other = next(w for w in ws if w not in rendezvous_top_k(b"t:acme", ws, 2))
+    assert pol.route(req, _view(ws, matched={other: 128})).worker == other  # the index: warm there
+    # evicted there (the index forgets): the memory still sends the family back
+    d = pol.route(req, _view(ws, matched={}))
+    assert d.worker == other and d.reason == "warm"
+    # Redis down: affinity + load only (the memory is a refinement of the index, not a substitute)
+    assert pol.route(req, _view(ws, matched=None)).worker != other
+    # off: the cold rule decides
+    off = AffinityCachePolicy(per_prefix=False, memory_pages=0)
+    off.route(req, _view(ws, matched={other: 128}))
+    assert off.route(req, _view(ws, matched={})).worker != other
 
 
 def test_longest_match():

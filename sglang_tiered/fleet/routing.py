@@ -40,6 +40,13 @@ Ours (``AffinityCachePolicy``), seed R2 + section 9.3, per request:
   other's instantaneous queues split families between equally warm workers and lost 4 (Mooncake)
   and 8 (multi-tenant) points of hit rate at N = 44 in the simulator (with k_min = 2).
 
+* **Routing memory** (smg cache_aware's idea, under the index): the policy remembers the last
+  worker it sent each page hash to (LRU, ``memory_pages``), and a worker's match is the longer of
+  what the index says it holds and what was last sent there. The index says where a prefix *is*;
+  after an eviction it forgets, and the family's next request went wherever the cold rule put it,
+  seeding a second copy. The memory sends it back where it *was*: it recomputes once there and the
+  family stays on one worker. Measured in the simulator (multi-tenant, N = 8): 0.429 -> 0.448.
+
 Without the index (Redis down) nothing is known to match and the rule is affinity + load.
 
 [1] M. Mitzenmacher, "The power of two choices in randomized load balancing", IEEE TPDS 2001.
@@ -50,7 +57,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -172,9 +179,13 @@ class AffinityCachePolicy:
     affinity_pages: int = 2
     per_prefix: bool = True  # affinity unit: the tenant (R2), or the tenant's first page
     use_index: bool = True
+    # Routing memory: the last worker each page hash was sent to (LRU, at most memory_pages, about
+    # 150 bytes each); 0 turns it off.
+    memory_pages: int = 1 << 18
     name: str = "ours"
     _window: deque = field(default_factory=deque, repr=False)
     _count: dict = field(default_factory=dict, repr=False)
+    _sent: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     def over(self, view: FleetView, w: str) -> bool:
         return view.load.get(w, 0.0) > self.overload * _mean_load(view) + self.slack
@@ -203,6 +214,31 @@ class AffinityCachePolicy:
                 del self._count[old]
 
     def route(self, req: RouteRequest, view: FleetView) -> Decision:
+        d = self._route(req, self._with_memory(req, view))
+        if self.memory_pages:
+            sent = self._sent
+            for h in req.page_hashes:
+                sent[h] = d.worker
+                sent.move_to_end(h)
+            while len(sent) > self.memory_pages:
+                sent.popitem(last=False)
+        return d
+
+    def _with_memory(self, req: RouteRequest, view: FleetView) -> FleetView:
+        """The index's matches, each raised to the prefix this router last sent to that worker."""
+        if not self.memory_pages or view.matched is None or not self.use_index:
+            return view  # no index (Redis down): affinity + load only, as documented
+        sent, empty = self._sent, set()
+        remembered = longest_match(req.page_hashes, [{sent[h]} if h in sent else empty for h in req.page_hashes],
+                                   req.page_size, view.workers)  # fmt: skip
+        if not remembered:
+            return view
+        matched = dict(view.matched)
+        for w, m in remembered.items():
+            matched[w] = max(matched.get(w, 0), m)
+        return FleetView(view.workers, view.load, view.queue_s, matched)
+
+    def _route(self, req: RouteRequest, view: FleetView) -> Decision:
         workers = view.workers
         n = len(workers)
         key = req.key if req.key is not None else affinity_key(req.tenant, req.page_hashes, self.affinity_pages,
