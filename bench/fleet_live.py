@@ -112,6 +112,25 @@ def summarize(name, res, wall, ref, extra=None):
     return d
 
 
+def summarize_rounds(rows, routers):
+    """Per router, the mean over its rounds (TTFT percentiles: the mean of the per-round values)."""
+    out = []
+    for name in routers:
+        rs = [r for r in rows if r["router"] == name]
+        if not rs:
+            continue
+        d = {"router": name, "rounds": len(rs), "requests": sum(r["requests"] for r in rs),
+             "errors": sum(r["errors"] for r in rs)}  # fmt: skip
+        for k in ("hit_rate", "ttft_p50_ms", "ttft_p90_ms", "req_per_s"):
+            d[k] = round(statistics.mean(r[k] for r in rs), 4)
+            d[k + "_per_round"] = [r[k] for r in rs]
+        d["outputs_equal_nocache"] = " ".join(r["outputs_equal_nocache"] for r in rs)
+        sp = [r["spill_rate"] for r in rs if r.get("spill_rate") is not None]
+        d["spill_rate"] = round(statistics.mean(sp), 4) if sp else None
+        out.append(d)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=240)
@@ -123,6 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", help="serving dtype (bf16 prefill over a cached prefix rounds "
                     "differently from a full prefill, so output equality is checked in float32)")
     ap.add_argument("--routers", nargs="+", default=["ours", "smg-round_robin", "smg-cache_aware", "smg-prefix_hash"])
+    ap.add_argument("--rounds", type=int, default=2, help="runs per router, order reversed every other round")
     ap.add_argument("--name", default="fleet_live")
     args = ap.parse_args(argv)
     from sglang_tiered.models.tiny import build_model
@@ -153,7 +173,11 @@ def main(argv=None) -> int:
         ref.stop()
         urls = [s.url for s in servers]
         rows = []
-        for name in args.routers:
+        # Rounds alternate the router order (A B C D, then D C B A, ...): the other work on this
+        # machine drifts over minutes, and reversing the order spreads that drift over all routers.
+        schedule = [(rnd, name) for rnd in range(args.rounds)
+                    for name in (args.routers if rnd % 2 == 0 else args.routers[::-1])]  # fmt: skip
+        for rnd, name in schedule:
             for s in servers:
                 flush(s.url)
             time.sleep(1.0)
@@ -197,6 +221,7 @@ def main(argv=None) -> int:
                 extra = {"spill_rate": round(st["spill_rate"], 4), "index_hit_rate": round(st["index_hit_rate"], 4),
                          "per_worker": {w: v["routed"] for w, v in st["workers"].items()}}  # fmt: skip
             d = summarize(name, res, wall, ref_res, extra)
+            d["round"] = rnd
             rows.append(d)
             print(json.dumps(d), flush=True)
             p.terminate()
@@ -211,20 +236,25 @@ def main(argv=None) -> int:
                                                  text=True).stdout.split()[2]  # fmt: skip
         except Exception:  # noqa: BLE001
             pass
+        summary = summarize_rounds(rows, args.routers)
+        for d in summary:
+            print("mean over rounds:", json.dumps(d), flush=True)
         out = ROOT / "bench" / "results"
-        doc = {"meta": env, "args": vars(args), "rows": rows,
+        doc = {"meta": env, "args": vars(args), "rows": rows, "summary": summary,
                "note": "same 3 servers (tiered, T1 off), caches flushed and Redis emptied between routers"}  # fmt: skip
         (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
         with open(out / f"{args.name}.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k != "per_worker"], extrasaction="ignore")
+            w = csv.DictWriter(f, fieldnames=["round"] + [k for k in rows[0] if k not in ("per_worker", "round")],
+                               extrasaction="ignore")  # fmt: skip
             w.writeheader()
-            w.writerows(rows)
+            w.writerows(rows + [dict(d, round="mean") for d in summary])
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(1, 3, figsize=(13, 4))
+        rows = summary  # the plot shows the mean over rounds
         names = [r["router"] for r in rows]
         ax[0].bar(names, [r["hit_rate"] for r in rows]); ax[0].set_title("fleet token hit rate")
         ax[1].bar(names, [r["ttft_p50_ms"] for r in rows], label="p50")

@@ -3,11 +3,14 @@ each routing policy, on the Mooncake conversation trace and the multi-tenant wor
 
     .venv/bin/python bench/fleet_sim.py                       # both workloads, N = 1..44
     .venv/bin/python bench/fleet_sim.py --workload multitenant --ns 8 44 --limit 2000
+    .venv/bin/python bench/fleet_sim.py --workload family-many-0 family-huge-0 --ns 1 8 44   # generated shapes
 
 The total cache is fixed per workload (device tokens, T1 = --host-ratio x device) and split evenly
 over the N servers, so N = 1 is "one server with the same total cache". Reports, per policy and
-N: fleet token hit rate, load imbalance (max/mean requests routed per server; also max/mean of
-uncached prompt tokens), spill rate. Writes bench/results/fleet_sim.{json,csv,png}.
+N: fleet token hit rate, load imbalance (work_imbalance, the acceptance's load metric: max/mean
+over servers of work done = uncached prompt tokens + 32 per request, i.e. busy time; beside it
+max/mean of requests routed), spill rate, mean queueing delay and a TTFT proxy (queueing delay +
+the request's own uncached prefill at c_tok). Writes bench/results/<name>.{json,csv,png}.
 """
 
 from __future__ import annotations
@@ -52,7 +55,34 @@ class SimServer:
         return out.prompt_len, out.cached_len
 
 
+# Generated shapes (sglang_tiered.workload_family, other knobs drawn from the seed): so that the
+# policy is not tuned to two traces. tenants / tenant Zipf skew overridden per shape.
+SHAPES = {"many": (64, 0.6), "skewed": (32, 1.2), "huge": (16, 2.5), "single": (1, 1.0)}
+
+
+def family_workload(name: str, limit: int):
+    """``family-<shape>-<seed>``: a generated workload with a fleet-relevant tenant shape."""
+    from sglang_tiered.workload_family import draw, generate
+
+    _, shape, seed = name.split("-")
+    p = draw(int(seed))
+    p.tenants, p.tenant_zipf = SHAPES[shape]
+    p.n_requests = min(limit, 1200)
+    return generate(p)
+
+
+def total_device_tokens(name: str, reqs) -> int:
+    """Fixed per workload; for generated ones, 3 % of the prompt tokens, and at N = 44 every server
+    still fits 1.25 x the longest prompt."""
+    if name in TOTAL_DEVICE:
+        return TOTAL_DEVICE[name]
+    longest = max(len(t) for t, _ in reqs)
+    return max(44 * int(1.25 * longest), int(0.03 * sum(len(t) for t, _ in reqs))) // PAGE * PAGE
+
+
 def load_workload(name: str, limit: int, seed: int):
+    if name.startswith("family-"):
+        return [(r.tokens, r.tenant) for r in family_workload(name, limit)]
     if name == "mooncake":
         data = ROOT / "bench" / "data" / "mooncake_conversation_trace.jsonl.gz"
         reqs = load_mooncake(data, limit=limit)
@@ -71,7 +101,7 @@ def run_one(workload, reqs, n, policy_name, host_ratio, rho):
             s = seeds[tenant] = key.namespace_seed(tenant, None)
         return chain_page_hashes(s, tokens, PAGE)
 
-    per = TOTAL_DEVICE[workload] // n // PAGE * PAGE
+    per = total_device_tokens(workload, reqs) // n // PAGE * PAGE
     servers = {f"s{i}": SimServer(per, host_ratio) for i in range(n)}
     pol = POLICIES[policy_name]()
     t0 = time.perf_counter()
@@ -128,7 +158,8 @@ def plot(rows, path):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=["mooncake", "multitenant", "both"], default="both")
+    ap.add_argument("--workload", nargs="+", default=["both"],
+                    help="mooncake, multitenant, both, or family-<shape>-<seed> (shapes: " + ", ".join(SHAPES) + ")")
     ap.add_argument("--ns", type=int, nargs="+", default=[1, 2, 4, 8, 16, 44])
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
     ap.add_argument("--limit", type=int, default=4000, help="requests per workload (subsample: first N)")
@@ -137,7 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rho", type=float, default=0.9, help="fleet utilisation if nothing were cached")
     ap.add_argument("--name", default="fleet_sim")
     args = ap.parse_args(argv)
-    wls = ["mooncake", "multitenant"] if args.workload == "both" else [args.workload]
+    wls = [w for x in args.workload for w in (["mooncake", "multitenant"] if x == "both" else [x])]
     rows = []
     for wl in wls:
         reqs = load_workload(wl, args.limit, args.seed)
@@ -148,7 +179,7 @@ def main(argv=None) -> int:
                     d["policy"] = "single"
                 rows.append(d)
                 print(f"{wl:12s} N={n:<3d} {d['policy']:18s} hit {d['hit_rate']:.3f}  work-imb {d['work_imbalance']:.2f}"
-                      f"  req-imb {d['load_imbalance']:.2f}  q {d['mean_queue_ms']}ms  spill {d['spill_rate']:.3f}  ({d['seconds']}s)", flush=True)
+                      f"  req-imb {d['load_imbalance']:.2f}  q {d['mean_queue_ms']}ms  ttft {d['mean_ttft_ms']}ms  spill {d['spill_rate']:.3f}  ({d['seconds']}s)", flush=True)
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     doc = {"meta": meta(), "args": vars(args), "total_device_tokens": TOTAL_DEVICE,

@@ -130,7 +130,7 @@ def test_fleet_routes_by_affinity_and_index_and_survives_faults(fleet):
     homes = {}
     for t, w, cached, _ in res:
         homes.setdefault(t, set()).add(w)
-    assert all(len(ws) == 1 for ws in homes.values()), homes
+    assert all(len(ws) == 1 for ws in homes.values()), (homes, _get(router + "/router/stats"))
     assert sum(c for _, _, c, _ in res[len(tenants):]) > 0
     # the index is populated by the servers (rank 0 publishers) and used by the router
     r = redis_py.Redis.from_url(fleet["redis_url"])

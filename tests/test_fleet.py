@@ -6,6 +6,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from sglang_tiered.config import ConfigError, load_config
 from sglang_tiered.fleet.routing import (POLICIES, AffinityCachePolicy, FleetView, RouteRequest,
@@ -42,42 +45,126 @@ def _view(ws, load=None, queue=None, matched=None):
 
 def test_policy_affinity_hatch_and_time_rule():
     ws = [f"w{i}" for i in range(6)]
-    pol = AffinityCachePolicy(k=3, c_tok_s=1e-3, followers=0.0, per_prefix=False, cold_frac=0.0)
     req = RouteRequest(1000, [b"x" * 16] * 10, tenant="acme")
     homes = rendezvous_top_k(b"t:acme", ws, 3)
-    d = pol.route(req, _view(ws))
+
+    def pol(**kw):
+        p = AffinityCachePolicy(**{"k": 3, "c_tok_s": 1e-3, "followers": 0.0, "per_prefix": False, **kw})
+        for i in range(40):  # the key has history (1 request in 40: a small share): its k homes apply
+            p._record(b"t:acme" if i == 0 else b"other%d" % i, len(ws))
+        return p
+
+    d = pol().route(req, _view(ws))
     assert d.worker == homes[0] and d.home and not d.spill
-    # first home over the hatch -> the second home (overflow, not a spill)
+    # the least loaded home takes it (all homes share the key's load)
     load = {w: 1.0 for w in ws}
-    load[homes[0]] = 50.0
-    assert pol.route(req, _view(ws, load)).worker == homes[1]
-    # all homes over -> spill to the least loaded
+    load[homes[0]] = 2.0
+    assert pol().route(req, _view(ws, load)).worker == homes[1]
+    # all homes over the hatch -> spill to the least loaded
     for h in homes:
         load[h] = 50.0
-    d = pol.route(req, _view(ws, load))
-    assert d.spill and d.worker not in homes
+    d = pol().route(req, _view(ws, load))
+    assert d.spill and d.worker not in homes and d.reason == "spill"
     # a warmer non-home wins exactly when matched x c_tok > extra queue delay
     other = next(w for w in ws if w not in homes)
     m = {other: 160}  # 160 tokens x 1 ms = 160 ms of recompute saved
-    assert pol.route(req, _view(ws, matched=m)).worker == other
+    assert pol().route(req, _view(ws, matched=m)).worker == other
     q = {w: 0.0 for w in ws}
     q[other] = 0.2  # 200 ms of extra queue: not worth it
-    assert pol.route(req, _view(ws, queue=q, matched=m)).worker == homes[0]
-    # no index (Redis down): affinity + load only
-    assert pol.route(req, _view(ws, matched=None)).worker == homes[0]
-    # cold requests (nobody holds a quarter of the prompt) leave a home above the mean load
-    cold = AffinityCachePolicy(k=1, per_prefix=False, cold_frac=0.25, cold_over=1.15)
+    assert pol().route(req, _view(ws, queue=q, matched=m)).worker == homes[0]
+    # ... a match below warm_frac of the prompt is ignored, and so is a worker over the hatch
+    assert pol(warm_frac=0.2).route(req, _view(ws, matched=m)).worker == homes[0]
     load = {w: 1.0 for w in ws}
-    load[homes[0]] = 3.5
-    d = cold.route(req, _view(ws, load, matched={}))
-    assert d.worker != homes[0] and d.reason == "cold"
-    # ... but a warm one stays (its home holds half of it), as long as the hatch allows
-    d = cold.route(req, _view(ws, load, matched={homes[0]: 500}))
-    assert d.worker == homes[0]
-    # per-prefix affinity: a tenant's prompt families may have different homes, deterministically
-    fam = AffinityCachePolicy(k=1, per_prefix=True, cold_frac=0.0)
-    a = fam.route(RouteRequest(64, [b"a" * 16] * 4, tenant="acme"), _view(ws)).worker
-    assert a == fam.route(RouteRequest(64, [b"a" * 16] * 4, tenant="acme"), _view(ws)).worker
+    load[other] = 50.0
+    assert pol().route(req, _view(ws, load, matched=m)).worker == homes[0]
+    # no index (Redis down): affinity + load only
+    assert pol().route(req, _view(ws, matched=None)).worker == homes[0]
+    # a cold request leaves a home above cold_over x the mean load (not a spill)
+    load = {w: 1.0 for w in ws}
+    for h in homes:
+        load[h] = 2.5
+    d = pol(cold_over=1.15).route(req, _view(ws, load))
+    assert d.worker not in homes and d.reason == "cold" and not d.spill
+
+
+def test_policy_new_keys_two_choices_hot_keys_more_homes():
+    ws = [f"w{i}" for i in range(8)]
+    pol = AffinityCachePolicy(k=1, per_prefix=False, horizon=4)
+    key = b"t:hot"
+    top2 = rendezvous_top_k(key, ws, 2)
+    load = {w: 1.0 for w in ws}
+    load[top2[0]] = 2.0
+    req = RouteRequest(64, [b"h" * 16] * 4, tenant="hot")
+    # a key never seen: the less loaded of its first two homes
+    assert pol.homes(key, ws) == top2
+    assert pol.route(req, _view(ws, load)).worker == top2[1]
+    # seen once in a window of 32: one home (share x N / home_share = 1/32 x 8 / 0.8 < 1)
+    assert pol.homes(key, ws) == top2[:1]
+    # a key with half of the window's requests: 0.5 x 8 / 0.8 = 5 homes
+    for i in range(31):
+        pol.route(RouteRequest(64, [bytes([i]) * 16] * 4, tenant="hot" if i % 2 else f"c{i}"), _view(ws))
+    assert pol._count[key] == 16 and len(pol._window) == 32
+    assert pol.homes(key, ws) == rendezvous_top_k(key, ws, 5)
+    # membership: a key's homes are a rendezvous prefix, so a leaving worker moves only its keys
+    assert set(pol.homes(key, ws[:-1])) - set(pol.homes(key, ws)) <= {rendezvous_top_k(key, ws[:-1], 5)[-1]}
+
+
+class KeyWindowMachine(RuleBasedStateMachine):
+    """The policy's key window (bounded memory for per-key load shares) against a plain list."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 3
+        self.pol = AffinityCachePolicy(horizon=2, memory_pages=3)
+        self.model: list = []
+        self.sent: dict = {}  # page hash -> last worker (the memory's model, unbounded)
+        self.order: list = []  # page hashes, least recently sent first
+
+    @rule(key=st.sampled_from([b"a", b"b", b"c", b"d"]), n=st.integers(1, 4))
+    def route(self, key, n):
+        self.n = n
+        ws = [f"w{i}" for i in range(n)]
+        pages = [key * 16, key * 8 + b"x" * 8]
+        d = self.pol.route(RouteRequest(32, pages, key=key), _view(ws, matched={}))
+        assert d.worker in ws
+        self.model = (self.model + [key])[-2 * n :]
+        for h in pages:
+            self.sent[h] = d.worker
+            self.order = [x for x in self.order if x != h] + [h]
+
+    @invariant()
+    def window_matches_model(self):
+        assert list(self.pol._window) == self.model
+        assert self.pol._count == {k: self.model.count(k) for k in set(self.model)}
+        assert len(self.pol._window) <= self.pol.horizon * 4
+
+    @invariant()
+    def memory_is_the_last_sends_bounded(self):
+        keep = self.order[-3:]
+        assert list(self.pol._sent) == keep
+        assert all(self.pol._sent[h] == self.sent[h] for h in keep)
+
+
+TestKeyWindow = KeyWindowMachine.TestCase
+TestKeyWindow.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
+
+
+def test_routing_memory_returns_a_family_where_it_was_sent():
+    ws = [f"w{i}" for i in range(6)]
+    pages = [bytes([i]) * 16 for i in range(8)]
+    req = RouteRequest(128, pages, tenant="acme")
+    pol = AffinityCachePolicy(per_prefix=False)
+    other = next(w for w in ws if w not in rendezvous_top_k(b"t:acme", ws, 2))
+    assert pol.route(req, _view(ws, matched={other: 128})).worker == other  # the index: warm there
+    # evicted there (the index forgets): the memory still sends the family back
+    d = pol.route(req, _view(ws, matched={}))
+    assert d.worker == other and d.reason == "warm"
+    # Redis down: affinity + load only (the memory is a refinement of the index, not a substitute)
+    assert pol.route(req, _view(ws, matched=None)).worker != other
+    # off: the cold rule decides
+    off = AffinityCachePolicy(per_prefix=False, memory_pages=0)
+    off.route(req, _view(ws, matched={other: 128}))
+    assert off.route(req, _view(ws, matched={})).worker != other
 
 
 def test_longest_match():
@@ -160,3 +247,16 @@ def test_index_config_validation():
                 {"SGLANG_TIERED_INDEX_TTL_S": "0.5"}, {"SGLANG_TIERED_INDEX_TTL_S": "inf"}):  # fmt: skip
         with pytest.raises(ConfigError):
             load_config(bad)
+
+
+def test_token_affinity_key_is_stable_and_groups_families():
+    from sglang_tiered.fleet.routing import token_affinity_key
+
+    a = list(range(100, 140))  # 2.5 pages
+    assert token_affinity_key("acme", a, 16) == token_affinity_key("acme", a[:16] + [7] * 30, 16)  # same first page
+    assert token_affinity_key("acme", a, 16) != token_affinity_key("other", a, 16)  # tenants never share
+    assert token_affinity_key("acme", a[:10], 16) == b"t:acme"  # under a page: the tenant
+    assert token_affinity_key("acme", a, 16, per_prefix=False) == b"t:acme"
+    assert token_affinity_key(None, a, 16) == token_affinity_key(None, a[:32] + [1], 16)  # first 2 pages
+    assert token_affinity_key(None, a, 16) != token_affinity_key(None, a[:16] + [1] * 16, 16)
+    assert token_affinity_key(None, a[:5], 16) == b"p:"

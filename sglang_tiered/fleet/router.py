@@ -37,7 +37,8 @@ from typing import Optional
 
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes
 from sglang_tiered.fleet.index import alive_key, ckey_key, holders_from_replies, page_key
-from sglang_tiered.fleet.routing import AffinityCachePolicy, FleetView, RouteRequest, longest_match
+from sglang_tiered.fleet.routing import (AffinityCachePolicy, FleetView, RouteRequest, longest_match,
+                                         token_affinity_key)  # fmt: skip
 
 logger = logging.getLogger("sglang_tiered.router")
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -52,6 +53,7 @@ class WorkerState:
     inflight_tokens: int = 0
     routed: int = 0
     failures: int = 0
+    missed: int = 0  # failed health checks in a row
     down_until: float = 0.0
 
 
@@ -64,6 +66,7 @@ class RouterStats:
     index_errors: int = 0
     index_unavailable: int = 0  # requests routed without the index
     retries: int = 0
+    health_downs: int = 0  # workers taken out of the routing set by health checks
     failed: int = 0
     matched_tokens: int = 0
     prompt_tokens: int = 0
@@ -75,7 +78,7 @@ class Router:
     def __init__(self, workers: list[str], redis_url: Optional[str] = None, *, k: int = 1,
                  model_path: Optional[str] = None, tenant_header: Optional[str] = None,
                  c_tok_us: float = 35.0, page_size: int = 16, index_ttl_s: float = 30.0,
-                 index_timeout_ms: float = 50.0, health_interval_s: float = 1.0):  # fmt: skip
+                 index_timeout_ms: float = 50.0, health_interval_s: float = 1.0, health_misses: int = 3):  # fmt: skip
         self.workers = {w.rstrip("/"): WorkerState(w.rstrip("/")) for w in workers}
         self.redis_url = redis_url
         self.policy = AffinityCachePolicy(k=k, c_tok_s=c_tok_us * 1e-6)
@@ -85,6 +88,7 @@ class Router:
         self.index_ttl_s = index_ttl_s
         self.index_timeout_s = index_timeout_ms / 1e3
         self.health_interval_s = health_interval_s
+        self.health_misses = health_misses
         self.stats = RouterStats()
         self.tokenizer = None
         self.cache_key: Optional[CacheKey] = None
@@ -137,10 +141,15 @@ class Router:
                         ok = r.status == 200
                 except Exception:  # noqa: BLE001
                     ok = False
+                # A worker leaves the routing set after `health_misses` failed checks in a row (a
+                # loaded CPU server can answer /health late; one slow answer must not move its
+                # tenants), or at once when a proxied request cannot connect (handle()).
+                ws.missed = 0 if ok else ws.missed + 1
                 if ok and time.monotonic() >= ws.down_until:
                     ws.healthy = True
-                elif not ok:
+                elif ws.missed >= self.health_misses and ws.healthy:
                     ws.healthy = False
+                    self.stats.health_downs += 1
             await asyncio.sleep(self.health_interval_s)
 
     # ------------------------------------------------------------------ request -> tokens, hashes
@@ -231,10 +240,9 @@ class Router:
         st = self.workers
         view = FleetView(live, {w: float(st[w].inflight) for w in live},
                          {w: st[w].inflight_tokens * self.policy.c_tok_s for w in live}, matched)  # fmt: skip
-        req = RouteRequest(len(tokens), hashes, tenant, self.page_size)
-        if tenant is None and hashes:
-            req.key = None
-        return self.policy.route(req, view)
+        pol = self.policy
+        key = token_affinity_key(tenant, tokens, self.page_size, pol.affinity_pages, pol.per_prefix)
+        return pol.route(RouteRequest(len(tokens), hashes, tenant, self.page_size, key=key), view)
 
     # ------------------------------------------------------------------ HTTP
     def _tenant(self, request, body) -> Optional[str]:
@@ -322,6 +330,7 @@ class Router:
             "index_errors": s.index_errors,
             "index_unavailable": s.index_unavailable,
             "retries": s.retries,
+            "health_downs": s.health_downs,
             "failed": s.failed,
             "mean_route_ms": s.route_ms_total / n,
             "workers": {w: {"routed": x.routed, "inflight": x.inflight, "healthy": x.healthy,

@@ -72,6 +72,7 @@ class SimResult:
     per_worker_requests: list = field(default_factory=list)
     per_worker_work: list = field(default_factory=list)
     queue_s: float = 0.0  # summed queueing delay of all requests (simulated seconds)
+    ttft_s: float = 0.0  # summed queueing delay + own uncached prefill (a TTFT proxy, seconds)
 
     @property
     def hit_rate(self) -> float:
@@ -93,6 +94,7 @@ class SimResult:
                 "hit_rate": round(self.hit_rate, 4), "load_imbalance": round(self.imbalance, 3),
                 "work_imbalance": round(self.work_imbalance, 3),
                 "mean_queue_ms": round(1e3 * self.queue_s / self.requests, 3) if self.requests else 0.0,
+                "mean_ttft_ms": round(1e3 * self.ttft_s / self.requests, 3) if self.requests else 0.0,
                 "spill_rate": round(self.spills / self.requests, 4) if self.requests else 0.0,
                 "unserved": self.unserved}  # fmt: skip
 
@@ -133,6 +135,7 @@ def simulate(requests, servers: dict, policy, hashes_of, *, page_size: int = 16,
         work = (prompt - cached) + decode_tokens
         res.per_worker_work[i] += work
         res.queue_s += backlog[d.worker] * c_tok_s
+        res.ttft_s += (backlog[d.worker] + prompt - cached) * c_tok_s
         backlog[d.worker] += work
         recent.append((d.worker, work))
         share[d.worker] += work
