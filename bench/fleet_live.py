@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.live_compare import stream_generate  # noqa: E402
 from bench.trace_replay import environment  # noqa: E402
-from sglang_tiered.server import Server, ServerSpec, free_port  # noqa: E402
-from sglang_tiered.workloads import multi_tenant  # noqa: E402
+from sglang_tiered.dev.server import Server, ServerSpec, free_port  # noqa: E402
+from sglang_tiered.dev.workloads import multi_tenant  # noqa: E402
 
 LOGS = ROOT / "logs" / "fleet_live"
 
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="runs per router, order reversed every other round")
     ap.add_argument("--name", default="fleet_live")
     args = ap.parse_args(argv)
-    from sglang_tiered.models.tiny import build_model
+    from sglang_tiered.dev.tiny_model import build_model
 
     model = str(build_model())
     os.environ["HF_HUB_OFFLINE"] = "1"

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes  # noqa: E402
 from sglang_tiered.fleet.routing import POLICIES  # noqa: E402
 from sglang_tiered.fleet.sim import simulate  # noqa: E402
-from sglang_tiered.workloads import load_mooncake, multi_tenant  # noqa: E402
+from sglang_tiered.dev.workloads import load_mooncake, multi_tenant  # noqa: E402
 
 PAGE = 16
 # Total device tokens per workload: at N = 44 each server still fits the workload's longest prompt.
@@ -55,14 +55,14 @@ class SimServer:
         return out.prompt_len, out.cached_len
 
 
-# Generated shapes (sglang_tiered.workload_family, other knobs drawn from the seed): so that the
+# Generated shapes (sglang_tiered.dev.workload_family, other knobs drawn from the seed): so that the
 # policy is not tuned to two traces. tenants / tenant Zipf skew overridden per shape.
 SHAPES = {"many": (64, 0.6), "skewed": (32, 1.2), "huge": (16, 2.5), "single": (1, 1.0)}
 
 
 def family_workload(name: str, limit: int):
     """``family-<shape>-<seed>``: a generated workload with a fleet-relevant tenant shape."""
-    from sglang_tiered.workload_family import draw, generate
+    from sglang_tiered.dev.workload_family import draw, generate
 
     _, shape, seed = name.split("-")
     p = draw(int(seed))
