@@ -10,7 +10,8 @@ import hashlib
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from sglang_tiered.core.policy import COLD, PROTECTED, UNPROTECTED, AdaptivePolicy, PolicyConfig, _LruShadow
+from sglang_tiered.core.policy import COLD, PROTECTED, UNPROTECTED, AdaptivePolicy, PolicyConfig
+from sglang_tiered.core.shadows import LruShadow
 
 TENANTS, DEPTH = 4, 10
 
@@ -47,7 +48,7 @@ class LruModel:
 class LruShadowMachine(RuleBasedStateMachine):
     @initialize(capacity=st.integers(1, 24))
     def build(self, capacity):
-        self.shadow = _LruShadow(capacity)
+        self.shadow = LruShadow(capacity)
         self.model = LruModel(capacity)
 
     @rule(tenant=st.integers(0, TENANTS - 1), depth=st.integers(1, DEPTH))
