@@ -5,6 +5,10 @@ workload, at 0.5/1/2/5/10/20 % of each workload's unique pages.
 
     .venv/bin/python bench/workload_family.py                       # 200 workloads + 2 traces
     .venv/bin/python bench/workload_family.py --n 20 --no-traces    # a quick look
+    .venv/bin/python bench/workload_family.py --from-partial         # results of an unfinished run
+
+Finished workloads are appended to ``<name>.partial.jsonl`` as they finish, so a run cut short
+still leaves its cells (``--from-partial`` writes the CSV/JSON/PNG from them).
 
 Per cell: token hit rate of tiered, lru, lfu, slru, fifo, priority, Belady; margins of tiered vs
 lru and vs the best SGLang policy; bookkeeping (cache work, µs per request, mean over the replay)
