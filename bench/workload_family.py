@@ -5,6 +5,10 @@ workload, at 0.5/1/2/5/10/20 % of each workload's unique pages.
 
     .venv/bin/python bench/workload_family.py                       # 200 workloads + 2 traces
     .venv/bin/python bench/workload_family.py --n 20 --no-traces    # a quick look
+    .venv/bin/python bench/workload_family.py --from-partial         # results of an unfinished run
+
+Finished workloads are appended to ``<name>.partial.jsonl`` as they finish, so a run cut short
+still leaves its cells (``--from-partial`` writes the CSV/JSON/PNG from them).
 
 Per cell: token hit rate of tiered, lru, lfu, slru, fifo, priority, Belady; margins of tiered vs
 lru and vs the best SGLang policy; bookkeeping (cache work, µs per request, mean over the replay)
@@ -100,7 +104,14 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--name", default="workload_family")
+    ap.add_argument("--from-partial", action="store_true",
+                    help="write the results from <name>.partial.jsonl (the rows of the workloads a run "
+                         "finished, appended as they finish) instead of running")  # fmt: skip
+    ap.add_argument("--git-sha", default=None, help="record this sha (when run from an exported copy)")
     args = ap.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / f"{args.name}.partial.jsonl"
 
     specs = []
     if not args.no_traces:
@@ -109,10 +120,20 @@ def main(argv=None) -> int:
     tasks = [(s, args.fractions, not args.no_belady) for s in specs]
     t0 = time.time()
     rows, params = [], {}
+    if args.from_partial:
+        for line in partial.read_text().splitlines():
+            rec = json.loads(line)
+            rows += rec["rows"]
+            params[rec["name"]] = rec["params"]
+        tasks = []
+    else:
+        partial.write_text("")
     with mp.get_context("fork").Pool(args.workers, maxtasksperchild=8) as pool:
         for i, (name, p, rs) in enumerate(pool.imap_unordered(run_workload, tasks)):
             rows += rs
             params[name] = p
+            with open(partial, "a") as f:
+                f.write(json.dumps({"name": name, "params": p, "rows": rs}) + "\n")
             worst = min(r["margin_vs_lru"] for r in rs)
             print(f"[{i + 1}/{len(tasks)} {time.time() - t0:5.0f}s] {name}: worst vs lru {worst * 100:+.2f} pts, "
                   f"vs best {min(r['margin_vs_best'] for r in rs) * 100:+.2f} pts, bookkeeping "
@@ -120,8 +141,8 @@ def main(argv=None) -> int:
     rows.sort(key=lambda r: (r["workload"], r["fraction"]))
     summary = summarize(rows)
     env = environment()
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if args.git_sha:
+        env["git_sha"] = args.git_sha
     with open(out / f"{args.name}.csv", "w", newline="") as f:
         keys = list(dict.fromkeys(k for r in rows for k in r))
         w = csv.DictWriter(f, fieldnames=keys)

@@ -112,7 +112,7 @@ def test_protection_learns_from_ghost_hits():
     lowers it, one on a cold prompt lowers c; unknown pages change nothing; all bounded."""
     from sglang_tiered.core.policy import COLD, PROTECTED, UNPROTECTED
 
-    pol = AdaptivePolicy(capacity_pages=64)
+    pol = AdaptivePolicy(capacity_pages=64, config=PolicyConfig(guard_start_lru=False))
     k0, c0 = pol.k, pol.c
     pol.on_evict(4, first_hash=_k(1), kind=PROTECTED, last_tick=0)
     pol.on_evict(4, first_hash=_k(2), kind=UNPROTECTED, last_tick=0)
@@ -195,7 +195,7 @@ def test_aggregate_sums_ranks_and_filters_tenant():
 def test_thrash_is_eviction_work_that_buys_no_hits():
     """Evictions ~ stores is what any full cache does; thrash is when that buys (almost) no
     hits. It is entered and left over sustained windows, and makes admission selective at par."""
-    pol = AdaptivePolicy(capacity_pages=64)
+    pol = AdaptivePolicy(capacity_pages=64, config=PolicyConfig(guard_start_lru=False))
     for i in range(300):  # full, every request stores 4 pages and evicts 4, and half its pages hit
         pol.begin_request()
         pol.observe([_k(i * 8 + j) for j in range(8)], device_hit_pages=4)
@@ -210,10 +210,10 @@ def test_thrash_is_eviction_work_that_buys_no_hits():
     assert pol.thrashing and pol.stats.thrash_windows > 0
     pol._duel([_k(100_000 + i) for i in range(pol._mini_cap)])  # miniatures full: duel decides
     pol.mode_index = 0
-    pol.scores = [10.0, 10.5]  # TinyLFU ahead, but by less than admit_margin (1.1) ...
+    pol.scores = [10.0, 10.5, 0.0, 0.0]  # TinyLFU ahead, but by less than admit_margin (1.1) ...
     pol._duel([_k(200_000)])
     assert pol.filtering  # ... which is enough while thrashing
-    pol.thrashing, pol.mode_index, pol.scores = False, 0, [10.0, 10.5]
+    pol.thrashing, pol.mode_index, pol.scores = False, 0, [10.0, 10.5, 0.0, 0.0]
     pol._duel([_k(200_001)])
     assert not pol.filtering  # and not otherwise
     pol.thrashing = True

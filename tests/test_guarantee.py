@@ -9,11 +9,17 @@ import random
 import pytest
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
+from sglang_tiered.core.policy import AdaptivePolicy, PolicyConfig
 from sglang_tiered.dev.simulate import CacheDriver, make_params
 from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
 
 PAGE = 16
 BOUND = 0.025  # and never more than 2.5 points on these short traces with tiny caches
+# The duel without its entry gate (returns to adaptive whenever a hold ends): the stated
+# per-episode bound alone; the gated default must also stop after one lost episode.
+TRUSTING = PolicyConfig(guard_start_lru=False, guard_entry_margin=None)
+# Starting as exact lru, adaptive needs the gate's evidence even for its first episode.
+LRU_FIRST = PolicyConfig(guard_start_lru=True)
 
 
 
@@ -23,10 +29,10 @@ def _tok(uid: int, pages: int) -> list[int]:
     return base + [16 + (uid * 31 + i) % 1900 for i in range(pages * PAGE - 2)]
 
 
-def _run(reqs, cap_pages: int, policy: str | None):
+def _run(reqs, cap_pages: int, policy: str | None, config: PolicyConfig | None = None):
     cap = cap_pages * PAGE
     if policy is None:
-        cache = TieredRadixCache.create_simulated(cap, PAGE)
+        cache = TieredRadixCache.create_simulated(cap, PAGE, policy_config=config)
         driver = cache.driver
     else:
         params, alloc, pool = make_params(cap, PAGE, 1 << 15, eviction_policy=policy)
@@ -87,11 +93,25 @@ def _tinylfu_hostile_loop():
     return reqs, 8 * 4 + 8
 
 
+def _hot_set_under_scans():
+    """A hot set reused every few requests, buried under one-shot scans bigger than the cache:
+    lru flushes the hot set with every scan; TinyLFU admission keeps it (the adaptive policy's
+    case, where the entry gate must let it in)."""
+    reqs = []
+    for rnd in range(150):
+        for k in range(6):
+            reqs.append((_tok(7000 + k, 4), "hot"))
+        for j in range(2):  # one-shot scans, 20 pages each
+            reqs.append((_tok(8000 + 2 * rnd + j, 20), None))
+    return reqs, 50
+
+
+@pytest.mark.parametrize("config", [None, TRUSTING], ids=["gated", "trusting"])
 @pytest.mark.parametrize("build", [_returning_scan, _dead_protected_context, _tinylfu_hostile_loop])
-def test_adversarial_workloads_stay_within_the_bound_of_lru(build):
+def test_adversarial_workloads_stay_within_the_bound_of_lru(build, config):
     reqs, cap_pages = build()
     lru, _, _ = _run(reqs, cap_pages, "lru")
-    tiered, _, cache = _run(reqs, cap_pages, None)
+    tiered, _, cache = _run(reqs, cap_pages, None, config)
     pol = cache.policy
     snap = pol.snapshot()
     total_pages = sum(len(t) // PAGE for t, _ in reqs)
@@ -102,6 +122,8 @@ def test_adversarial_workloads_stay_within_the_bound_of_lru(build):
              + pol.cfg.guard_allowance * total_pages) / total_pages
     assert tiered >= lru - bound, (build.__name__, tiered, lru, bound, snap)
     assert tiered >= lru - BOUND, (build.__name__, tiered, lru, snap)
+    if config is None:
+        assert snap["fallbacks"] <= 1, snap  # no second episode without the gate's evidence
     assert snap["lru_cycle_requests"] <= snap["requests"]  # learned quantities bounded
     assert 2.0**-6 <= snap["protection_k"] <= 2.0**6 and 2.0**-6 <= snap["cold_age_c"] <= 2.0**6
 
@@ -128,9 +150,7 @@ def test_followed_order_is_exactly_sglangs(order):
 def test_duel_falls_back_and_returns():
     """The real cache falling behind the lru shadow switches to lru (counted in the stats), and
     the hold ends: the adaptive policy is tried again."""
-    from sglang_tiered.core.policy import AdaptivePolicy
-
-    pol = AdaptivePolicy(capacity_pages=64)
+    pol = AdaptivePolicy(capacity_pages=64, config=TRUSTING)
     for i in range(3000):  # a loop that fits: lru hits everything; the "real" cache reports none
         pol.begin_request()
         pol.observe([bytes([0, 0, 0, 0]) + (i % 64).to_bytes(12, "little")], 0)
@@ -144,3 +164,41 @@ def test_duel_falls_back_and_returns():
         pol.observe([h], 1)
         follows.add(pol.following)
     assert pol.following == "adaptive" and "adaptive" in follows
+
+
+def test_gate_keeps_lru_traffic_on_exact_lru():
+    """Traffic where lru is right (a loop inside the cache, then a shifting recency window),
+    starting as lru: the miniatures show adaptive no lead, so the cache is SGLang's lru request
+    by request."""
+    reqs, cap_pages = _tinylfu_hostile_loop()
+    _, want, _ = _run(reqs, cap_pages, "lru")
+    _, got, cache = _run(reqs, cap_pages, None, LRU_FIRST)
+    assert got == want
+    assert cache.policy.following == "lru" and cache.policy.snapshot()["fallbacks"] == 0
+
+
+def test_gate_lets_adaptive_in_where_it_leads():
+    """Hot set under scans: the adaptive miniature (TinyLFU admission) leads the lru one by far
+    more than noise and a turnover, so adaptive is followed, and it beats lru clearly."""
+    reqs, cap_pages = _hot_set_under_scans()
+    lru, _, _ = _run(reqs, cap_pages, "lru")
+    tiered, _, cache = _run(reqs, cap_pages, None, LRU_FIRST)
+    assert tiered > lru + 0.02, (tiered, lru, cache.policy.snapshot())
+    cache.policy.check_invariants()
+
+
+def test_entry_lead_grows_after_a_failed_episode_and_resets_when_vindicated():
+    pol = AdaptivePolicy(capacity_pages=64, config=PolicyConfig(guard_start_lru=False))
+    lead0 = pol._entry_lead
+    for i in range(3000):  # a loop that fits: lru hits everything; the "real" cache reports none
+        pol.begin_request()
+        pol.observe([bytes([0, 0, 0, 0]) + (i % 64).to_bytes(12, "little")], 0)
+        if pol.following != "adaptive":
+            break
+    assert pol.following == "lru" and lead0 == 0 and pol._entry_lead == pol._mini_cap
+    pol.following, pol._credit, pol._banned = "adaptive", 0.0, set()
+    for i in range(200):  # the real cache hits pages the lru shadow misses: vindicated
+        pol.begin_request()
+        pol.observe([bytes([0, 0, 0, 0]) + (10_000 + i).to_bytes(12, "little")], 1)
+    assert pol._entry_lead == lead0
+    pol.check_invariants()

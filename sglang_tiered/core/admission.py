@@ -1,0 +1,105 @@
+"""Adaptive admission by set dueling (a mixin of ``AdaptivePolicy``): page-level miniatures
+(``core/miniature.py``) that admit everything, admit by TinyLFU, and (the entry gate's yardstick)
+follow plain lru, over a hash-sampled 1-in-8 subset of pages; the real cache filters admissions
+while the TinyLFU miniature wins. See the docstring of ``core/policy.py``.
+"""
+
+from __future__ import annotations
+
+from sglang_tiered.core.miniature import MiniCache
+
+
+class AdmissionDuel:
+    def _init_admission(self) -> None:
+        """The miniatures and their decayed scores."""
+        # Set dueling on admission: miniatures over a hash-sampled 1-in-8 subset of pages, each
+        # with capacity/8 (SHARDS-style spatial sampling), both under the real eviction order.
+        self._mini_cap = max(4, self.capacity_pages // (self.cfg.duel_sample_mask + 1))
+        # the third miniature is plain lru (k = 0): the yardstick adaptive must beat to be followed
+        self._minis = [MiniCache(False, self._mini_cap), MiniCache(True, self._mini_cap),
+                       MiniCache(False, self._mini_cap)]  # fmt: skip
+        self.scores = [0.0, 0.0, 0.0, 0.0]  # decayed hits of all, tinylfu, lru; references
+        # decayed sums of squared per-request differences (all - lru, tinylfu - lru): the paired
+        # variance of each lead, so the entry gate asks for a lead beyond its own noise
+        self._lead_var = [0.0, 0.0]
+
+    def _duel(self, sampled: list[bytes]) -> None:
+        """Run the request's sampled pages through both miniatures; score hits with decay."""
+        if not sampled:
+            return
+        est, tick, k = self.sketch.estimate, self.tick, self.k
+        all_, lfu, lru = self._minis
+        # Like the real tree: a miniature that refuses a page of this request refuses the rest of
+        # it too (admission is prefix-consistent), and only the leading run of hits counts (a
+        # page past a miss cannot be reused by a radix prefix match).
+        hits_a = hits_f = hits_l = 0
+        run_a = run_f = run_l = True  # still in the leading run of hits
+        refused = False
+        for h in sampled:
+            r = lru.access(h, tick, 0.0, est)
+            if run_l and r > 0:
+                hits_l += 1
+            else:
+                run_l = False
+            r = all_.access(h, tick, k, est)
+            if run_a and r > 0:
+                hits_a += 1
+            else:
+                run_a = False
+            r = lfu.access(h, tick, k, est, refused)
+            if r < 0:
+                refused = True
+            if run_f and r > 0:
+                hits_f += 1
+            else:
+                run_f = False
+        d = self.cfg.duel_decay ** len(sampled)
+        scores = self.scores
+        scores[0] = scores[0] * d + hits_a
+        scores[1] = scores[1] * d + hits_f
+        scores[2] = scores[2] * d + hits_l
+        scores[3] = scores[3] * d + len(sampled)
+        v = self._lead_var
+        v[0] = v[0] * d + (hits_a - hits_l) ** 2
+        v[1] = v[1] * d + (hits_f - hits_l) ** 2
+        if not all_.full():  # decide once the miniatures are nearly full
+            return
+        # TinyLFU admission only if its miniature beats admit-everything by ``admit_margin``
+        # (page-level miniatures overstate what filtering buys a radix tree, whose deep pages
+        # are useless once a parent is gone); hysteresis: leaving needs it to fall below par.
+        # Under sustained thrash the policy gets more selective (seed section 8): par suffices.
+        margin = 1.0 if (self.filtering or self.thrashing) else self.cfg.admit_margin
+        self.mode_index = 1 if scores[1] > scores[0] * margin else 0
+
+    def admit_pages(self, new_hashes: list[bytes], victim_freq: int | None) -> int:
+        """How many of a request's new (not yet cached) pages to keep. Prefix-consistent: a
+        refusal drops the page and everything after it."""
+        n = len(new_hashes)
+        self.stats.pages_offered += n
+        admitted = n
+        if n and self.filtering and victim_freq is not None:
+            # Admit the leading pages whose frequency beats the victim's (TinyLFU), at least the
+            # first page if it does.
+            # Pages are counted 1 in 4 (plus each request's last page); an uncounted page takes
+            # the estimate of the next counted page after it, a lower bound of its own frequency
+            # since frequency never grows with depth along a prefix chain.
+            est, m = self.sketch.estimate, self.cfg.sketch_sample_mask
+            ests = [0] * n
+            nxt = est(new_hashes[-1])
+            for j in range(n - 1, -1, -1):
+                h = new_hashes[j]
+                if not h[0] & m:
+                    nxt = est(h)
+                ests[j] = nxt
+            admitted = 0
+            for e in ests:
+                if e > victim_freq:
+                    admitted += 1
+                else:
+                    break
+            if admitted < n:
+                self.stats.admissions_refused += 1
+        self.stats.pages_admitted += admitted
+        self.stats.pages_rejected += n - admitted
+        self._record(stores=admitted)
+        return admitted

@@ -1,0 +1,56 @@
+"""The admission duel's page-level miniature of the device cache (set dueling, SHARDS-sampled):
+probationary and protected pages in LRU order, protected ones aged ``k`` x the miniature's own
+LRU cycle later (``k = 0`` is plain lru), and optionally TinyLFU admission. Used by
+``AdaptivePolicy._duel`` (admit-all vs TinyLFU, and a plain-lru yardstick for the entry gate).
+
+Invariants: I1 ``len(prob) + len(prot) <= cap``; I2 the segments are disjoint.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class MiniCache:
+    """A page-level miniature of the device cache (for set dueling): probationary pages (reused
+    by < 2 requests) and protected pages, each in LRU order, valued by the tick of their last use;
+    the victim is whichever head is older once protected ones are shifted by ``boost``."""
+
+    __slots__ = ("tinylfu", "cap", "prob", "prot", "age")
+
+    def __init__(self, tinylfu: bool, capacity: int):
+        self.tinylfu = tinylfu
+        self.cap = capacity
+        self.prob: OrderedDict[bytes, int] = OrderedDict()
+        self.prot: OrderedDict[bytes, int] = OrderedDict()
+        self.age = 0.0  # mean age of victims, in requests (this miniature's LRU cycle time)
+
+    def full(self) -> bool:
+        return len(self.prob) + len(self.prot) >= 0.75 * self.cap
+
+    def _victim(self, k: float):
+        prob, prot = self.prob, self.prot
+        if prob:
+            h = next(iter(prob))
+            if not prot or prob[h] <= prot[next(iter(prot))] + k * self.age:
+                return prob, h
+        return prot, next(iter(prot))
+
+    def access(self, h: bytes, tick: int, k: float, est, refusing: bool = False) -> float:
+        """1.0 on a hit, 0.0 on an admitted miss, -1.0 on a refused miss."""
+        prob, prot = self.prob, self.prot
+        if h in prot:
+            prot.move_to_end(h)
+            prot[h] = tick
+            return 1.0
+        if h in prob:
+            del prob[h]
+            prot[h] = tick
+            return 1.0
+        if len(prob) + len(prot) >= self.cap:
+            where, victim = self._victim(k)
+            if self.tinylfu and (refusing or est(h) <= est(victim)):
+                return -1.0
+            self.age += 0.01 * (tick - where.pop(victim) - self.age)
+        prob[h] = tick
+        return 0.0

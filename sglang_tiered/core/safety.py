@@ -1,0 +1,158 @@
+"""The safety duel (a mixin of ``AdaptivePolicy``): SHARDS-sampled shadows of SGLang's fixed orders
+(``core/shadows.py``) beside the real cache, a CUSUM that decides when the real cache follows
+one of them exactly instead of the adaptive policy, and the entry gate that decides when it may
+return. The design, and the bound it gives, are in the docstring of ``core/policy.py``.
+
+Invariants (``AdaptivePolicy.check_invariants``): I1 ``following`` is adaptive or a fixed order;
+I2 orders banned during a hold do not outlive it; I3 the credit is finite; I4 the entry lead is
+finite and >= 0.
+"""
+
+from __future__ import annotations
+
+from sglang_tiered.core.shadows import FIXED_ORDERS, LfuShadow, LruShadow, SlruShadow
+
+
+class SafetyDuel:
+    def _init_safety(self) -> None:
+        """State of the duel: shadows, decayed hit counts, credit, holds, bias, entry lead."""
+        # The safety duel: a SHARDS-sampled lru shadow, and the real cache's own hits on the same
+        # sampled page references (a page is sampled when bytes 2-3 of its hash fall below t).
+        cfg = self.cfg
+        self._guard = self._adapt and cfg.safety_duel
+        t = min(65536, max(1, round(65536 * cfg.shadow_pages / self.capacity_pages)))
+        self._shard_t = t
+        self.shard_rate = t / 65536
+        cap = round(self.capacity_pages * self.shard_rate)
+        self._shadow = LruShadow(cap)
+        self._shadows = {"lru": self._shadow, "slru": SlruShadow(cap // 2), "lfu": LfuShadow(cap // 2)}
+        self._sh_hits = {o: 0.0 for o in FIXED_ORDERS}  # decayed hits of each shadow
+        self._banned: set = set()  # fixed orders that fell behind lru during the current hold
+        self._credit = 0.0  # CUSUM of (real - lru shadow + allowance) sampled hits
+        self._credit_decay = 1.0 - 1.0 / max(2048.0, cfg.guard_memory * self._shadow.cap)
+        self._decay = self._credit_decay
+        self._threshold = max(16.0, cfg.guard_threshold * self._shadow.cap)
+        self._hold_len = cfg.guard_hold * self._shadow.cap
+        self._hold = 0.0  # sampled references left in the current lru hold
+        # extra lead (decayed miniature hits) adaptive's miniature needs over lru's to be
+        # followed: none at first; after an adaptive episode that fell behind, one miniature
+        # turnover (what the switch cost), doubled after each further one
+        self._entry_lead = 0.0
+        self._settle = 0.0  # references at the start of a hold not used to calibrate the bias
+        # per fixed order, while it is followed: (shadow - real) hits and references (decayed),
+        # the page-level model's bias against the real tree under that order
+        self._bias = {o: [0.0, 0.0] for o in FIXED_ORDERS}
+        self._sh = [0.0, 0.0, 0.0]  # decayed sampled references, lru-shadow hits, real hits
+        if self._guard and cfg.guard_start_lru:
+            # Start as SGLang's lru: its first hold measures the page model's bias against the
+            # real tree before the adaptive policy is tried (and compared with bias corrected).
+            self.following = "lru"
+            self._hold = cfg.guard_start_hold * self._shadow.cap
+
+    def _safety(self, sampled: list, real: int, n: int) -> None:
+        """The safety duel, once per request: ``n`` sampled page references of which the real
+        cache hit ``real`` (a prefix of them); each fixed-order shadow hits some."""
+        # lru on the whole sample; slru and lfu (rarely the leaders, and only compared on
+        # decayed totals or against lru) on half of it, at half the size, hits counted twice
+        half = [h for h in sampled if not h[4] & 1]
+        hits = {"lru": self._shadow.run(sampled)}
+        hits["slru"] = 2 * self._shadows["slru"].run(half)
+        hits["lfu"] = 2 * self._shadows["lfu"].run(half)
+        d = self._decay**n
+        acc = self._sh_hits
+        for o in FIXED_ORDERS:
+            acc[o] = acc[o] * d + hits[o]
+        sh = self._sh
+        sh[0] = sh[0] * d + n
+        sh[1] = sh[1] * d + hits["lru"]
+        sh[2] = sh[2] * d + real
+        if len(self._shadow.d) < self._shadow.cap:
+            return  # the shadows are not full yet: nothing evicted, nothing to compare
+        # the leading fixed order: lru unless another beats it clearly (ties and noise: lru)
+        lead = max(2 * self._threshold, 0.01 * sh[0])  # hysteresis: switching orders costs hits
+        best = "lru"
+        for o in ("slru", "lfu"):
+            if acc[o] > acc[best] + lead:
+                best = o
+        fol = self.following
+        if fol != "lru":
+            # Adaptive is checked against the leading fixed order; a followed slru or lfu against
+            # lru itself (the shadows' ranking is a model; lru is the bar that must hold).
+            # An order never followed has no measured bias (its page model may overstate it by
+            # points: slru's shadow on Mooncake, +4 points): it is not a yardstick until measured.
+            ref = best if fol == "adaptive" and self._bias[best][1] else "lru"
+            bias = self._bias_rate(ref)
+            c = self._credit
+            if c > 0:
+                c *= self._credit_decay**n  # credit earned long ago fades (phase changes)
+            c += real - hits[ref] + (bias + self.cfg.guard_allowance) * n
+            self._credit = c
+            if fol == "adaptive" and c > 2 * self._threshold:
+                self._hold_len = self.cfg.guard_hold * self._shadow.cap  # vindicated
+                self._entry_lead = 0.0
+            if c < -self._threshold:  # behind: follow the reference order
+                self._credit = 0.0
+                if fol == "adaptive":
+                    self._follow(ref)
+                    self._hold = self._hold_len
+                    self._hold_len *= 2  # each failed return to adaptive waits twice as long
+                    # ... and more evidence (the miniatures erred): a turnover, then doubling
+                    self._entry_lead = max(float(self._mini_cap), 2 * self._entry_lead)
+                else:
+                    self._banned.add(fol)  # not again during this hold
+                    self._follow("lru")
+                return
+        if fol != "adaptive":
+            if self._settle > 0:
+                self._settle -= n
+            else:
+                b = self._bias[fol]
+                b[0] = b[0] * d + hits[fol] - real
+                b[1] = b[1] * d + n
+            if best != fol and best not in self._banned and acc[best] > acc[fol] + lead:
+                self._follow(best)  # another fixed order leads now (hold continues)
+                self._credit = 0.0
+            self._hold -= n
+            if self._hold <= 0:
+                self._banned.clear()
+                if self._adaptive_ahead():
+                    self.following = "adaptive"
+                    self._credit = 0.0
+                else:  # no evidence that adaptive would do better: look again in a turnover
+                    self._hold = float(self._shadow.cap)
+
+    def _adaptive_ahead(self) -> bool:
+        """Evidence for following adaptive: its better miniature leads the lru miniature, by more
+        than the best fixed order's shadow leads the lru shadow (both as shares of references;
+        the shadows corrected by the bias measured while that order was followed)."""
+        # NOTE: the miniatures sample other pages than the shadows (byte 0 vs bytes 2-3 of the
+        # hash), so their absolute hit rates differ (a hot page in one sample and not the
+        # other); leads over each sample's own lru are what is compared.
+        margin = self.cfg.guard_entry_margin
+        if margin is None:
+            return True
+        s = self.scores
+        if not self._minis[2].full():
+            return False
+        i = 1 if s[1] > s[0] else 0
+        best = s[i]
+        # ... and by more than twice its noise (paired: the root of the summed squared
+        # per-request differences, as in a sign test)
+        need = max(margin * s[2], self._entry_lead, 2.0 * self._lead_var[i] ** 0.5)
+        acc, sh = self._sh_hits, self._sh
+        if sh[0] > 0:
+            # orders never followed have no measured bias: their shadows are not evidence yet
+            rate = {o: acc[o] / sh[0] - self._bias_rate(o) for o in FIXED_ORDERS
+                    if o == "lru" or o == self.following or self._bias[o][1]}  # fmt: skip
+            need += max(0.0, max(rate.values()) - rate["lru"]) * s[3]
+        return best - s[2] > need
+
+    def _bias_rate(self, order: str) -> float:
+        """(shadow - real) hits per reference measured while ``order`` was followed, bounded."""
+        b = self._bias[order]
+        return min(0.05, max(-0.05, b[0] / b[1])) if b[1] else 0.0
+
+    def _follow(self, order: str) -> None:
+        self.following = order
+        self.stats.fallbacks += 1
+        self._settle = self._shadow.cap  # about one turnover of the cache's content
