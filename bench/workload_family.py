@@ -38,15 +38,15 @@ LRU_MARGIN, BEST_MARGIN = -0.002, -0.005  # the acceptance bars (hit-rate points
 
 
 def _load(spec):
-    from sglang_tiered import workload_family as wf
-    from sglang_tiered.workloads import load_mooncake, multi_tenant
+    from sglang_tiered.dev import workload_family as wf
+    from sglang_tiered.dev.workloads import load_mooncake, multi_tenant
 
     kind, arg = spec
     if kind == "family":
         p = wf.draw(arg)
         return f"family-{arg:03d}", wf.generate(p), p.as_dict()
     if kind == "mooncake":
-        return "mooncake", load_mooncake(), {}
+        return "mooncake", load_mooncake(ROOT / "bench" / "data" / "mooncake_conversation_trace.jsonl.gz"), {}
     return "multitenant", multi_tenant(n_requests=arg, seed=0), {"n_requests": arg}
 
 
