@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--redis", help="hint index, redis://127.0.0.1:PORT/DB (default: none: affinity + load)")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=30100)
-    r.add_argument("--k", type=int, default=1, help="rendezvous home workers per affinity key")
+    r.add_argument("--k", type=int, default=1, help="minimum rendezvous homes per affinity key (hot keys get more)")
     r.add_argument("--model", help="local model folder for the tokenizer (default: ask the workers)")
     r.add_argument("--tenant-header", help="trusted tenant header (e.g. x-tenant-id); else cache_salt")
     r.add_argument("--c-tok-us", type=float, default=35.0, help="recompute microseconds per prompt token")
