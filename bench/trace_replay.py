@@ -25,6 +25,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sglang_tiered.core.keys import chain_page_hashes  # noqa: E402
 from sglang_tiered.dev.workloads import load_mooncake, multi_tenant  # noqa: E402
 
 PAGE = 16
@@ -37,14 +38,9 @@ def page_ids(reqs):
     """Per request, the list of page ids (tenant-scoped prefix chains), as small ints."""
     ids: dict[bytes, int] = {}
     out = []
-    for r in reqs:
-        h = hashlib.blake2b((r.tenant or "").encode(), digest_size=16).digest()
-        row = []
-        t = r.tokens
-        for p in range(len(t) // PAGE):
-            h = hashlib.blake2b(h + t[p * PAGE : (p + 1) * PAGE].tobytes(), digest_size=16).digest()
-            row.append(ids.setdefault(h, len(ids)))
-        out.append(row)
+    for r in reqs:  # the one chain-hash implementation (core/keys.py), seeded by the tenant
+        seed = hashlib.blake2b((r.tenant or "").encode(), digest_size=16).digest()
+        out.append([ids.setdefault(h, len(ids)) for h in chain_page_hashes(seed, r.tokens, PAGE)])
     return out, len(ids)
 
 
