@@ -113,7 +113,8 @@ def transfer(url: str, reps: int = 5) -> list[dict]:
 
     from sglang_tiered.core.store_queue import StoreJob
     from sglang_tiered.tier.host_pool import HostPool, PoolLayout
-    from sglang_tiered.tier.t2 import MooncakeClient, T2Tier
+    from sglang_tiered.tier.t2 import T2Tier
+    from sglang_tiered.tier.t2_client import MooncakeClient
     from sglang_tiered.tier.t2_config import parse_t2_url
 
     cfg = parse_t2_url(url)

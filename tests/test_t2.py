@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from sglang_tiered.config import ConfigError, load_config
 from sglang_tiered.tier.host_pool import HostPool, PoolLayout
@@ -54,7 +54,7 @@ class ByteStore:
         if self.fault == "fail":
             raise ConnectionError("store down")
         if self.fault == "late":
-            time.sleep(0.06)
+            time.sleep(0.15)  # far past the 20 ms deadline, also on a loaded machine
 
     def exists(self, keys):
         self._maybe_fault()
@@ -120,6 +120,12 @@ class T2Machine(RuleBasedStateMachine):
         cfg = T2Config(master="127.0.0.1:1", queue_pages=8, max_run_pages=4, timeout_ms=20, min_gbps=1e4, lease_ms=0)
         self.t2 = T2Tier(self.store, self.pool, threading.RLock(), cfg=cfg, model_tag="m")
         self.t2._backoff = 0.0  # no breaker pauses inside a test step (still counted as failures)
+        # Deterministic writes for Hypothesis replays: the queue drains when a rule says so
+        # (the tier's worker thread is exercised by the Mooncake tests below).
+        from sglang_tiered.core.store_queue import StoreQueue
+
+        self.t2.queue.close()
+        self.t2.queue = StoreQueue(cfg.queue_pages, self.t2._put_job, threaded=False)
         self.given: set = set()  # (tenant, page) ever offered to T2
         self.tenant_of: dict = {}  # T1 page hash -> tenant written with
 
@@ -143,7 +149,8 @@ class T2Machine(RuleBasedStateMachine):
 
     @rule()
     def drain(self):
-        self.t2.wait_idle(2)
+        self.t2.flush()
+        self.t2.queue.drain()
 
     @rule(first=st.integers(0, 11), n=st.integers(1, 4), tenant=st.sampled_from([1, 2]))
     def fetch(self, first, n, tenant):
@@ -157,13 +164,13 @@ class T2Machine(RuleBasedStateMachine):
             assert (tenant, h) in self.given, "T2 served a page it was never given for this tenant"
             self.tenant_of[h] = tenant
 
-    @precondition(lambda self: self.given)
-    @rule(data=st.data())
-    def fetch_known(self, data):
-        tenant, h = data.draw(st.sampled_from(sorted(self.given)))
-        if not self.pool.contains(h):
-            self.t2.wait_idle(2)
-        self.fetch(int.from_bytes(h[:2], "little"), data.draw(st.integers(1, 3)), tenant)
+    @rule(pick=st.integers(0, 1 << 16), n=st.integers(1, 3))
+    def fetch_known(self, pick, n):
+        if not self.given:  # (the draw above does not depend on the state: replays stay consistent)
+            return
+        tenant, h = sorted(self.given)[pick % len(self.given)]
+        self.drain()
+        self.fetch(int.from_bytes(h[:2], "little"), n, tenant)
 
     @rule(fault=st.sampled_from([None, None, "fail", "late", "lie"]))
     def set_fault(self, fault):

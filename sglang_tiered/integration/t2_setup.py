@@ -18,7 +18,8 @@ import time
 import torch
 
 from sglang_tiered.integration.host_setup import break_even_gbps
-from sglang_tiered.tier.t2 import KEY_ROOT, MooncakeClient, T2Tier
+from sglang_tiered.tier.t2 import KEY_ROOT, T2Tier
+from sglang_tiered.tier.t2_client import MooncakeClient
 from sglang_tiered.tier.t2_config import T2Config
 
 logger = logging.getLogger("sglang_tiered")

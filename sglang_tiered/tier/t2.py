@@ -53,49 +53,6 @@ FORMAT_VERSION = 1
 KEY_ROOT = "sgt"
 
 
-# ---------------------------------------------------------------------- the store client
-class MooncakeClient:
-    """The few calls T2 makes, over ``mooncake.store.MooncakeDistributedStore``. Return codes are
-    Mooncake's: ``exists`` 1 / 0 / negative error, ``put`` 0 or negative, ``get`` bytes or negative."""
-
-    def __init__(self, cfg: T2Config):
-        try:
-            from mooncake.store import MooncakeDistributedStore
-        except ImportError as exc:  # pragma: no cover - depends on the machine
-            raise RuntimeError(
-                "SGLANG_TIERED_T2 needs Mooncake (pip install mooncake-transfer-engine, or "
-                f"mooncake-transfer-engine-non-cuda on CPU; it needs libibverbs1): {exc}"
-            ) from exc
-        self.store = MooncakeDistributedStore()
-        rc = self.store.setup(cfg.local_hostname, cfg.metadata, cfg.segment_mb << 20, cfg.buffer_mb << 20,
-                              cfg.protocol, cfg.device, cfg.master)  # fmt: skip
-        if rc:
-            raise RuntimeError(f"Mooncake store setup failed (code {rc}) for master {cfg.master}")
-
-    def register(self, t: torch.Tensor) -> None:
-        rc = self.store.register_buffer(t.data_ptr(), t.numel() * t.element_size())
-        if rc:
-            raise RuntimeError(f"Mooncake register_buffer failed (code {rc})")
-
-    def exists(self, keys: list[str]) -> list[int]:
-        return list(self.store.batch_is_exist(keys))
-
-    def put(self, keys, ptrs, sizes) -> list[int]:
-        return list(self.store.batch_put_from(keys, ptrs, sizes))
-
-    def get(self, keys, ptrs, sizes) -> list[int]:
-        return list(self.store.batch_get_into(keys, ptrs, sizes))
-
-    def remove_regex(self, pattern: str) -> int:
-        return int(self.store.remove_by_regex(pattern))
-
-    def close(self) -> None:
-        try:
-            self.store.close()
-        except Exception:  # noqa: BLE001
-            pass
-
-
 # ---------------------------------------------------------------------- stats
 @dataclass
 class T2Stats:
@@ -258,6 +215,23 @@ class T2Tier:
             return 0
         t0 = time.perf_counter()
         keys = [self.key(h, tenant) for h in hashes]
+        n = self._leading_run(keys, hashes[0])
+        stage = next((s for s in self._read if s.free), None) if n else None
+        if stage is None:
+            return 0
+        stage.busy = True
+        try:
+            good = self._read_verified(stage, keys[:n], hashes[:n], tenant)
+            landed = self._into_t1(hashes[:good], stage.buf, tenant) if good else 0
+        finally:
+            stage.busy = False
+        self.stats.fetched_pages += landed
+        self.stats.fetched_bytes += landed * self.layout.page_bytes
+        self.stats.fetch_seconds += time.perf_counter() - t0
+        return landed
+
+    def _leading_run(self, keys: list, first: bytes) -> int:
+        """One batched existence check: how many leading pages T2 holds (0 on any failure)."""
         self.stats.probes += 1
         found = self._call("exists", self.client.exists, keys)
         if found is None:
@@ -265,50 +239,33 @@ class T2Tier:
         if found and found[0] < 0:  # an error code, not "absent": the store is not answering
             self._failed("exists", f"code {found[0]}")
             return 0
-        n = 0
-        for f in found:
-            if f != 1:
-                break
-            n += 1
+        n = next((i for i, f in enumerate(found) if f != 1), len(found))
         if n == 0:
             self._ok()
             # match_prefix runs on every admission attempt of a waiting request: do not ask
             # the store again for the same first page right away
-            self._missed[hashes[0]] = time.monotonic()
+            self._missed[first] = time.monotonic()
             if len(self._missed) > 4096:
                 self._missed.popitem(last=False)
-            return 0
         self.stats.probe_pages_hit += n
-        stage = next((s for s in self._read if s.free), None)
-        if stage is None:
+        return n
+
+    def _read_verified(self, stage: _Staging, keys: list, hashes: list, tenant: int) -> int:
+        """One batched read into ``stage``; returns how many leading pages arrived whole with the
+        header their key promises (page hash, tenant, page format)."""
+        ob, n = self.obj_bytes, len(keys)
+        got = self._call("get", self.client.get, keys, [stage.ptr + i * ob for i in range(n)], [ob] * n,
+                         nbytes=n * ob, staging=stage)  # fmt: skip
+        if got is None:
             return 0
-        stage.busy = True
-        try:
-            ob = self.obj_bytes
-            got = self._call("get", self.client.get, keys[:n], [stage.ptr + i * ob for i in range(n)], [ob] * n,
-                             nbytes=n * ob, staging=stage)  # fmt: skip
-            if got is None:
-                return 0
-            good = 0
-            for g in got:
-                if g != ob:
-                    break
-                good += 1
-            if good:
-                want = self._headers(hashes[:good], tenant)
-                ok = (stage.buf[:good, :HEADER_BYTES] == want).all(dim=1).tolist()
-                good = ok.index(False) if False in ok else good
-            self.stats.bad_pages += n - good
-            if good == 0:
-                return 0
+        good = next((i for i, g in enumerate(got) if g != ob), len(got))
+        if good:
+            ok = (stage.buf[:good, :HEADER_BYTES] == self._headers(hashes[:good], tenant)).all(dim=1).tolist()
+            good = ok.index(False) if False in ok else good
+        self.stats.bad_pages += n - good
+        if good:
             self._ok()
-            landed = self._into_t1(hashes[:good], stage.buf, tenant)
-        finally:
-            stage.busy = False
-        self.stats.fetched_pages += landed
-        self.stats.fetched_bytes += landed * self.layout.page_bytes
-        self.stats.fetch_seconds += time.perf_counter() - t0
-        return landed
+        return good
 
     def _into_t1(self, hashes: list, staging: torch.Tensor, tenant: int) -> int:
         """Write verified staged pages into T1 slots (T1's own victims go to T2 as usual)."""
