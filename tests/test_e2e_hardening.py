@@ -417,3 +417,17 @@ def test_tp2_without_a_name_shares_its_auto_t1(tiny_model_path, tmp_path):
     assert host["demotions"] > 0
     for p in SHM_DIR.glob(f"sglang-tiered-auto-{pid}*"):
         p.unlink()
+
+
+def test_out_of_vocab_token_ids_are_400(tiered_server, soak_server):
+    """Found by the HTTP fuzz: stock SGLang 0.5.23 passes a token id outside the vocabulary to the
+    embedding and its scheduler dies (IndexError): one request took the server down. 400 instead,
+    on a plain server and in tenant mode, and the server keeps serving."""
+    cases = (("/generate", {"input_ids": [11, 5000], "sampling_params": {"max_new_tokens": 1}}),
+             ("/generate", {"input_ids": [[11, 12], [-1]], "sampling_params": {"max_new_tokens": 1}}),
+             ("/v1/completions", {"model": "default", "prompt": [11, 99999], "max_tokens": 1}))  # fmt: skip
+    for server, hdrs in ((tiered_server, []), (soak_server, [(HEADER, b"acme")])):
+        for path, body in cases:
+            status, got = _raw(server, "POST", path, json.dumps(body).encode(), hdrs)
+            assert status == 400 and "token id" in str(got), (path, status, got)
+        assert server.request("GET", "/health")[0] == 200

@@ -174,7 +174,9 @@ class HintMiddleware:
         raw = b"".join(chunks)
         try:
             tenant = self._tenant(scope) if tenant_mode else None
-            if tenant_mode or b"kv_transfer_params" in raw:
+            # token ids are checked on every server (a bad id crashes stock SGLang's scheduler)
+            ids = (path == "/generate" and b"input_ids" in raw) or (path == "/v1/completions" and b"[" in raw)
+            if tenant_mode or ids or b"kv_transfer_params" in raw:
                 new = rewrite_body(raw, path, tenant, tenant_mode)
             else:
                 new = raw
@@ -241,6 +243,42 @@ def _check_generate_shape(body: dict) -> None:
         raise BadRequest("a list of sampling_params needs a batch of prompts (text or input_ids as a list of prompts)")
 
 
+_vocab: list = []  # [vocab size] once known (the served model's), read lazily in the HTTP process
+
+
+def _vocab_size() -> int | None:
+    if not _vocab:
+        try:
+            from sglang.srt.entrypoints.http_server import get_global_state
+
+            _vocab.append(int(get_global_state().tokenizer_manager.model_config.vocab_size))
+        except Exception:  # noqa: BLE001 - not served yet (unit tests): only the sign is checked
+            return None
+    return _vocab[0]
+
+
+def _check_token_ids(value, what: str) -> None:
+    """Token ids outside the model's vocabulary reach the embedding and crash the scheduler in stock
+    SGLang 0.5.23 (IndexError in vocab_parallel_embedding.py:481, found by the HTTP fuzz test): one
+    request takes the server down. Answer 400 instead. Anything that is not a list of integers is
+    left to SGLang's own checks."""
+    if not isinstance(value, list) or not value:
+        return
+    seqs = value if isinstance(value[0], list) else [value]
+    vocab = None
+    for seq in seqs:
+        if not isinstance(seq, list):
+            continue
+        for t in seq:
+            if isinstance(t, bool) or not isinstance(t, int):
+                continue
+            if vocab is None:
+                vocab = _vocab_size() or 0
+            if t < 0 or (vocab and t >= vocab):
+                bound = f"[0, {vocab})" if vocab else ">= 0"
+                raise BadRequest(f"{what} holds token id {t}; token ids must be in {bound}"[:300])
+
+
 def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool | None = None):
     """Return the rewritten body (or ``raw`` itself when nothing changes). Raises ``BadRequest``
     for a body it must understand and cannot: in tenant mode (a tenant header is configured;
@@ -260,6 +298,9 @@ def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool | 
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     if path == "/generate":
         _check_generate_shape(body)
+        _check_token_ids(body.get("input_ids"), "input_ids")
+    elif path == "/v1/completions":
+        _check_token_ids(body.get("prompt"), "prompt")
     changed = False
     if "kv_transfer_params" in body:
         kv = body.pop("kv_transfer_params")
