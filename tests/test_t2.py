@@ -203,6 +203,9 @@ def test_header_names_page_tenant_and_layout():
     a, b = t2._headers([H(1)], 1), t2._headers([H(1)], 2)
     assert a.shape == (1, HEADER_BYTES) and not torch.equal(a, b)
     assert t2.key(H(1), 1) != t2.key(H(1), 2) and t2.key(H(1), 1).startswith("sgt/m/")
+    from sglang_tiered.stats import T2TierStats
+
+    assert set(t2.snapshot()) == set(T2TierStats.__struct_fields__)  # the snapshot is the schema
     t2.close()
 
 

@@ -78,7 +78,7 @@ class TieredMetrics:
         self._inc(self.t2_bytes.labels(direction="read"), ("__t2__", "read"), st.fetched_bytes)
         self._inc(self.t2_bytes.labels(direction="write"), ("__t2__", "write"), st.stored_bytes)
         self._inc(self.t2_failures, ("__t2__", "failures"), st.failures)
-        self.t2_up.set(1 if t2.snapshot()["available"] else 0)
+        self.t2_up.set(1 if t2.up else 0)
 
     def publish(self, cache) -> None:
         resident: dict[str, int] = {}

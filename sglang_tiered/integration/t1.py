@@ -221,13 +221,15 @@ class T1Tier:
             hashes.append(h)
             prev = h
         t2 = self.host.t2
-        if t2 is not None and len(hashes) < n_pages:
-            # T2 (the fleet store, tier/t2.py) may hold the pages that follow: its leading run is
-            # fetched into T1 now and then promoted like any T1 hit
+        tenant = name_hash(tenant_of(key.cache_salt)) if t2 is not None else 0
+        if t2 is not None and len(hashes) < n_pages and t2.may_hold(h, tenant):
+            # T2 (the fleet store, tier/t2.py) may hold the pages that follow (``h``, the first
+            # page T1 lacks, onwards): its leading run is fetched into T1 now and then promoted
+            # like any T1 hit. The rest of the run is hashed only when T2 is worth asking.
             self.host.touch(hashes)  # making room in T1 for the fetch must not evict these
-            pos = start + len(hashes) * ps
-            rest = chain_page_hashes(prev, toks[pos : pos + min(n_pages - len(hashes), t2.run) * ps], ps)
-            hashes += rest[: self.host.fetch_t2(rest, name_hash(tenant_of(key.cache_salt)))]
+            pos = start + (len(hashes) + 1) * ps
+            rest = [h] + chain_page_hashes(h, toks[pos : pos + (min(n_pages - len(hashes), t2.run) - 1) * ps], ps)
+            hashes += rest[: self.host.fetch_t2(rest, tenant)]
         return hashes
 
     # ------------------------------------------------------------------ promote

@@ -102,7 +102,6 @@ def build_t2(cache, ctx, cfg: T2Config) -> str:
         logger.info("sglang-tiered: T2 %s", decision)
         return decision
     t2.decision = decision
-    t2.write_gbps_probe, t2.read_gbps_probe = w_gbps, r_gbps
     cache.t1.host.t2 = t2
     logger.info("sglang-tiered: T2 %s", decision)
     return decision

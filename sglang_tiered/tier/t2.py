@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -152,11 +152,21 @@ class T2Tier:
             n, 2, lay.layers, lay.kv_heads, lay.page_size, lay.head_dim)  # fmt: skip
 
     # ------------------------------------------------------------------ breaker and deadlines
+    @property
+    def up(self) -> bool:
+        """False while the circuit breaker skips T2 (after an error or a missed deadline)."""
+        return time.monotonic() >= self._down_until
+
     def available(self) -> bool:
-        if time.monotonic() < self._down_until:
+        if not self.up:
             self.stats.skipped_down += 1
             return False
         return True
+
+    def may_hold(self, first: bytes, tenant: int) -> bool:
+        """Worth asking T2 for a run starting at page ``first``? (cheap: the caller hashes the
+        rest of the run only when this says yes)"""
+        return not self._reads_blocked(tenant) and not self._recently_missed(first) and self.available()
 
     def _failed(self, what: str, exc=None) -> None:
         self.stats.failures += 1
@@ -211,7 +221,7 @@ class T2Tier:
         """Bring the leading run of ``hashes`` that T2 holds into T1. Returns how many of the
         leading pages T1 holds afterwards from this fetch (0: nothing, the caller recomputes)."""
         hashes = hashes[: self.run]
-        if not hashes or self._reads_blocked(tenant) or self._recently_missed(hashes[0]) or not self.available():
+        if not hashes or not self.may_hold(hashes[0], tenant):
             return 0
         t0 = time.perf_counter()
         keys = [self.key(h, tenant) for h in hashes]
@@ -308,7 +318,7 @@ class T2Tier:
             by_tenant.setdefault(v[1], []).append(v)
         for tenant, items in by_tenant.items():
             hashes = [h for h, _, _, _ in items]
-            data = torch.stack([d for _, _, _, d in items])  # [n, kv, layer, head, token, dim]
+            data = [d for _, _, _, d in items]  # per page [kv, layer, head, token, dim]; the worker stages them
             freq = max(1, min(f for _, _, f, _ in items))
             self.stats.offered_pages += len(items)
             if not self.queue.offer(hashes, hashes, freq * len(items), frequency=freq, tenant=tenant, ctx=data):
@@ -319,19 +329,21 @@ class T2Tier:
         n = len(job.hashes)
         if not n:
             return
-        if time.monotonic() < self._down_until:
+        if not self.up:
             self.stats.skipped_down += n
             self.stats.dropped_pages += n
             return
         t0 = time.perf_counter()
-        data = job.ctx  # [n, kv, layer, head, token, dim], copied out of T1 (jobs are never fenced)
+        data = job.ctx  # n pages [kv, layer, head, token, dim], copied out of T1 (jobs are never fenced)
         with self._stage_lock:
             st = self._write
             if not st.free:  # the last put missed its deadline and may still read the buffer
                 self.stats.dropped_pages += n
                 return
             st.buf[:n, :HEADER_BYTES] = self._headers(job.hashes, job.tenant)
-            self._data_view(st.buf, n).copy_(data)
+            view = self._data_view(st.buf, n)
+            for i, page in enumerate(data):
+                view[i].copy_(page)
             keys = [self.key(h, job.tenant) for h in job.hashes]
             ob = self.obj_bytes
             res = self._call("put", self.client.put, keys, [st.ptr + i * ob for i in range(n)], [ob] * n,
@@ -391,41 +403,22 @@ class T2Tier:
         assert not any(s.busy for s in self._read), "a read staging buffer left busy"
         assert len(self._victims) < self.run, "victims not flushed"
         for j in [j for j in self.queue._page_job.values()]:
-            assert j.ctx is not None and j.ctx.shape[0] == len(j.hashes), "job data out of step with its pages"
+            assert j.ctx is not None and len(j.ctx) == len(j.hashes), "job data out of step with its pages"
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self) -> dict:
+        """Counters as kept (``T2Stats``; schema ``stats.T2TierStats``) plus the derived figures."""
         s = self.stats
-        q = self.queue.stats
-        down = max(0.0, self._down_until - time.monotonic())
-        return {
-            "name": "t2",
-            "enabled": True,
-            "backend": self.cfg.url,
-            "decision": self.decision,
-            "available": down == 0.0,
-            "down_for_s": round(down, 3),
-            "probes": s.probes,
-            "probe_pages_hit": s.probe_pages_hit,
-            "fetched_pages": s.fetched_pages,
-            "fetched_bytes": s.fetched_bytes,
-            "fetch_ms": round(s.fetch_seconds * 1e3, 3),
-            "read_gbps": round(s.fetched_bytes / s.fetch_seconds / 1e9, 3) if s.fetch_seconds else None,
-            "bad_pages": s.bad_pages,
-            "offered_pages": s.offered_pages,
-            "filtered_pages": s.filtered_pages,
-            "stored_pages": s.stored_pages,
-            "stored_bytes": s.stored_bytes,
-            "store_ms": round(s.store_seconds * 1e3, 3),
-            "write_gbps": round(s.stored_bytes / s.store_seconds / 1e9, 3) if s.store_seconds else None,
-            "dropped_pages": s.dropped_pages + q.value_dropped_pages,
-            "queue_depth_pages": q.queued_pages,
-            "queue_capacity_pages": self.queue.capacity_pages,
-            "failures": s.failures,
-            "skipped_down": s.skipped_down,
-            "invalidations": s.invalidations,
-            "removed_objects": s.removed_objects,
-        }
+        snap = asdict(s)
+        snap.update(
+            name="t2", enabled=True, backend=self.cfg.url, decision=self.decision, available=self.up,
+            down_for_s=round(max(0.0, self._down_until - time.monotonic()), 3),
+            read_gbps=round(s.fetched_bytes / s.fetch_seconds / 1e9, 3) if s.fetch_seconds else None,
+            write_gbps=round(s.stored_bytes / s.store_seconds / 1e9, 3) if s.store_seconds else None,
+            dropped_pages=s.dropped_pages + self.queue.stats.value_dropped_pages,
+            queue_depth_pages=self.queue.stats.queued_pages, queue_capacity_pages=self.queue.capacity_pages,
+        )  # fmt: skip
+        return snap
 
     def close(self) -> None:
         self._closed = True

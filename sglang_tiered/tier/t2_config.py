@@ -41,6 +41,17 @@ _INT_FIELDS = {"segment_mb": (16, 1 << 22), "buffer_mb": (1, 1 << 16), "min_freq
 _FLOAT_FIELDS = {"timeout_ms": (1.0, 600_000.0), "min_gbps": (1e-4, 1e4)}
 
 
+def _number(k: str, v: str, cast):
+    lo, hi = (_INT_FIELDS if cast is int else _FLOAT_FIELDS)[k]
+    try:
+        x = cast(v)
+    except ValueError:
+        raise T2ConfigError(f"SGLANG_TIERED_T2 option {k}={v!r}: not {'an integer' if cast is int else 'a number'}") from None
+    if not (math.isfinite(x) and lo <= x <= hi):
+        raise T2ConfigError(f"SGLANG_TIERED_T2 option {k}={v}: must be in [{lo}, {hi}]")
+    return x
+
+
 def parse_t2_url(url: str) -> T2Config:
     """Parse and validate the T2 option; raises ``T2ConfigError`` with what is wrong."""
     u = urllib.parse.urlsplit(url)
@@ -53,22 +64,8 @@ def parse_t2_url(url: str) -> T2Config:
         if len(vs) != 1:
             raise T2ConfigError(f"SGLANG_TIERED_T2 option {k!r} given {len(vs)} times")
         v = vs[0]
-        if k in _INT_FIELDS:
-            lo, hi = _INT_FIELDS[k]
-            try:
-                kw[k] = int(v)
-            except ValueError:
-                raise T2ConfigError(f"SGLANG_TIERED_T2 option {k}={v!r}: not an integer") from None
-            if not lo <= kw[k] <= hi:
-                raise T2ConfigError(f"SGLANG_TIERED_T2 option {k}={v}: must be in [{lo}, {hi}]")
-        elif k in _FLOAT_FIELDS:
-            lo, hi = _FLOAT_FIELDS[k]
-            try:
-                kw[k] = float(v)
-            except ValueError:
-                raise T2ConfigError(f"SGLANG_TIERED_T2 option {k}={v!r}: not a number") from None
-            if not (math.isfinite(kw[k]) and lo <= kw[k] <= hi):
-                raise T2ConfigError(f"SGLANG_TIERED_T2 option {k}={v}: must be in [{lo}, {hi}]")
+        if k in _INT_FIELDS or k in _FLOAT_FIELDS:
+            kw[k] = _number(k, v, int if k in _INT_FIELDS else float)
         elif k == "mode":
             if v not in ("auto", "on", "off"):
                 raise T2ConfigError(f"SGLANG_TIERED_T2 option mode={v!r}: use auto, on or off")
