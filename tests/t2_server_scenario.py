@@ -23,6 +23,7 @@ from tests.netns import start_master
 from tests.test_e2e_server import make_prompt
 
 PORT = 50071
+PORT_A = 61071  # the three servers' HTTP ports: above the ephemeral range (alone in their network namespace)
 
 
 def gen(server, prompt, tenant=None, n=6):
@@ -44,10 +45,14 @@ def main(out: str, model: str, log_dir: str) -> None:
     env = {"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_RATIO": "1", "SGLANG_TIERED_T2": url,
            "SGLANG_TIERED_TENANT_HEADER": "x-tenant-id", "SGLANG_TIERED_DEBUG": "1"}  # fmt: skip
     common = dict(model_path=model, max_total_tokens=2048, dtype="float32")
+    # Fixed ports above the ephemeral range: the Mooncake clients inside the servers open listening
+    # ports of their own while the servers start, so a port picked as free beforehand could be
+    # taken by the time the HTTP server binds (seen once in CI: "address already in use", and the
+    # server then hung instead of exiting).
     servers = {
-        "a": Server(ServerSpec(env=env, **common), logs / "t2-a.log"),
-        "b": Server(ServerSpec(env=env, **common), logs / "t2-b.log"),
-        "ref": Server(ServerSpec(backend=None, disable_radix_cache=True, **common), logs / "t2-ref.log"),
+        "a": Server(ServerSpec(env=env, port=PORT_A, **common), logs / "t2-a.log"),
+        "b": Server(ServerSpec(env=env, port=PORT_A + 1, **common), logs / "t2-b.log"),
+        "ref": Server(ServerSpec(backend=None, disable_radix_cache=True, port=PORT_A + 2, **common), logs / "t2-ref.log"),
     }
     report: dict = {"ok": False}
     errors: list = []
