@@ -19,6 +19,7 @@ environment; ``TieredConfig.__post_init__`` validates every field, so a config b
 | SGLANG_TIERED_INDEX_URL | ``index_url`` | unset |
 | SGLANG_TIERED_SERVER_ID | ``server_id`` | unset |
 | SGLANG_TIERED_INDEX_TTL_S | ``index_ttl_s`` | 30 |
+| SGLANG_TIERED_PREFIX_ATTENTION | ``prefix_attention`` (on/off) | off |
 | SGLANG_TIERED_T2 | ``t2`` (``tier/t2_config.py``: mooncake://MASTER_HOST:PORT?options) | unset |
 | SGLANG_TIERED_SHM_DIR | ``shm_dir()`` (named T1 segments and their locks) | /dev/shm |
 | SGLANG_TIERED_CACHE, XDG_CACHE_HOME | ``cache_root()`` (tiny models, weight digests) | ~/.cache/sglang-tiered |
@@ -66,6 +67,7 @@ ENV = {  # field -> environment variable
     "server_id": "SGLANG_TIERED_SERVER_ID",
     "index_ttl_s": "SGLANG_TIERED_INDEX_TTL_S",
     "t2": "SGLANG_TIERED_T2",
+    "prefix_attention": "SGLANG_TIERED_PREFIX_ATTENTION",
 }
 
 
@@ -106,6 +108,11 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
     # mooncake://MASTER_HOST:PORT?options by tier/t2_config.py (each option with unit, default and
     # bounds there). Unset: no T2.
     t2: Optional[T2Config] = None
+    # torch_native extend attention over new rows only for requests with a cached prefix
+    # (integration/prefix_attention.py): SGLang's own computes seq_len^2 attention per request, so a
+    # cached 2k prefix still costs a recompute's attention on CPU. Equal up to summation order,
+    # not bitwise, hence off by default. Recommended: on for CPU servers with long shared prefixes.
+    prefix_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.host_mode not in ("auto", "on", "off"):
@@ -122,6 +129,8 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
         qp = self.store_queue_pages
         if qp is not None and (isinstance(qp, bool) or not isinstance(qp, int) or not 1 <= qp <= MAX_STORE_QUEUE_PAGES):
             _bad("store_queue_pages", qp, "expected a whole number of pages in [1, 2^30]")
+        if not isinstance(self.prefix_attention, bool):
+            _bad("prefix_attention", self.prefix_attention, "expected on or off")
         self._check_index()
 
     def _check_index(self) -> None:
@@ -189,6 +198,9 @@ def load_config(env=None) -> TieredConfig:
     debug = env.get(ENV["debug"], "0").strip()
     if debug not in ("0", "1"):
         raise ConfigError(f"SGLANG_TIERED_DEBUG={debug!r}: expected 0 or 1")
+    pa = env.get(ENV["prefix_attention"], "off").strip().lower()
+    if pa not in ("on", "off"):
+        raise ConfigError(f"SGLANG_TIERED_PREFIX_ATTENTION={pa!r}: expected on or off")
     qp = env.get(ENV["store_queue_pages"], "").strip()
     if qp and not qp.isdigit():
         raise ConfigError(f"SGLANG_TIERED_STORE_QUEUE_PAGES={qp!r}: expected a whole number of pages in [1, 2^30]")
@@ -205,6 +217,7 @@ def load_config(env=None) -> TieredConfig:
         "server_id": _text(env, "server_id"),
         "index_ttl_s": _float(env, "index_ttl_s"),
         "t2": _t2(env),
+        "prefix_attention": pa == "on",
     }
     cfg = TieredConfig(**{k: v for k, v in fields.items() if v is not None or k in ("host_gb",)})
     phys = _physical_gb()

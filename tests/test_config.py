@@ -32,11 +32,18 @@ def test_defaults_are_valid_and_frozen():
 @pytest.mark.parametrize("field,value", [
     ("host_mode", "maybe"), ("host_ratio", 0.0), ("host_ratio", float("nan")), ("host_gb", -1.0),
     ("host_name", "../etc"), ("tenant_header", "x y"), ("store", "later"), ("store_queue_pages", 0),
-    ("index_ttl_s", 0.5), ("server_id", "a b"),
+    ("index_ttl_s", 0.5), ("server_id", "a b"), ("prefix_attention", "yes"),
 ])  # fmt: skip
 def test_construction_validates_and_names_the_variable(field, value):
     with pytest.raises(ConfigError, match=ENV[field]):
         TieredConfig(**{field: value})
+
+
+def test_prefix_attention_parses_on_off_only():
+    assert load_config({ENV["prefix_attention"]: "on"}).prefix_attention
+    assert not load_config({ENV["prefix_attention"]: "OFF"}).prefix_attention
+    with pytest.raises(ConfigError, match=ENV["prefix_attention"]):
+        load_config({ENV["prefix_attention"]: "1"})
 
 
 def test_every_field_has_a_variable_and_a_comment():

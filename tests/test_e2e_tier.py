@@ -18,15 +18,19 @@ def _gen(server, prompts, n=6):
 
 
 def test_t1_promotions_match_no_cache(tiny_model_path, reference_server, tmp_path):
+    """Also with the prefix-aware extend attention on (integration/prefix_attention.py): promoted
+    and device-cached prefixes give the reference's greedy outputs (float32)."""
     from sglang_tiered.dev.server import Server, ServerSpec
 
     prompts = [make_prompt(700 + i, 420) for i in range(8)]  # ~3.4k tokens > 2,048-token pool
     rounds = prompts + prompts[:4] + prompts[::-1]
     spec = ServerSpec(model_path=tiny_model_path, max_total_tokens=2048,
-                      env={"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_RATIO": "4", "SGLANG_TIERED_DEBUG": "1"})  # fmt: skip
+                      env={"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_RATIO": "4", "SGLANG_TIERED_DEBUG": "1",
+                           "SGLANG_TIERED_PREFIX_ATTENTION": "on"})  # fmt: skip
     with Server(spec, tmp_path / "t1.log") as server:
         got = _gen(server, rounds)
         status, stats = server.request("GET", "/cache/stats")
+        assert "extend attention computes only new rows" in server.log_tail(10_000)
     host = next(t for t in stats["tiers"] if t["name"] == "host")
     assert host["enabled"] and host["demotions"] > 0 and host["promotions"] > 0
     assert stats["totals"]["promoted_pages"] == host["promotions"]

@@ -86,6 +86,10 @@ def register() -> None:
             from sglang_tiered.integration.hooks import register_hooks
 
             register_hooks()
+        if cfg.prefix_attention:
+            from sglang_tiered.integration.prefix_attention import install
+
+            install()
     except Exception as exc:
         # SGLang logs and swallows plugin exceptions; make sure the cause is impossible to miss.
         msg = f"sglang-tiered: plugin registration failed: {exc}"
