@@ -18,6 +18,7 @@ import argparse
 import concurrent.futures as cf
 import csv
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -143,7 +144,12 @@ def main(argv=None) -> int:
     ap.add_argument("--long-prefix-reps", type=int, default=5, help="fresh prefixes in the long-prefix scenario")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--name", default="demo")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="OMP threads per server (default: torch's, one per core). 1 keeps TTFTs meaningful on a "
+                         "machine shared with other work: SGLang's CPU ops synchronize their threads at every op")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the servers inherit it (dev/server.py cpu_env)
 
     from sglang_tiered.dev.tiny_model import build_model
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import pathlib
 import sys
 
@@ -40,7 +41,12 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="store_load")
     ap.add_argument("--chunk", type=int, default=40, help="requests per interleaved chunk")
     ap.add_argument("--small-queue-pages", type=int, default=24, help="queue bound of the t1_async_small_queue config")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="OMP threads per server (default: torch's, one per core). 1 keeps TTFTs meaningful on a "
+                         "machine shared with other work: SGLang's CPU ops synchronize their threads at every op")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the servers inherit it (dev/server.py cpu_env)
 
     from sglang_tiered.dev.tiny_model import TinyModelSpec, build_model
 

@@ -16,6 +16,7 @@ import csv
 import hashlib
 import heapq
 import json
+import os
 import pathlib
 import platform
 import subprocess
@@ -140,7 +141,8 @@ def environment() -> dict:
 
     return {
         "git_sha": run("git", "rev-parse", "--short", "HEAD"),
-        "machine": f"{platform.machine()} {platform.processor() or ''} {run('nproc')} cores".strip(),
+        # os.cpu_count(), not nproc: nproc reports OMP_NUM_THREADS when that is set
+        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores".strip(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "sglang": version("sglang"),
