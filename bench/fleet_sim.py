@@ -28,11 +28,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes  # noqa: E402
-from sglang_tiered.fleet.routing import POLICIES  # noqa: E402
+from sglang_tiered.fleet.routing import POLICIES, AffinityCachePolicy  # noqa: E402
 from sglang_tiered.fleet.sim import simulate  # noqa: E402
 from sglang_tiered.dev.workloads import load_mooncake, multi_tenant  # noqa: E402
 
 PAGE = 16
+# The policy before fresh placement (git 1ba9086..fdb913f), for before/after in the same run:
+# new content went to its key's homes (least loaded of 2), index matches from 5 % of the prompt.
+EXTRA = {"ours_prev": lambda: AffinityCachePolicy(fresh=False, warm_frac=0.05, name="ours_prev")}
+ALL = {**POLICIES, **EXTRA}
 # Total device tokens per workload: at N = 44 each server still fits the workload's longest prompt.
 TOTAL_DEVICE = {"mooncake": 176_000, "multitenant": 44_000}
 
@@ -103,7 +107,7 @@ def run_one(workload, reqs, n, policy_name, host_ratio, rho):
 
     per = total_device_tokens(workload, reqs) // n // PAGE * PAGE
     servers = {f"s{i}": SimServer(per, host_ratio) for i in range(n)}
-    pol = POLICIES[policy_name]()
+    pol = ALL[policy_name]()
     t0 = time.perf_counter()
     res = simulate(reqs, servers, pol, hashes_of, page_size=PAGE, rho=rho)
     res.unserved = sum(s.unserved for s in servers.values())
@@ -134,7 +138,7 @@ def plot(rows, path):
     wls = sorted({r["workload"] for r in rows})
     fig, axes = plt.subplots(2, len(wls), figsize=(6 * len(wls), 8), squeeze=False)
     for j, wl in enumerate(wls):
-        for pol in POLICIES:
+        for pol in dict.fromkeys(r["policy"] for r in rows if r["policy"] != "single"):
             pts = sorted((r["n"], r["hit_rate"], r["work_imbalance"]) for r in rows
                          if r["workload"] == wl and r["policy"] == pol)  # fmt: skip
             if not pts:
@@ -161,7 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", nargs="+", default=["both"],
                     help="mooncake, multitenant, both, or family-<shape>-<seed> (shapes: " + ", ".join(SHAPES) + ")")
     ap.add_argument("--ns", type=int, nargs="+", default=[1, 2, 4, 8, 16, 44])
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(ALL),
+                    help="default: every policy in routing.POLICIES; also: " + ", ".join(EXTRA))
     ap.add_argument("--limit", type=int, default=4000, help="requests per workload (subsample: first N)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--host-ratio", type=float, default=2.0, help="T1 pages per device page")

@@ -115,8 +115,9 @@ class KeyWindowMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.n = 3
-        self.pol = AffinityCachePolicy(horizon=2, memory_pages=3)
+        self.pol = AffinityCachePolicy(horizon=2, memory_pages=3, inflow_horizon=2)
         self.model: list = []
+        self.routed: list = []  # workers routed to, the inflow window's model
         self.sent: dict = {}  # page hash -> last worker (the memory's model, unbounded)
         self.order: list = []  # page hashes, least recently sent first
 
@@ -128,6 +129,7 @@ class KeyWindowMachine(RuleBasedStateMachine):
         d = self.pol.route(RouteRequest(32, pages, key=key), _view(ws, matched={}))
         assert d.worker in ws
         self.model = (self.model + [key])[-2 * n :]
+        self.routed = (self.routed + [d.worker])[-2 * n :]
         for h in pages:
             self.sent[h] = d.worker
             self.order = [x for x in self.order if x != h] + [h]
@@ -143,6 +145,15 @@ class KeyWindowMachine(RuleBasedStateMachine):
         keep = self.order[-3:]
         assert list(self.pol._sent) == keep
         assert all(self.pol._sent[h] == self.sent[h] for h in keep)
+
+
+    @invariant()
+    def inflow_is_the_window_sum_bounded(self):
+        win = list(self.pol._inflow_window)
+        assert [w for w, _ in win] == self.routed
+        assert all(0 <= t <= 32 for _, t in win)
+        for w, total in self.pol._inflow.items():
+            assert total == sum(t for x, t in win if x == w)
 
 
 TestKeyWindow = KeyWindowMachine.TestCase
@@ -165,6 +176,31 @@ def test_routing_memory_returns_a_family_where_it_was_sent():
     off = AffinityCachePolicy(per_prefix=False, memory_pages=0)
     off.route(req, _view(ws, matched={other: 128}))
     assert off.route(req, _view(ws, matched={})).worker != other
+
+
+def test_fresh_content_goes_to_the_least_inflow_worker():
+    ws = [f"w{i}" for i in range(4)]
+    pol = AffinityCachePolicy(per_prefix=False, memory_pages=0)
+    pol._inflow.update({"w0": 500, "w1": 100, "w2": 300, "w3": 900})
+    fresh = RouteRequest(160, [bytes([i]) * 16 for i in range(10)], tenant="acme")
+    # nobody holds warm_frac (10 %) of it: new content -> least inflow (w1), whatever the homes
+    d = pol.route(fresh, _view(ws, matched={"w0": 8}))
+    assert d.worker == "w1" and d.reason == "fresh"
+    assert pol._inflow["w1"] == 100 + 160  # it now holds the prompt: counted as inflow
+    # ... unless that worker is over the hatch
+    pol._inflow.update({"w0": 500, "w1": 100, "w2": 300, "w3": 900})
+    load = {w: 1.0 for w in ws}
+    load["w1"] = 50.0
+    assert pol.route(fresh, _view(ws, load, matched={})).worker == "w2"
+    # a match of at least warm_frac: locality, not placement
+    assert pol.route(fresh, _view(ws, matched={"w3": 32})).reason != "fresh"
+    # Redis down: affinity + load only (no placement: the homes keep the tenant)
+    homes = rendezvous_top_k(b"t:acme", ws, 2)
+    assert pol.route(fresh, _view(ws, matched=None)).worker in homes
+    # off: the cold rule (homes)
+    off = AffinityCachePolicy(per_prefix=False, memory_pages=0, fresh=False)
+    off._inflow.update({"w0": 500, "w1": 100, "w2": 300, "w3": 900})
+    assert off.route(fresh, _view(ws, matched={})).worker in homes
 
 
 def test_longest_match():

@@ -171,7 +171,7 @@ class AffinityCachePolicy:
     overload: float = 1.25  # the hatch: a worker is over above overload x the fleet mean load ...
     slack: float = 2.0  # ... plus this many requests (small fleets at low load never spill)
     cold_over: float = 1.3  # a cold request leaves its home above cold_over x the mean load
-    warm_frac: float = 0.05  # an index match shorter than this fraction of the prompt is ignored
+    warm_frac: float = 0.1  # an index match shorter than this fraction of the prompt is ignored
     c_tok_s: float = 35e-6  # recompute seconds per prompt token (seed: 35 us on its fleet)
     # A recomputed token delays this request and, queued on the server, the requests behind it:
     # priced at (1 + followers) x c_tok (followers ~ rho / (1 - rho) requests at utilisation rho).
@@ -182,7 +182,14 @@ class AffinityCachePolicy:
     # Routing memory: the last worker each page hash was sent to (LRU, at most memory_pages, about
     # 150 bytes each); 0 turns it off.
     memory_pages: int = 1 << 18
+    # Fresh placement: with the index, a request no worker holds warm_frac of (new content) goes to
+    # the worker, under the hatch, with the least cache inflow (prompt tokens it was sent that it
+    # did not hold) over the last inflow_horizon x N requests; False: to its cold choice (homes).
+    fresh: bool = True
+    inflow_horizon: int = 256
     name: str = "ours"
+    _inflow: dict = field(default_factory=dict, repr=False)
+    _inflow_window: deque = field(default_factory=deque, repr=False)
     _window: deque = field(default_factory=deque, repr=False)
     _count: dict = field(default_factory=dict, repr=False)
     _sent: OrderedDict = field(default_factory=OrderedDict, repr=False)
@@ -214,7 +221,9 @@ class AffinityCachePolicy:
                 del self._count[old]
 
     def route(self, req: RouteRequest, view: FleetView) -> Decision:
-        d = self._route(req, self._with_memory(req, view))
+        mview = self._with_memory(req, view)
+        d = self._route(req, mview)
+        self._count_inflow(d.worker, req.prompt_tokens - (mview.matched or {}).get(d.worker, 0), len(view.workers))
         if self.memory_pages:
             sent = self._sent
             for h in req.page_hashes:
@@ -223,6 +232,16 @@ class AffinityCachePolicy:
             while len(sent) > self.memory_pages:
                 sent.popitem(last=False)
         return d
+
+    def _count_inflow(self, worker: str, new_tokens: int, n: int) -> None:
+        """Cache inflow: tokens sent to ``worker`` that it did not hold (by index + memory), over
+        the last ``inflow_horizon`` x N requests (bounded memory)."""
+        new_tokens = max(0, new_tokens)
+        self._inflow[worker] = self._inflow.get(worker, 0) + new_tokens
+        self._inflow_window.append((worker, new_tokens))
+        while len(self._inflow_window) > self.inflow_horizon * max(1, n):
+            ow, ot = self._inflow_window.popleft()
+            self._inflow[ow] -= ot
 
     def _with_memory(self, req: RouteRequest, view: FleetView) -> FleetView:
         """The index's matches, each raised to the prefix this router last sent to that worker."""
@@ -259,6 +278,14 @@ class AffinityCachePolicy:
         matched = (view.matched or {}) if self.use_index else {}
         floor = max(1, self.warm_frac * req.prompt_tokens)
         warm = [w for w, m in matched.items() if m >= floor and w in view.load and not self.over(view, w)]
+        if self.fresh and not warm and view.matched is not None and self.use_index and not \
+                any(m >= floor for m in matched.values()):
+            # 2'. new content (no worker holds warm_frac of it): to the worker whose cache takes the
+            #     least inflow, under the hatch, so that every server's cache is under the same
+            #     pressure (placing by work or by home left some servers' caches thrashing)
+            pool = [w for w in workers if not self.over(view, w)] or workers
+            w = min(pool, key=lambda x: (self._inflow.get(x, 0), load(x), order.get(x, n), x))
+            return Decision(w, home=w in order, reason="fresh", matched=matched.get(w, 0))
         if warm:
             best = max(warm, key=lambda w: (matched[w], -order.get(w, n), -load(w), w))
             saved_s = (matched[best] - matched.get(choice, 0)) * self.c_tok_s * (1.0 + self.followers)
