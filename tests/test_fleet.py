@@ -296,3 +296,59 @@ def test_token_affinity_key_is_stable_and_groups_families():
     assert token_affinity_key(None, a, 16) == token_affinity_key(None, a[:32] + [1], 16)  # first 2 pages
     assert token_affinity_key(None, a, 16) != token_affinity_key(None, a[:16] + [1] * 16, 16)
     assert token_affinity_key(None, a[:5], 16) == b"p:"
+
+
+def test_router_load_is_own_counts_raised_to_polled_v1_loads():
+    """The router's load view: its in-flight counts, raised to what each worker reports at /v1/loads
+    (traffic that bypasses this router); a failing or stale report is ignored."""
+    import asyncio
+
+    from aiohttp import web
+
+    from sglang_tiered.fleet.router import Router
+
+    async def main():
+        reports = {"busy": {"loads": [{"num_running_reqs": 3, "num_waiting_reqs": 4, "num_waiting_uncached_tokens": 900},
+                                      {"num_running_reqs": 1, "num_waiting_reqs": 0, "num_waiting_uncached_tokens": 100}]},
+                   "broken": None}  # fmt: skip
+        runners, urls = [], {}
+        for name, doc in reports.items():
+            app = web.Application()
+
+            async def loads(_, doc=doc):
+                return web.json_response(doc) if doc is not None else web.Response(status=500)
+
+            app.router.add_get("/v1/loads", loads)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            urls[name] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        r = Router(list(urls.values()), load_poll_s=0.2)
+        import aiohttp
+
+        r._session = aiohttp.ClientSession()
+        try:
+            busy, broken = r.workers[urls["busy"]], r.workers[urls["broken"]]
+            busy.inflight, busy.inflight_tokens = 2, 50
+            broken.inflight, broken.inflight_tokens = 5, 70
+            assert busy.load(0.8) == (2.0, 50.0)  # nothing polled yet: own counts
+            await r.poll_loads()
+            assert busy.load(0.8) == (8.0, 1000.0)  # summed over DP ranks, above own counts
+            assert broken.load(0.8) == (5.0, 70.0)
+            assert r.stats.load_polls == 1 and r.stats.load_poll_errors == 1
+            busy.inflight = 11
+            assert busy.load(0.8) == (11.0, 1000.0)  # own count when higher
+            busy.polled_at -= 1.0  # stale: own counts only
+            assert busy.load(0.8) == (11.0, 50.0)
+            d = await r.choose([1] * 64, "acme")
+            assert d.worker in urls.values()
+        finally:
+            await r._session.close()
+            for runner in runners:
+                await runner.cleanup()
+
+    asyncio.run(main())
+    with pytest.raises(ValueError):
+        Router(["http://127.0.0.1:1"], load_poll_s=-1)
