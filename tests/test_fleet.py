@@ -170,8 +170,12 @@ def test_routing_memory_returns_a_family_where_it_was_sent():
     # evicted there (the index forgets): the memory still sends the family back
     d = pol.route(req, _view(ws, matched={}))
     assert d.worker == other and d.reason == "warm"
-    # Redis down: affinity + load only (the memory is a refinement of the index, not a substitute)
-    assert pol.route(req, _view(ws, matched=None)).worker != other
+    # Redis down: the memory is the router's own, the family stays where it was sent
+    assert pol.route(req, _view(ws, matched=None)).worker == other
+    # ... and a prompt it never sent goes by affinity + load (no fresh placement without the index)
+    new = RouteRequest(128, [bytes([100 + i]) * 16 for i in range(8)], tenant="acme")
+    d = pol.route(new, _view(ws, matched=None))
+    assert d.worker in rendezvous_top_k(b"t:acme", ws, 2) and d.reason != "fresh"
     # off: the cold rule decides
     off = AffinityCachePolicy(per_prefix=False, memory_pages=0)
     off.route(req, _view(ws, matched={other: 128}))
@@ -194,9 +198,11 @@ def test_fresh_content_goes_to_the_least_inflow_worker():
     assert pol.route(fresh, _view(ws, load, matched={})).worker == "w2"
     # a match of at least warm_frac: locality, not placement
     assert pol.route(fresh, _view(ws, matched={"w3": 32})).reason != "fresh"
-    # Redis down: affinity + load only (no placement: the homes keep the tenant)
+    # Redis down, or no page hashes yet (CacheKey unknown): affinity + load, the homes keep the tenant
     homes = rendezvous_top_k(b"t:acme", ws, 2)
-    assert pol.route(fresh, _view(ws, matched=None)).worker in homes
+    other = RouteRequest(160, [bytes([50 + i]) * 16 for i in range(10)], tenant="acme")
+    assert pol.route(other, _view(ws, matched=None)).worker in homes
+    assert pol.route(RouteRequest(160, [], tenant="acme"), _view(ws, matched={})).worker in homes
     # off: the cold rule (homes)
     off = AffinityCachePolicy(per_prefix=False, memory_pages=0, fresh=False)
     off._inflow.update({"w0": 500, "w1": 100, "w2": 300, "w3": 900})

@@ -222,7 +222,9 @@ class AffinityCachePolicy:
 
     def route(self, req: RouteRequest, view: FleetView) -> Decision:
         mview = self._with_memory(req, view)
-        d = self._route(req, mview)
+        # fresh placement needs the index (to know that nobody holds the prompt) and the prompt's
+        # page hashes (a router that has not learnt the servers' CacheKey yet has none)
+        d = self._route(req, mview, fresh=self.fresh and view.matched is not None and bool(req.page_hashes))
         self._count_inflow(d.worker, req.prompt_tokens - (mview.matched or {}).get(d.worker, 0), len(view.workers))
         if self.memory_pages:
             sent = self._sent
@@ -244,20 +246,22 @@ class AffinityCachePolicy:
             self._inflow[ow] -= ot
 
     def _with_memory(self, req: RouteRequest, view: FleetView) -> FleetView:
-        """The index's matches, each raised to the prefix this router last sent to that worker."""
-        if not self.memory_pages or view.matched is None or not self.use_index:
-            return view  # no index (Redis down): affinity + load only, as documented
+        """The index's matches, each raised to the prefix this router last sent to that worker.
+        The memory is the router's own: with Redis down it still keeps each family where it was
+        sent (a Redis outage must not move families that fresh placement put off their homes)."""
+        if not self.memory_pages or not self.use_index:
+            return view
         sent, empty = self._sent, set()
         remembered = longest_match(req.page_hashes, [{sent[h]} if h in sent else empty for h in req.page_hashes],
                                    req.page_size, view.workers)  # fmt: skip
         if not remembered:
             return view
-        matched = dict(view.matched)
+        matched = dict(view.matched or {})
         for w, m in remembered.items():
             matched[w] = max(matched.get(w, 0), m)
         return FleetView(view.workers, view.load, view.queue_s, matched)
 
-    def _route(self, req: RouteRequest, view: FleetView) -> Decision:
+    def _route(self, req: RouteRequest, view: FleetView, fresh: bool = False) -> Decision:
         workers = view.workers
         n = len(workers)
         key = req.key if req.key is not None else affinity_key(req.tenant, req.page_hashes, self.affinity_pages,
@@ -278,8 +282,7 @@ class AffinityCachePolicy:
         matched = (view.matched or {}) if self.use_index else {}
         floor = max(1, self.warm_frac * req.prompt_tokens)
         warm = [w for w, m in matched.items() if m >= floor and w in view.load and not self.over(view, w)]
-        if self.fresh and not warm and view.matched is not None and self.use_index and not \
-                any(m >= floor for m in matched.values()):
+        if fresh and self.use_index and not any(m >= floor for m in matched.values()):
             # 2'. new content (no worker holds warm_frac of it): to the worker whose cache takes the
             #     least inflow, under the hatch, so that every server's cache is under the same
             #     pressure (placing by work or by home left some servers' caches thrashing)
