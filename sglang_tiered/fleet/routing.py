@@ -46,8 +46,26 @@ Ours (``AffinityCachePolicy``), seed R2 + section 9.3, per request:
   after an eviction it forgets, and the family's next request went wherever the cold rule put it,
   seeding a second copy. The memory sends it back where it *was*: it recomputes once there and the
   family stays on one worker. Measured in the simulator (multi-tenant, N = 8): 0.429 -> 0.448.
+  The memory is the router's own state, so it applies with Redis down too.
 
-Without the index (Redis down) nothing is known to match and the rule is affinity + load.
+* **Fresh placement by cache inflow**: a request that no worker holds ``warm_frac`` (10 %) of, by
+  the index and the memory, is new content (a new conversation, a one-shot scan, a new document):
+  it goes to the worker, under the hatch, whose cache took the least *inflow* (prompt tokens sent
+  to it that it did not hold) over the last ``inflow_horizon`` x N requests. Its later requests
+  find it through the index and the memory. Why (``bench/fleet_sim.py --diagnose``, per request
+  against one server with the same total cache): routing losses, i.e. a request sent to a worker
+  holding less than another did, were 0.0000-0.0008 of prompt tokens on the multi-tenant mix at
+  N = 8; what separated the policies was *capacity loss*, i.e. pages no server held that the
+  single server had, because new content placed by its key's homes or by work left some servers'
+  caches under more pressure than others. smg's cache_aware places low-match requests on the
+  worker with the smallest tree (pages sent), which is this rule without the load bound. Measured
+  before/after in one run: Mooncake N = 44 0.279 -> 0.283, generated shapes at N = 44 +0.9 to
+  +1.8 points, multi-tenant within +-0.007 (seed to seed) and the simulated queueing delay about
+  halved (results in the README).
+
+Without the index (Redis down) the index part of the match is unknown: the memory still keeps
+families where they were sent, and anything else goes by affinity + load (no fresh placement: the
+homes are what a router with no index can find again).
 
 [1] M. Mitzenmacher, "The power of two choices in randomized load balancing", IEEE TPDS 2001.
 """
