@@ -219,7 +219,9 @@ def main(argv=None) -> int:
             if name == "ours":
                 st = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/router/stats").read())
                 extra = {"spill_rate": round(st["spill_rate"], 4), "index_hit_rate": round(st["index_hit_rate"], 4),
-                         "per_worker": {w: v["routed"] for w, v in st["workers"].items()}}  # fmt: skip
+                         "per_worker": {w: v["routed"] for w, v in st["workers"].items()},
+                         "reasons": st.get("reasons", {}), "load_polls": st.get("load_polls", 0),
+                         "load_poll_errors": st.get("load_poll_errors", 0)}  # fmt: skip
             d = summarize(name, res, wall, ref_res, extra)
             d["round"] = rnd
             rows.append(d)

@@ -88,7 +88,7 @@ class RouterStats:
     matched_tokens: int = 0
     prompt_tokens: int = 0
     route_ms_total: float = 0.0
-    extra: dict = field(default_factory=dict)
+    reasons: dict = field(default_factory=dict)  # the policy's reason per routed request (warm, fresh, home, ...)
 
 
 class Router:
@@ -331,6 +331,7 @@ class Router:
             if attempt == 0:
                 self.stats.requests += 1
                 self.stats.spills += d.spill
+                self.stats.reasons[d.reason] = self.stats.reasons.get(d.reason, 0) + 1
                 self.stats.index_hits += d.matched > 0
                 self.stats.matched_tokens += d.matched
                 self.stats.prompt_tokens += len(tokens)
@@ -389,6 +390,7 @@ class Router:
             "load_poll_errors": s.load_poll_errors,
             "failed": s.failed,
             "mean_route_ms": s.route_ms_total / n,
+            "reasons": dict(s.reasons),
             "workers": {w: {"routed": x.routed, "inflight": x.inflight, "healthy": x.healthy,
                             "failures": x.failures, "polled_reqs": x.polled_reqs}
                         for w, x in self.workers.items()},  # fmt: skip
