@@ -331,7 +331,7 @@ def test_router_load_is_own_counts_raised_to_polled_v1_loads():
             await site.start()
             runners.append(runner)
             urls[name] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        r = Router(list(urls.values()), load_poll_s=0.2)
+        r = Router(list(urls.values()), load_poll_s=2.0)  # poll timeout 4 s: a loaded CI machine
         import aiohttp
 
         r._session = aiohttp.ClientSession()
@@ -339,15 +339,15 @@ def test_router_load_is_own_counts_raised_to_polled_v1_loads():
             busy, broken = r.workers[urls["busy"]], r.workers[urls["broken"]]
             busy.inflight, busy.inflight_tokens = 2, 50
             broken.inflight, broken.inflight_tokens = 5, 70
-            assert busy.load(0.8) == (2.0, 50.0)  # nothing polled yet: own counts
+            assert busy.load(8.0) == (2.0, 50.0)  # nothing polled yet: own counts
             await r.poll_loads()
-            assert busy.load(0.8) == (8.0, 1000.0)  # summed over DP ranks, above own counts
-            assert broken.load(0.8) == (5.0, 70.0)
+            assert busy.load(8.0) == (8.0, 1000.0)  # summed over DP ranks, above own counts
+            assert broken.load(8.0) == (5.0, 70.0)
             assert r.stats.load_polls == 1 and r.stats.load_poll_errors == 1
             busy.inflight = 11
-            assert busy.load(0.8) == (11.0, 1000.0)  # own count when higher
-            busy.polled_at -= 1.0  # stale: own counts only
-            assert busy.load(0.8) == (11.0, 50.0)
+            assert busy.load(8.0) == (11.0, 1000.0)  # own count when higher
+            busy.polled_at -= 10.0  # stale: own counts only
+            assert busy.load(8.0) == (11.0, 50.0)
             d = await r.choose([1] * 64, "acme")
             assert d.worker in urls.values()
         finally:
