@@ -59,9 +59,10 @@ Ours (``AffinityCachePolicy``), seed R2 + section 9.3, per request:
   single server had, because new content placed by its key's homes or by work left some servers'
   caches under more pressure than others. smg's cache_aware places low-match requests on the
   worker with the smallest tree (pages sent), which is this rule without the load bound. Measured
-  before/after in one run: Mooncake N = 44 0.279 -> 0.283, generated shapes at N = 44 +0.9 to
-  +1.8 points, multi-tenant within +-0.007 (seed to seed) and the simulated queueing delay about
-  halved (results in the README).
+  before/after in one run: Mooncake N = 44 0.279 -> 0.283, generated shapes at N = 44 0 to +1.8
+  points, multi-tenant a tie within the seed-to-seed spread, and the simulated queueing delay
+  about halved (results in the README). A worker that joins starts with no inflow, so new content
+  goes to it (its cache is empty) until it has caught up, bounded by the hatch.
 
 Without the index (Redis down) the index part of the match is unknown: the memory still keeps
 families where they were sent, and anything else goes by affinity + load (no fresh placement: the
