@@ -37,6 +37,28 @@ from sglang_tiered.dev.workloads import multi_tenant  # noqa: E402
 LOGS = ROOT / "logs" / "fleet_live"
 
 
+def server_ports(n: int, base: int = 62100) -> list[int]:
+    """``n`` free ports above the kernel's ephemeral range (32768-60999 by default). A port picked
+    free by binding port 0 can be taken by another process's outgoing or internal socket (the other
+    servers open several while they start) before the server binds it: seen here, "address
+    already in use", and that server then hung instead of exiting. Ports above the range are never
+    handed out by the kernel."""
+    import socket
+
+    out, port = [], base
+    while len(out) < n and port < 65535:
+        with socket.socket() as sk:
+            try:
+                sk.bind(("127.0.0.1", port))
+                out.append(port)
+            except OSError:
+                pass
+        port += 1
+    if len(out) < n:
+        raise RuntimeError(f"no {n} free ports above {base}")
+    return out
+
+
 def wait_http(url, proc, timeout=120):
     t = time.time() + timeout
     while time.time() < t:
@@ -156,14 +178,16 @@ def main(argv=None) -> int:
         redis_url = f"redis://127.0.0.1:{rport}/0"
         procs.append(subprocess.Popen([shutil.which("redis-server"), "--port", str(rport), "--bind", "127.0.0.1",
                                        "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL))  # fmt: skip
+        ports = server_ports(4)  # 3 tiered servers + the no-cache reference
         for i in range(3):
-            port = free_port()
+            port = ports[i]
             env = {"SGLANG_TIERED_INDEX_URL": redis_url, "SGLANG_TIERED_SERVER_ID": f"http://127.0.0.1:{port}",
                    "SGLANG_TIERED_INDEX_TTL_S": "30", "SGLANG_TIERED_HOST": "off"}  # fmt: skip
             servers.append(Server(ServerSpec(model_path=model, port=port, max_total_tokens=args.pool_tokens, env=env,
                                              dtype=args.dtype),
                                   LOGS / f"server-{i}.log"))  # fmt: skip
-        ref = Server(ServerSpec(model_path=model, backend=None, disable_radix_cache=True, dtype=args.dtype),
+        ref = Server(ServerSpec(model_path=model, backend=None, disable_radix_cache=True, dtype=args.dtype,
+                                port=ports[3]),
                      LOGS / "reference.log")
         with cf.ThreadPoolExecutor(4) as ex:
             list(ex.map(lambda s: s.start(timeout_s=600), servers + [ref]))
@@ -219,7 +243,9 @@ def main(argv=None) -> int:
             if name == "ours":
                 st = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/router/stats").read())
                 extra = {"spill_rate": round(st["spill_rate"], 4), "index_hit_rate": round(st["index_hit_rate"], 4),
-                         "per_worker": {w: v["routed"] for w, v in st["workers"].items()}}  # fmt: skip
+                         "per_worker": {w: v["routed"] for w, v in st["workers"].items()},
+                         "reasons": st.get("reasons", {}), "load_polls": st.get("load_polls", 0),
+                         "load_poll_errors": st.get("load_poll_errors", 0)}  # fmt: skip
             d = summarize(name, res, wall, ref_res, extra)
             d["round"] = rnd
             rows.append(d)

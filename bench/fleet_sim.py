@@ -28,11 +28,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes  # noqa: E402
-from sglang_tiered.fleet.routing import POLICIES  # noqa: E402
+from sglang_tiered.fleet.routing import POLICIES, AffinityCachePolicy  # noqa: E402
 from sglang_tiered.fleet.sim import simulate  # noqa: E402
 from sglang_tiered.dev.workloads import load_mooncake, multi_tenant  # noqa: E402
 
 PAGE = 16
+# The policy before fresh placement (git 1ba9086..fdb913f), for before/after in the same run:
+# new content went to its key's homes (least loaded of 2), index matches from 5 % of the prompt.
+EXTRA = {"ours_prev": lambda: AffinityCachePolicy(fresh=False, warm_frac=0.05, name="ours_prev")}
+ALL = {**POLICIES, **EXTRA}
 # Total device tokens per workload: at N = 44 each server still fits the workload's longest prompt.
 TOTAL_DEVICE = {"mooncake": 176_000, "multitenant": 44_000}
 
@@ -52,7 +56,44 @@ class SimServer:
     def run(self, tokens, tenant):
         out = self.cache.driver.run(tokens, tenant=tenant)
         self.unserved += not out.served
+        if self.log is not None:
+            self.log.append((out.prompt_len, out.cached_len))
         return out.prompt_len, out.cached_len
+
+    log = None  # a list: (prompt, cached) per request served here, in order (--diagnose)
+
+
+class Probe:
+    """--diagnose: wraps a policy and records, per request, the longest prefix any server held
+    (the exact index), what the chosen server held, and the policy's reason."""
+
+    def __init__(self, policy):
+        self.policy, self.name, self.rows = policy, policy.name, []
+
+    def route(self, req, view):
+        d = self.policy.route(req, view)
+        m = view.matched or {}
+        self.rows.append((max(m.values(), default=0), d.reason or ("spill" if d.spill else "")))
+        return d
+
+
+def diagnose(single_log, probe, served) -> dict:
+    """Where a fleet policy lost tokens against one server with the same total cache, per request:
+    *routing loss*: a server held a longer prefix than the one the request was sent to (by
+    reason); *capacity loss*: no server held what the single server had (the cache split into N
+    parts); *capacity gain*: the reverse. Fractions of all prompt tokens."""
+    total = sum(p for p, _ in served)
+    route: dict = {}
+    cap_loss = cap_gain = 0
+    for (p1, c1), (best, reason), (p, c) in zip(single_log, probe.rows, served):
+        if best > c:
+            route[reason] = route.get(reason, 0) + best - c
+        d = c1 - max(best, c)
+        cap_loss += max(0, d)
+        cap_gain += max(0, -d)
+    return {"routing_loss": round(sum(route.values()) / total, 4),
+            "routing_loss_by_reason": {k: round(v / total, 4) for k, v in sorted(route.items())},
+            "capacity_loss": round(cap_loss / total, 4), "capacity_gain": round(cap_gain / total, 4)}  # fmt: skip
 
 
 # Generated shapes (sglang_tiered.dev.workload_family, other knobs drawn from the seed): so that the
@@ -91,7 +132,7 @@ def load_workload(name: str, limit: int, seed: int):
     return [(r.tokens, r.tenant) for r in reqs]
 
 
-def run_one(workload, reqs, n, policy_name, host_ratio, rho):
+def run_one(workload, reqs, n, policy_name, host_ratio, rho, single_log=None):
     key = CacheKey()
     seeds: dict = {}
 
@@ -103,13 +144,19 @@ def run_one(workload, reqs, n, policy_name, host_ratio, rho):
 
     per = total_device_tokens(workload, reqs) // n // PAGE * PAGE
     servers = {f"s{i}": SimServer(per, host_ratio) for i in range(n)}
-    pol = POLICIES[policy_name]()
+    pol = ALL[policy_name]()
+    served: list = []  # (prompt, cached) per request in trace order, whichever server served it
+    for s in servers.values():
+        s.log = served
+    probe = Probe(pol) if single_log is not None else pol
     t0 = time.perf_counter()
-    res = simulate(reqs, servers, pol, hashes_of, page_size=PAGE, rho=rho)
+    res = simulate(reqs, servers, probe, hashes_of, page_size=PAGE, rho=rho)
     res.unserved = sum(s.unserved for s in servers.values())
     d = res.as_dict()
     d.update(workload=workload, device_tokens_per_server=per, seconds=round(time.perf_counter() - t0, 1))
-    return d
+    if single_log is not None and n > 1:
+        d.update(diagnose(single_log, probe, served))
+    return d, served
 
 
 def meta() -> dict:
@@ -134,7 +181,7 @@ def plot(rows, path):
     wls = sorted({r["workload"] for r in rows})
     fig, axes = plt.subplots(2, len(wls), figsize=(6 * len(wls), 8), squeeze=False)
     for j, wl in enumerate(wls):
-        for pol in POLICIES:
+        for pol in dict.fromkeys(r["policy"] for r in rows if r["policy"] != "single"):
             pts = sorted((r["n"], r["hit_rate"], r["work_imbalance"]) for r in rows
                          if r["workload"] == wl and r["policy"] == pol)  # fmt: skip
             if not pts:
@@ -161,25 +208,32 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", nargs="+", default=["both"],
                     help="mooncake, multitenant, both, or family-<shape>-<seed> (shapes: " + ", ".join(SHAPES) + ")")
     ap.add_argument("--ns", type=int, nargs="+", default=[1, 2, 4, 8, 16, 44])
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(ALL),
+                    help="default: every policy in routing.POLICIES; also: " + ", ".join(EXTRA))
     ap.add_argument("--limit", type=int, default=4000, help="requests per workload (subsample: first N)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--host-ratio", type=float, default=2.0, help="T1 pages per device page")
     ap.add_argument("--rho", type=float, default=0.9, help="fleet utilisation if nothing were cached")
     ap.add_argument("--name", default="fleet_sim")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="per request, against the single server (run N = 1 first): routing vs capacity loss")
     args = ap.parse_args(argv)
     wls = [w for x in args.workload for w in (["mooncake", "multitenant"] if x == "both" else [x])]
     rows = []
     for wl in wls:
         reqs = load_workload(wl, args.limit, args.seed)
+        single_log = None
         for n in args.ns:
             for pol in (["round_robin"] if n == 1 else args.policies):
-                d = run_one(wl, reqs, n, pol, args.host_ratio, args.rho)
+                d, served = run_one(wl, reqs, n, pol, args.host_ratio, args.rho, single_log)
                 if n == 1:
                     d["policy"] = "single"
+                    single_log = served if args.diagnose else None
                 rows.append(d)
-                print(f"{wl:12s} N={n:<3d} {d['policy']:18s} hit {d['hit_rate']:.3f}  work-imb {d['work_imbalance']:.2f}"
-                      f"  req-imb {d['load_imbalance']:.2f}  q {d['mean_queue_ms']}ms  ttft {d['mean_ttft_ms']}ms  spill {d['spill_rate']:.3f}  ({d['seconds']}s)", flush=True)
+                diag = (f"  loss: routing {d['routing_loss']} {d['routing_loss_by_reason']} capacity {d['capacity_loss']}"
+                        f" (gain {d['capacity_gain']})") if "routing_loss" in d else ""  # fmt: skip
+                print(f"{wl:12s} N={n:<3d} {d['policy']:18s} hit {d['hit_rate']:.4f}  work-imb {d['work_imbalance']:.2f}"
+                      f"  req-imb {d['load_imbalance']:.2f}  q {d['mean_queue_ms']}ms  ttft {d['mean_ttft_ms']}ms  spill {d['spill_rate']:.3f}  ({d['seconds']}s){diag}", flush=True)
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     doc = {"meta": meta(), "args": vars(args), "total_device_tokens": TOTAL_DEVICE,
@@ -187,7 +241,7 @@ def main(argv=None) -> int:
            "rows": rows}  # fmt: skip
     (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
     with open(out / f"{args.name}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         w.writeheader()
         w.writerows(rows)
     plot(rows, out / f"{args.name}.png")

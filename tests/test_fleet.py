@@ -115,8 +115,9 @@ class KeyWindowMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.n = 3
-        self.pol = AffinityCachePolicy(horizon=2, memory_pages=3)
+        self.pol = AffinityCachePolicy(horizon=2, memory_pages=3, inflow_horizon=2)
         self.model: list = []
+        self.routed: list = []  # workers routed to, the inflow window's model
         self.sent: dict = {}  # page hash -> last worker (the memory's model, unbounded)
         self.order: list = []  # page hashes, least recently sent first
 
@@ -128,6 +129,7 @@ class KeyWindowMachine(RuleBasedStateMachine):
         d = self.pol.route(RouteRequest(32, pages, key=key), _view(ws, matched={}))
         assert d.worker in ws
         self.model = (self.model + [key])[-2 * n :]
+        self.routed = (self.routed + [d.worker])[-2 * n :]
         for h in pages:
             self.sent[h] = d.worker
             self.order = [x for x in self.order if x != h] + [h]
@@ -145,6 +147,15 @@ class KeyWindowMachine(RuleBasedStateMachine):
         assert all(self.pol._sent[h] == self.sent[h] for h in keep)
 
 
+    @invariant()
+    def inflow_is_the_window_sum_bounded(self):
+        win = list(self.pol._inflow_window)
+        assert [w for w, _ in win] == self.routed
+        assert all(0 <= t <= 32 for _, t in win)
+        for w, total in self.pol._inflow.items():
+            assert total == sum(t for x, t in win if x == w)
+
+
 TestKeyWindow = KeyWindowMachine.TestCase
 TestKeyWindow.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
 
@@ -159,12 +170,43 @@ def test_routing_memory_returns_a_family_where_it_was_sent():
     # evicted there (the index forgets): the memory still sends the family back
     d = pol.route(req, _view(ws, matched={}))
     assert d.worker == other and d.reason == "warm"
-    # Redis down: affinity + load only (the memory is a refinement of the index, not a substitute)
-    assert pol.route(req, _view(ws, matched=None)).worker != other
+    # Redis down: the memory is the router's own, the family stays where it was sent
+    assert pol.route(req, _view(ws, matched=None)).worker == other
+    # ... and a prompt it never sent goes by affinity + load (no fresh placement without the index)
+    new = RouteRequest(128, [bytes([100 + i]) * 16 for i in range(8)], tenant="acme")
+    d = pol.route(new, _view(ws, matched=None))
+    assert d.worker in rendezvous_top_k(b"t:acme", ws, 2) and d.reason != "fresh"
     # off: the cold rule decides
     off = AffinityCachePolicy(per_prefix=False, memory_pages=0)
     off.route(req, _view(ws, matched={other: 128}))
     assert off.route(req, _view(ws, matched={})).worker != other
+
+
+def test_fresh_content_goes_to_the_least_inflow_worker():
+    ws = [f"w{i}" for i in range(4)]
+    pol = AffinityCachePolicy(per_prefix=False, memory_pages=0)
+    pol._inflow.update({"w0": 500, "w1": 100, "w2": 300, "w3": 900})
+    fresh = RouteRequest(160, [bytes([i]) * 16 for i in range(10)], tenant="acme")
+    # nobody holds warm_frac (10 %) of it: new content -> least inflow (w1), whatever the homes
+    d = pol.route(fresh, _view(ws, matched={"w0": 8}))
+    assert d.worker == "w1" and d.reason == "fresh"
+    assert pol._inflow["w1"] == 100 + 160  # it now holds the prompt: counted as inflow
+    # ... unless that worker is over the hatch
+    pol._inflow.update({"w0": 500, "w1": 100, "w2": 300, "w3": 900})
+    load = {w: 1.0 for w in ws}
+    load["w1"] = 50.0
+    assert pol.route(fresh, _view(ws, load, matched={})).worker == "w2"
+    # a match of at least warm_frac: locality, not placement
+    assert pol.route(fresh, _view(ws, matched={"w3": 32})).reason != "fresh"
+    # Redis down, or no page hashes yet (CacheKey unknown): affinity + load, the homes keep the tenant
+    homes = rendezvous_top_k(b"t:acme", ws, 2)
+    other = RouteRequest(160, [bytes([50 + i]) * 16 for i in range(10)], tenant="acme")
+    assert pol.route(other, _view(ws, matched=None)).worker in homes
+    assert pol.route(RouteRequest(160, [], tenant="acme"), _view(ws, matched={})).worker in homes
+    # off: the cold rule (homes)
+    off = AffinityCachePolicy(per_prefix=False, memory_pages=0, fresh=False)
+    off._inflow.update({"w0": 500, "w1": 100, "w2": 300, "w3": 900})
+    assert off.route(fresh, _view(ws, matched={})).worker in homes
 
 
 def test_longest_match():
@@ -260,3 +302,59 @@ def test_token_affinity_key_is_stable_and_groups_families():
     assert token_affinity_key(None, a, 16) == token_affinity_key(None, a[:32] + [1], 16)  # first 2 pages
     assert token_affinity_key(None, a, 16) != token_affinity_key(None, a[:16] + [1] * 16, 16)
     assert token_affinity_key(None, a[:5], 16) == b"p:"
+
+
+def test_router_load_is_own_counts_raised_to_polled_v1_loads():
+    """The router's load view: its in-flight counts, raised to what each worker reports at /v1/loads
+    (traffic that bypasses this router); a failing or stale report is ignored."""
+    import asyncio
+
+    from aiohttp import web
+
+    from sglang_tiered.fleet.router import Router
+
+    async def main():
+        reports = {"busy": {"loads": [{"num_running_reqs": 3, "num_waiting_reqs": 4, "num_waiting_uncached_tokens": 900},
+                                      {"num_running_reqs": 1, "num_waiting_reqs": 0, "num_waiting_uncached_tokens": 100}]},
+                   "broken": None}  # fmt: skip
+        runners, urls = [], {}
+        for name, doc in reports.items():
+            app = web.Application()
+
+            async def loads(_, doc=doc):
+                return web.json_response(doc) if doc is not None else web.Response(status=500)
+
+            app.router.add_get("/v1/loads", loads)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            urls[name] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        r = Router(list(urls.values()), load_poll_s=2.0)  # poll timeout 4 s: a loaded CI machine
+        import aiohttp
+
+        r._session = aiohttp.ClientSession()
+        try:
+            busy, broken = r.workers[urls["busy"]], r.workers[urls["broken"]]
+            busy.inflight, busy.inflight_tokens = 2, 50
+            broken.inflight, broken.inflight_tokens = 5, 70
+            assert busy.load(8.0) == (2.0, 50.0)  # nothing polled yet: own counts
+            await r.poll_loads()
+            assert busy.load(8.0) == (8.0, 1000.0)  # summed over DP ranks, above own counts
+            assert broken.load(8.0) == (5.0, 70.0)
+            assert r.stats.load_polls == 1 and r.stats.load_poll_errors == 1
+            busy.inflight = 11
+            assert busy.load(8.0) == (11.0, 1000.0)  # own count when higher
+            busy.polled_at -= 10.0  # stale: own counts only
+            assert busy.load(8.0) == (11.0, 50.0)
+            d = await r.choose([1] * 64, "acme")
+            assert d.worker in urls.values()
+        finally:
+            await r._session.close()
+            for runner in runners:
+                await runner.cleanup()
+
+    asyncio.run(main())
+    with pytest.raises(ValueError):
+        Router(["http://127.0.0.1:1"], load_poll_s=-1)

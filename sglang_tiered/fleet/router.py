@@ -18,8 +18,12 @@ Per request (``/generate``, ``/v1/completions``, ``/v1/chat/completions``, strea
 4. one Redis round trip (pipelined ``HGETALL`` of the prompt's page keys + the heartbeats) gives
    each worker's matched prefix; Redis down or slower than ``--index-timeout-ms`` means "no
    index" and routing falls back to affinity + load (counted);
-5. ``AffinityCachePolicy`` picks the worker (see routing.py); load = requests in flight from this
-   router, queue delay = their not-yet-cached prompt tokens x c_tok.
+5. ``AffinityCachePolicy`` picks the worker (see routing.py); load = requests in flight on the
+   worker, queue delay = their not-yet-cached prompt tokens x c_tok. Both are this router's own
+   counts (exact and current for what it sent) raised to what the worker last reported at
+   ``/v1/loads`` (polled every ``load_poll_s``: running + waiting requests, waiting uncached
+   tokens), so traffic that bypasses this router, or another router, is seen too (smg polls the
+   same endpoint). A poll that fails or is older than 4 periods is ignored.
 
 A worker that fails health checks or a connection leaves the routing set (its tenants rehome by
 rendezvous, about 1/n of them) until it answers again; a request whose connection fails before
@@ -55,6 +59,17 @@ class WorkerState:
     failures: int = 0
     missed: int = 0  # failed health checks in a row
     down_until: float = 0.0
+    # the worker's own report (/v1/loads, summed over its DP ranks) and when it arrived
+    polled_reqs: int = 0
+    polled_tokens: int = 0
+    polled_at: float = 0.0
+
+    def load(self, max_age_s: float) -> tuple[float, float]:
+        """(requests in flight, uncached prompt tokens queued): this router's counts, raised to
+        the worker's last report when that is younger than ``max_age_s``."""
+        if time.monotonic() - self.polled_at <= max_age_s:
+            return float(max(self.inflight, self.polled_reqs)), float(max(self.inflight_tokens, self.polled_tokens))
+        return float(self.inflight), float(self.inflight_tokens)
 
 
 @dataclass
@@ -67,18 +82,21 @@ class RouterStats:
     index_unavailable: int = 0  # requests routed without the index
     retries: int = 0
     health_downs: int = 0  # workers taken out of the routing set by health checks
+    load_polls: int = 0
+    load_poll_errors: int = 0
     failed: int = 0
     matched_tokens: int = 0
     prompt_tokens: int = 0
     route_ms_total: float = 0.0
-    extra: dict = field(default_factory=dict)
+    reasons: dict = field(default_factory=dict)  # the policy's reason per routed request (warm, fresh, home, ...)
 
 
 class Router:
     def __init__(self, workers: list[str], redis_url: Optional[str] = None, *, k: int = 1,
                  model_path: Optional[str] = None, tenant_header: Optional[str] = None,
                  c_tok_us: float = 35.0, page_size: int = 16, index_ttl_s: float = 30.0,
-                 index_timeout_ms: float = 50.0, health_interval_s: float = 1.0, health_misses: int = 3):  # fmt: skip
+                 index_timeout_ms: float = 50.0, health_interval_s: float = 1.0, health_misses: int = 3,
+                 load_poll_s: float = 0.25):  # fmt: skip
         self.workers = {w.rstrip("/"): WorkerState(w.rstrip("/")) for w in workers}
         self.redis_url = redis_url
         self.policy = AffinityCachePolicy(k=k, c_tok_s=c_tok_us * 1e-6)
@@ -89,6 +107,10 @@ class Router:
         self.index_timeout_s = index_timeout_ms / 1e3
         self.health_interval_s = health_interval_s
         self.health_misses = health_misses
+        if load_poll_s < 0:
+            raise ValueError(f"load_poll_s must be >= 0 (0: off), got {load_poll_s}")
+        self.load_poll_s = load_poll_s
+        self._poll_task = None
         self.stats = RouterStats()
         self.tokenizer = None
         self.cache_key: Optional[CacheKey] = None
@@ -114,9 +136,13 @@ class Router:
             self._redis = aredis.Redis.from_url(self.redis_url, socket_timeout=self.index_timeout_s * 4,
                                                 socket_connect_timeout=self.index_timeout_s * 4)  # fmt: skip
         self._health_task = asyncio.create_task(self._health_loop())
+        if self.load_poll_s:
+            self._poll_task = asyncio.create_task(self._poll_loop())
 
     async def close(self):
         self._health_task.cancel()
+        if self._poll_task is not None:
+            self._poll_task.cancel()
         if self._session is not None:
             await self._session.close()
         if self._redis is not None:
@@ -151,6 +177,33 @@ class Router:
                     ws.healthy = False
                     self.stats.health_downs += 1
             await asyncio.sleep(self.health_interval_s)
+
+    async def poll_loads(self) -> None:
+        """One round of ``GET /v1/loads?include=core`` on every worker (concurrently)."""
+        import aiohttp
+
+        async def one(ws: WorkerState):
+            try:
+                timeout = aiohttp.ClientTimeout(total=max(0.1, 2 * self.load_poll_s))
+                async with self._session.get(ws.url + "/v1/loads?include=core", timeout=timeout) as r:
+                    doc = await r.json(content_type=None) if r.status == 200 else None
+                loads = doc.get("loads") if isinstance(doc, dict) else None
+                if not isinstance(loads, list):
+                    raise ValueError("no 'loads' list")
+                ws.polled_reqs = sum(int(x.get("num_running_reqs", 0)) + int(x.get("num_waiting_reqs", 0))
+                                     for x in loads)  # fmt: skip
+                ws.polled_tokens = sum(int(x.get("num_waiting_uncached_tokens", 0)) for x in loads)
+                ws.polled_at = time.monotonic()
+                self.stats.load_polls += 1
+            except Exception:  # noqa: BLE001 - an old server or a slow answer: own counts only
+                self.stats.load_poll_errors += 1
+
+        await asyncio.gather(*(one(ws) for ws in self.workers.values() if ws.healthy))
+
+    async def _poll_loop(self):
+        while True:
+            await self.poll_loads()
+            await asyncio.sleep(self.load_poll_s)
 
     # ------------------------------------------------------------------ request -> tokens, hashes
     def tokens_of(self, path: str, body: dict) -> list[int]:
@@ -237,9 +290,10 @@ class Router:
         matched = await self.matched(hashes, live)
         if matched is None:
             self.stats.index_unavailable += 1
-        st = self.workers
-        view = FleetView(live, {w: float(st[w].inflight) for w in live},
-                         {w: st[w].inflight_tokens * self.policy.c_tok_s for w in live}, matched)  # fmt: skip
+        max_age = 4 * self.load_poll_s
+        loads = {w: self.workers[w].load(max_age) for w in live}
+        view = FleetView(live, {w: r for w, (r, _) in loads.items()},
+                         {w: t * self.policy.c_tok_s for w, (_, t) in loads.items()}, matched)  # fmt: skip
         pol = self.policy
         key = token_affinity_key(tenant, tokens, self.page_size, pol.affinity_pages, pol.per_prefix)
         return pol.route(RouteRequest(len(tokens), hashes, tenant, self.page_size, key=key), view)
@@ -277,6 +331,7 @@ class Router:
             if attempt == 0:
                 self.stats.requests += 1
                 self.stats.spills += d.spill
+                self.stats.reasons[d.reason] = self.stats.reasons.get(d.reason, 0) + 1
                 self.stats.index_hits += d.matched > 0
                 self.stats.matched_tokens += d.matched
                 self.stats.prompt_tokens += len(tokens)
@@ -331,10 +386,14 @@ class Router:
             "index_unavailable": s.index_unavailable,
             "retries": s.retries,
             "health_downs": s.health_downs,
+            "load_polls": s.load_polls,
+            "load_poll_errors": s.load_poll_errors,
             "failed": s.failed,
             "mean_route_ms": s.route_ms_total / n,
+            "reasons": dict(s.reasons),
             "workers": {w: {"routed": x.routed, "inflight": x.inflight, "healthy": x.healthy,
-                            "failures": x.failures} for w, x in self.workers.items()},  # fmt: skip
+                            "failures": x.failures, "polled_reqs": x.polled_reqs}
+                        for w, x in self.workers.items()},  # fmt: skip
         }
 
     def app(self):

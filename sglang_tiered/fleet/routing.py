@@ -46,8 +46,27 @@ Ours (``AffinityCachePolicy``), seed R2 + section 9.3, per request:
   after an eviction it forgets, and the family's next request went wherever the cold rule put it,
   seeding a second copy. The memory sends it back where it *was*: it recomputes once there and the
   family stays on one worker. Measured in the simulator (multi-tenant, N = 8): 0.429 -> 0.448.
+  The memory is the router's own state, so it applies with Redis down too.
 
-Without the index (Redis down) nothing is known to match and the rule is affinity + load.
+* **Fresh placement by cache inflow**: a request that no worker holds ``warm_frac`` (10 %) of, by
+  the index and the memory, is new content (a new conversation, a one-shot scan, a new document):
+  it goes to the worker, under the hatch, whose cache took the least *inflow* (prompt tokens sent
+  to it that it did not hold) over the last ``inflow_horizon`` x N requests. Its later requests
+  find it through the index and the memory. Why (``bench/fleet_sim.py --diagnose``, per request
+  against one server with the same total cache): routing losses, i.e. a request sent to a worker
+  holding less than another did, were 0.0000-0.0008 of prompt tokens on the multi-tenant mix at
+  N = 8; what separated the policies was *capacity loss*, i.e. pages no server held that the
+  single server had, because new content placed by its key's homes or by work left some servers'
+  caches under more pressure than others. smg's cache_aware places low-match requests on the
+  worker with the smallest tree (pages sent), which is this rule without the load bound. Measured
+  before/after in one run: Mooncake N = 44 0.279 -> 0.283, generated shapes at N = 44 0 to +1.8
+  points, multi-tenant a tie within the seed-to-seed spread, and the simulated queueing delay
+  about halved (results in the README). A worker that joins starts with no inflow, so new content
+  goes to it (its cache is empty) until it has caught up, bounded by the hatch.
+
+Without the index (Redis down) the index part of the match is unknown: the memory still keeps
+families where they were sent, and anything else goes by affinity + load (no fresh placement: the
+homes are what a router with no index can find again).
 
 [1] M. Mitzenmacher, "The power of two choices in randomized load balancing", IEEE TPDS 2001.
 """
@@ -171,7 +190,7 @@ class AffinityCachePolicy:
     overload: float = 1.25  # the hatch: a worker is over above overload x the fleet mean load ...
     slack: float = 2.0  # ... plus this many requests (small fleets at low load never spill)
     cold_over: float = 1.3  # a cold request leaves its home above cold_over x the mean load
-    warm_frac: float = 0.05  # an index match shorter than this fraction of the prompt is ignored
+    warm_frac: float = 0.1  # an index match shorter than this fraction of the prompt is ignored
     c_tok_s: float = 35e-6  # recompute seconds per prompt token (seed: 35 us on its fleet)
     # A recomputed token delays this request and, queued on the server, the requests behind it:
     # priced at (1 + followers) x c_tok (followers ~ rho / (1 - rho) requests at utilisation rho).
@@ -182,7 +201,14 @@ class AffinityCachePolicy:
     # Routing memory: the last worker each page hash was sent to (LRU, at most memory_pages, about
     # 150 bytes each); 0 turns it off.
     memory_pages: int = 1 << 18
+    # Fresh placement: with the index, a request no worker holds warm_frac of (new content) goes to
+    # the worker, under the hatch, with the least cache inflow (prompt tokens it was sent that it
+    # did not hold) over the last inflow_horizon x N requests; False: to its cold choice (homes).
+    fresh: bool = True
+    inflow_horizon: int = 256
     name: str = "ours"
+    _inflow: dict = field(default_factory=dict, repr=False)
+    _inflow_window: deque = field(default_factory=deque, repr=False)
     _window: deque = field(default_factory=deque, repr=False)
     _count: dict = field(default_factory=dict, repr=False)
     _sent: OrderedDict = field(default_factory=OrderedDict, repr=False)
@@ -214,7 +240,11 @@ class AffinityCachePolicy:
                 del self._count[old]
 
     def route(self, req: RouteRequest, view: FleetView) -> Decision:
-        d = self._route(req, self._with_memory(req, view))
+        mview = self._with_memory(req, view)
+        # fresh placement needs the index (to know that nobody holds the prompt) and the prompt's
+        # page hashes (a router that has not learnt the servers' CacheKey yet has none)
+        d = self._route(req, mview, fresh=self.fresh and view.matched is not None and bool(req.page_hashes))
+        self._count_inflow(d.worker, req.prompt_tokens - (mview.matched or {}).get(d.worker, 0), len(view.workers))
         if self.memory_pages:
             sent = self._sent
             for h in req.page_hashes:
@@ -224,21 +254,33 @@ class AffinityCachePolicy:
                 sent.popitem(last=False)
         return d
 
+    def _count_inflow(self, worker: str, new_tokens: int, n: int) -> None:
+        """Cache inflow: tokens sent to ``worker`` that it did not hold (by index + memory), over
+        the last ``inflow_horizon`` x N requests (bounded memory)."""
+        new_tokens = max(0, new_tokens)
+        self._inflow[worker] = self._inflow.get(worker, 0) + new_tokens
+        self._inflow_window.append((worker, new_tokens))
+        while len(self._inflow_window) > self.inflow_horizon * max(1, n):
+            ow, ot = self._inflow_window.popleft()
+            self._inflow[ow] -= ot
+
     def _with_memory(self, req: RouteRequest, view: FleetView) -> FleetView:
-        """The index's matches, each raised to the prefix this router last sent to that worker."""
-        if not self.memory_pages or view.matched is None or not self.use_index:
-            return view  # no index (Redis down): affinity + load only, as documented
+        """The index's matches, each raised to the prefix this router last sent to that worker.
+        The memory is the router's own: with Redis down it still keeps each family where it was
+        sent (a Redis outage must not move families that fresh placement put off their homes)."""
+        if not self.memory_pages or not self.use_index:
+            return view
         sent, empty = self._sent, set()
         remembered = longest_match(req.page_hashes, [{sent[h]} if h in sent else empty for h in req.page_hashes],
                                    req.page_size, view.workers)  # fmt: skip
         if not remembered:
             return view
-        matched = dict(view.matched)
+        matched = dict(view.matched or {})
         for w, m in remembered.items():
             matched[w] = max(matched.get(w, 0), m)
         return FleetView(view.workers, view.load, view.queue_s, matched)
 
-    def _route(self, req: RouteRequest, view: FleetView) -> Decision:
+    def _route(self, req: RouteRequest, view: FleetView, fresh: bool = False) -> Decision:
         workers = view.workers
         n = len(workers)
         key = req.key if req.key is not None else affinity_key(req.tenant, req.page_hashes, self.affinity_pages,
@@ -259,6 +301,13 @@ class AffinityCachePolicy:
         matched = (view.matched or {}) if self.use_index else {}
         floor = max(1, self.warm_frac * req.prompt_tokens)
         warm = [w for w, m in matched.items() if m >= floor and w in view.load and not self.over(view, w)]
+        if fresh and self.use_index and not any(m >= floor for m in matched.values()):
+            # 2'. new content (no worker holds warm_frac of it): to the worker whose cache takes the
+            #     least inflow, under the hatch, so that every server's cache is under the same
+            #     pressure (placing by work or by home left some servers' caches thrashing)
+            pool = [w for w in workers if not self.over(view, w)] or workers
+            w = min(pool, key=lambda x: (self._inflow.get(x, 0), load(x), order.get(x, n), x))
+            return Decision(w, home=w in order, reason="fresh", matched=matched.get(w, 0))
         if warm:
             best = max(warm, key=lambda w: (matched[w], -order.get(w, n), -load(w), w))
             saved_s = (matched[best] - matched.get(choice, 0)) * self.c_tok_s * (1.0 + self.followers)
