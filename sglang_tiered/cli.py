@@ -103,7 +103,8 @@ def _cmd_route(args: argparse.Namespace) -> int:
           f"(k={args.k}, index {args.redis or 'off'})", flush=True)
     serve(args.workers, args.redis, host=args.host, port=args.port, k=args.k, model_path=args.model,
           tenant_header=args.tenant_header, c_tok_us=args.c_tok_us, page_size=args.page_size,
-          index_ttl_s=args.index_ttl_s, index_timeout_ms=args.index_timeout_ms)  # fmt: skip
+          index_ttl_s=args.index_ttl_s, index_timeout_ms=args.index_timeout_ms,
+          load_poll_s=args.load_poll_ms / 1e3)  # fmt: skip
     return 0
 
 
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--page-size", type=int, default=16)
     r.add_argument("--index-ttl-s", type=float, default=30.0)
     r.add_argument("--index-timeout-ms", type=float, default=50.0)
+    r.add_argument("--load-poll-ms", type=float, default=250.0, help="poll each worker's /v1/loads every this many ms (0: off)")
     r.set_defaults(func=_cmd_route)
 
     args = ap.parse_args(argv)
