@@ -52,15 +52,18 @@ than the 0.2-point bar. The estimate's error is the SHARDS sampling error plus t
 model error that the measured bias corrects (bounded by ``guard_bias_bound``), so the bound is on
 the sampled estimate of lru, not an oracle.
 
-Measured (family-000..039 x 6 capacities = 240 cells, bench/workload_family.py --n 40
---no-traces --no-belady --workers 1, before and after in the same session): cells below
-lru - 0.2 points 31 -> 17, worst -2.77 -> -1.13 points (family-021 at 5 %, one lost episode);
-cells below best - 0.5 points 112 -> 130, cells beating the best SGLang policy 76 -> 54 (adaptive
-now waits for evidence, and loses its wins while it waits). Mooncake at 0.5/1/2 %: 0.0485 /
-0.1001 / 0.1136 (was 0.0686 / 0.0992 / 0.1027; the issue's margins 0.072 / 0.100 / 0.129 are
-not met at 0.5 and 2 %): at 0.5 % the lru start lets slru's shadow (which overstates slru by
-~4.6 points there) lead, and adaptive, compared with slru once its bias is measured, loses its
-episode. ``guard_start_lru=False`` restores the earlier Mooncake numbers.
+Measured (bench/results/workload_family_a038739.json: all 202 workloads x 6 capacities, one
+run, --workers 1): 79 of 1,212 cells below lru - 0.2 points (the full run at 05d3073: 117), worst
+-1.92 (family-130 at 20 %; was -3.2); 647 below best - 0.5 (was 574), 311 beat the best SGLang
+policy (was 437): adaptive now waits for evidence and loses some wins while it waits. On
+family-000..039 (240 cells, same workloads, deterministic hits) against fdb913f: below lru - 0.2
+31 -> 15, worst -2.77 -> -1.13 (family-021 at 5 %, one lost episode); below best - 0.5 112 -> 130.
+Mooncake at 0.5/1/2/5/10/20 %: 0.0485 / 0.1001 / 0.1136 / 0.2025 / 0.2786 / 0.3475, at or above
+the best SGLang policy everywhere, but below the issue's 0.072 / 0.100 / 0.129 at 0.5 and 2 %
+(fdb913f: 0.0686 / 0.0992 / 0.1027): at 0.5 % slru's shadow (it overstates slru by ~4.6 points
+there) is followed after the lru start, and adaptive, compared with slru once that bias is
+measured, loses its one episode. ``guard_start_lru=False`` gives back 0.0686 / 0.0992 / 0.1027
+and, on family-000..039, 25 cells below lru - 0.2 (worst -1.25), 115 below best - 0.5.
 
 What it does, and why (the Mooncake trace measured plain W-TinyLFU *losing* to LRU above ~3 %
 capacity, DESIGN.md decision 2; SGLang's own slru/lfu lose to its lru there by 4-9 points at
