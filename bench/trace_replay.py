@@ -96,10 +96,10 @@ def replay_sglang(reqs, capacity_tokens: int, policy: str):
     return _replay(CacheDriver(RadixCache(params), alloc, pool), reqs)
 
 
-def replay_tiered(reqs, capacity_tokens: int):
+def replay_tiered(reqs, capacity_tokens: int, policy_config=None):
     from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
 
-    cache = TieredRadixCache.create_simulated(capacity_tokens, PAGE)
+    cache = TieredRadixCache.create_simulated(capacity_tokens, PAGE, policy_config=policy_config)
     res = _replay(cache.driver, reqs)
     res["policy_state"] = cache.policy.snapshot()
     return res

@@ -51,7 +51,7 @@ def _load(spec):
 
 
 def run_workload(task):
-    spec, fractions, belady = task
+    spec, fractions, belady, overrides = task
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -74,7 +74,7 @@ def run_workload(task):
             row[pol] = r["hit_tokens"] / total
             if pol == "lru":
                 row["us_lru"] = r["us_per_req"]
-            r = replay_tiered(reqs, cap) if pol == "lru" else None  # interleaved with lru
+            r = replay_tiered(reqs, cap, _policy_config(overrides)) if pol == "lru" else None  # interleaved with lru
             if r is not None:
                 row["tiered"] = r["hit_tokens"] / total
                 row["us_tiered"] = r["us_per_req"]
@@ -107,6 +107,8 @@ def main(argv=None) -> int:
     ap.add_argument("--from-partial", action="store_true",
                     help="write the results from <name>.partial.jsonl (the rows of the workloads a run "
                          "finished, appended as they finish) instead of running")  # fmt: skip
+    ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="PolicyConfig overrides for tiered (experiments), e.g. guard_start_lru=False")
     ap.add_argument("--git-sha", default=None, help="record this sha (when run from an exported copy)")
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
@@ -117,7 +119,9 @@ def main(argv=None) -> int:
     if not args.no_traces:
         specs += [("mooncake", 0), ("multitenant", args.multitenant_requests)]
     specs += [("family", s) for s in range(args.start, args.start + args.n)]
-    tasks = [(s, args.fractions, not args.no_belady) for s in specs]
+    overrides = dict(_override(kv) for kv in args.policy)
+    _policy_config(overrides)  # a bad name or value fails here, not in a worker
+    tasks = [(s, args.fractions, not args.no_belady, overrides) for s in specs]
     t0 = time.time()
     rows, params = [], {}
     if args.from_partial:
@@ -143,6 +147,8 @@ def main(argv=None) -> int:
     env = environment()
     if args.git_sha:
         env["git_sha"] = args.git_sha
+    if overrides:
+        env["policy_overrides"] = overrides
     with open(out / f"{args.name}.csv", "w", newline="") as f:
         keys = list(dict.fromkeys(k for r in rows for k in r))
         w = csv.DictWriter(f, fieldnames=keys)
@@ -155,6 +161,21 @@ def main(argv=None) -> int:
     print(json.dumps(summary, indent=1))
     print(f"wrote {out}/{args.name}.{{csv,json,png}} in {time.time() - t0:.0f}s")
     return 0
+
+
+def _override(kv: str):
+    import ast
+
+    name, sep, value = kv.partition("=")
+    if not sep:
+        raise SystemExit(f"--policy takes FIELD=VALUE, got {kv!r}")
+    return name, ast.literal_eval(value)
+
+
+def _policy_config(overrides: dict):
+    from sglang_tiered.core.policy import PolicyConfig
+
+    return PolicyConfig(**overrides) if overrides else None
 
 
 def summarize(rows) -> dict:

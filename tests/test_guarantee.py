@@ -202,3 +202,54 @@ def test_entry_lead_grows_after_a_failed_episode_and_resets_when_vindicated():
         pol.observe([bytes([0, 0, 0, 0]) + (10_000 + i).to_bytes(12, "little")], 1)
     assert pol._entry_lead == lead0
     pol.check_invariants()
+
+
+def _loop_page(i: int) -> bytes:
+    return bytes([0, 0, 0, 0]) + (i % 64).to_bytes(12, "little")
+
+
+def test_default_policy_starts_as_exact_lru():
+    """The first episode of adaptive needs the entry gate's evidence too: the cache starts as
+    SGLang's lru (and measures the shadow's bias against the real tree meanwhile)."""
+    assert AdaptivePolicy(capacity_pages=64).following == "lru"
+
+
+def test_fixed_order_switch_needs_a_lead_beyond_noise_bias_and_lost_episodes():
+    """Following another fixed order than lru needs its shadow to lead by more than twice its
+    paired noise, its measured bias and its entry lead; going back to lru needs none of that."""
+    pol = AdaptivePolicy(capacity_pages=64)
+    pol._sh = [1000.0, 100.0, 100.0]
+    pol._sh_hits = {"lru": 100.0, "slru": 140.0, "lfu": 0.0}
+    pol._order_var["slru"] = 30.0**2  # lead 40 < twice the noise
+    assert not pol._order_ahead("slru", "lru", 10.0)
+    pol._order_var["slru"] = 10.0**2
+    assert pol._order_ahead("slru", "lru", 10.0)
+    pol._order_lead["slru"] = 50.0  # after a lost slru episode
+    assert not pol._order_ahead("slru", "lru", 10.0)
+    pol._order_lead["slru"] = 0.0
+    pol._bias["slru"] = [50.0, 1000.0]  # slru's shadow overstated the real tree by 5 %: no lead
+    assert not pol._order_ahead("slru", "lru", 10.0)
+    pol._sh_hits["lru"] = 160.0
+    assert pol._order_ahead("lru", "slru", 10.0)
+
+
+def test_lost_fixed_order_episode_bans_it_and_raises_its_entry_lead():
+    """A followed slru that falls behind the lru shadow goes back to lru, is banned for the hold
+    and needs a turnover more lead to be followed again (doubling after each further loss)."""
+    pol = AdaptivePolicy(capacity_pages=64)
+    pol.following, pol._hold = "slru", 1e9
+    for i in range(3000):  # a loop that fits: lru hits everything; the "real" cache reports none
+        pol.begin_request()
+        pol.observe([_loop_page(i)], 0)
+        if pol.following != "slru":
+            break
+    assert pol.following == "lru" and "slru" in pol._banned
+    assert pol._order_lead["slru"] == pol._shadow.cap
+    pol.check_invariants()
+
+
+def test_small_caches_duel_on_every_page_at_full_size():
+    """A 1-in-8 miniature of a tiny cache is noise: small caches count and duel on every page."""
+    small, big = AdaptivePolicy(capacity_pages=40), AdaptivePolicy(capacity_pages=4096)
+    assert small._mini_cap == 40 and small._duel_mask == 0 and small._sketch_mask == 0
+    assert big._mini_cap == 512 and big._duel_mask == 7 and big._sketch_mask == 3

@@ -14,7 +14,7 @@ class AdmissionDuel:
         """The miniatures and their decayed scores."""
         # Set dueling on admission: miniatures over a hash-sampled 1-in-8 subset of pages, each
         # with capacity/8 (SHARDS-style spatial sampling), both under the real eviction order.
-        self._mini_cap = max(4, self.capacity_pages // (self.cfg.duel_sample_mask + 1))
+        self._mini_cap = max(4, self.capacity_pages // (self._duel_mask + 1))
         # the third miniature is plain lru (k = 0): the yardstick adaptive must beat to be followed
         self._minis = [MiniCache(False, self._mini_cap), MiniCache(True, self._mini_cap),
                        MiniCache(False, self._mini_cap)]  # fmt: skip
@@ -83,7 +83,7 @@ class AdmissionDuel:
             # Pages are counted 1 in 4 (plus each request's last page); an uncounted page takes
             # the estimate of the next counted page after it, a lower bound of its own frequency
             # since frequency never grows with depth along a prefix chain.
-            est, m = self.sketch.estimate, self.cfg.sketch_sample_mask
+            est, m = self.sketch.estimate, self._sketch_mask
             ests = [0] * n
             nxt = est(new_hashes[-1])
             for j in range(n - 1, -1, -1):

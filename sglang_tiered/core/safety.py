@@ -5,7 +5,7 @@ return. The design, and the bound it gives, are in the docstring of ``core/polic
 
 Invariants (``AdaptivePolicy.check_invariants``): I1 ``following`` is adaptive or a fixed order;
 I2 orders banned during a hold do not outlive it; I3 the credit is finite; I4 the entry lead is
-finite and >= 0.
+finite and >= 0; I5 the fixed-order gate's noise sums and entry leads are >= 0.
 """
 
 from __future__ import annotations
@@ -43,6 +43,12 @@ class SafetyDuel:
         # the page-level model's bias against the real tree under that order
         self._bias = {o: [0.0, 0.0] for o in FIXED_ORDERS}
         self._sh = [0.0, 0.0, 0.0]  # decayed sampled references, lru-shadow hits, real hits
+        # The fixed-order gate: per order, the decayed sum of squared per-request differences of
+        # its shadow's hits from the lru shadow's (the paired noise of its lead, as for the entry
+        # gate), and the extra lead (sampled hits) it needs to be followed: none at first, one
+        # shadow turnover after an episode of it lost to lru, doubled after each further one.
+        self._order_var = {o: 0.0 for o in FIXED_ORDERS}
+        self._order_lead = {o: 0.0 for o in FIXED_ORDERS}
         if self._guard and cfg.guard_start_lru:
             # Start as SGLang's lru: its first hold measures the page model's bias against the
             # real tree before the adaptive policy is tried (and compared with bias corrected).
@@ -60,8 +66,10 @@ class SafetyDuel:
         hits["lfu"] = 2 * self._shadows["lfu"].run(half)
         d = self._decay**n
         acc = self._sh_hits
+        var = self._order_var
         for o in FIXED_ORDERS:
             acc[o] = acc[o] * d + hits[o]
+            var[o] = var[o] * d + (hits[o] - hits["lru"]) ** 2
         sh = self._sh
         sh[0] = sh[0] * d + n
         sh[1] = sh[1] * d + hits["lru"]
@@ -99,7 +107,8 @@ class SafetyDuel:
                     # ... and more evidence (the miniatures erred): a turnover, then doubling
                     self._entry_lead = max(float(self._mini_cap), 2 * self._entry_lead)
                 else:
-                    self._banned.add(fol)  # not again during this hold
+                    self._banned.add(fol)  # not again during this hold, and later on more evidence
+                    self._order_lead[fol] = max(float(self._shadow.cap), 2 * self._order_lead[fol])
                     self._follow("lru")
                 return
         if fol != "adaptive":
@@ -109,7 +118,7 @@ class SafetyDuel:
                 b = self._bias[fol]
                 b[0] = b[0] * d + hits[fol] - real
                 b[1] = b[1] * d + n
-            if best != fol and best not in self._banned and acc[best] > acc[fol] + lead:
+            if best != fol and best not in self._banned and self._order_ahead(best, fol, lead):
                 self._follow(best)  # another fixed order leads now (hold continues)
                 self._credit = 0.0
             self._hold -= n
@@ -138,7 +147,7 @@ class SafetyDuel:
         best = s[i]
         # ... and by more than twice its noise (paired: the root of the summed squared
         # per-request differences, as in a sign test)
-        need = max(margin * s[2], self._entry_lead, 2.0 * self._lead_var[i] ** 0.5)
+        need = max(margin * s[2], self._entry_lead, self.cfg.guard_noise_sigmas * self._lead_var[i] ** 0.5)
         acc, sh = self._sh_hits, self._sh
         if sh[0] > 0:
             # orders never followed have no measured bias: their shadows are not evidence yet
@@ -147,10 +156,27 @@ class SafetyDuel:
             need += max(0.0, max(rate.values()) - rate["lru"]) * s[3]
         return best - s[2] > need
 
+    def _order_ahead(self, order: str, fol: str, lead: float) -> bool:
+        """The fixed-order gate: evidence for switching the real cache from ``fol`` to ``order``.
+        Going back to lru needs none (lru is the bar). Another order's shadow must lead by the
+        hysteresis ``lead``, by twice the paired noise of its lead over lru, by its own entry
+        lead (grown by lost episodes), and, bias-corrected (an order's shadow minus what the
+        real tree under it got, measured while it was followed; 0 while unmeasured), by more
+        than ``fol``'s bias-corrected lead."""
+        acc, n = self._sh_hits, self._sh[0]
+        if order == "lru":
+            return acc["lru"] > acc[fol] + lead
+        if n < self.cfg.guard_start_hold * self._shadow.cap:
+            return False  # too few references yet to tell the orders apart
+        need = max(lead, self.cfg.guard_noise_sigmas * self._order_var[order] ** 0.5, self._order_lead[order])
+        gain = (acc[order] - self._bias_rate(order) * n) - (acc[fol] - self._bias_rate(fol) * n)
+        return gain > need
+
     def _bias_rate(self, order: str) -> float:
         """(shadow - real) hits per reference measured while ``order`` was followed, bounded."""
         b = self._bias[order]
-        return min(0.05, max(-0.05, b[0] / b[1])) if b[1] else 0.0
+        bound = self.cfg.guard_bias_bound
+        return min(bound, max(-bound, b[0] / b[1])) if b[1] else 0.0
 
     def _follow(self, order: str) -> None:
         self.following = order
