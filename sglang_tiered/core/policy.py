@@ -314,6 +314,11 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
             return 0.0
         return self.c * self.cycle
 
+    @property
+    def sketch_mask(self) -> int:
+        """Pages the sketch counts: those with ``h[0] & sketch_mask == 0`` (every page in a small cache)."""
+        return self._sketch_mask
+
     def frequency(self, page_hash: bytes) -> int:
         return self.sketch.estimate(page_hash)
 

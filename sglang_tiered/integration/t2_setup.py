@@ -56,7 +56,7 @@ def model_tag(cache_key) -> str:
 
 def _page_frequency(policy):
     """The policy's sketch frequency of a page, None for pages the sketch does not sample."""
-    mask = policy.cfg.sketch_sample_mask
+    mask = policy.sketch_mask
 
     def value_of(h: bytes):
         return None if h[0] & mask else policy.frequency(h)
