@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.live_compare import stream_generate  # noqa: E402
 from bench.trace_replay import environment  # noqa: E402
-from sglang_tiered.dev.server import Server, ServerSpec, free_port  # noqa: E402
+from sglang_tiered.dev.server import Server, ServerSpec, add_threads_option, free_port, use_server_threads  # noqa: E402
 from sglang_tiered.dev.workloads import multi_tenant  # noqa: E402
 
 LOGS = ROOT / "logs" / "fleet_live"
@@ -166,12 +166,9 @@ def main(argv=None) -> int:
     ap.add_argument("--routers", nargs="+", default=["ours", "smg-round_robin", "smg-cache_aware", "smg-prefix_hash"])
     ap.add_argument("--rounds", type=int, default=2, help="runs per router, order reversed every other round")
     ap.add_argument("--name", default="fleet_live")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="OMP threads per server (default: torch's, one per core). With 3 servers on a small "
-                         "machine, 1 avoids SGLang's CPU ops waiting on each other's threads (TTFTs 5-10x longer)")  # fmt: skip
+    add_threads_option(ap)
     args = ap.parse_args(argv)
-    if args.threads is not None:
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the servers inherit it (dev/server.py cpu_env)
+    use_server_threads(args.threads)
     from sglang_tiered.dev.tiny_model import build_model
 
     model = str(build_model())

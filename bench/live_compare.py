@@ -18,7 +18,6 @@ import argparse
 import concurrent.futures as cf
 import csv
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -29,7 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.trace_replay import environment  # noqa: E402
-from sglang_tiered.dev.server import Server, ServerSpec  # noqa: E402
+from sglang_tiered.dev.server import Server, ServerSpec, add_threads_option, use_server_threads  # noqa: E402
 from sglang_tiered.dev.workloads import multi_tenant  # noqa: E402
 
 
@@ -144,12 +143,9 @@ def main(argv=None) -> int:
     ap.add_argument("--long-prefix-reps", type=int, default=5, help="fresh prefixes in the long-prefix scenario")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--name", default="demo")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="OMP threads per server (default: torch's, one per core). 1 keeps TTFTs meaningful on a "
-                         "machine shared with other work: SGLang's CPU ops synchronize their threads at every op")  # fmt: skip
+    add_threads_option(ap)
     args = ap.parse_args(argv)
-    if args.threads is not None:
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the servers inherit it (dev/server.py cpu_env)
+    use_server_threads(args.threads)
 
     from sglang_tiered.dev.tiny_model import build_model
 

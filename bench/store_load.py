@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import pathlib
 import sys
 
@@ -24,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.live_compare import replay, summarize  # noqa: E402
 from bench.trace_replay import environment  # noqa: E402
-from sglang_tiered.dev.server import Server, ServerSpec  # noqa: E402
+from sglang_tiered.dev.server import Server, ServerSpec, add_threads_option, use_server_threads  # noqa: E402
 from sglang_tiered.dev.workloads import multi_tenant  # noqa: E402
 
 
@@ -41,12 +40,9 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="store_load")
     ap.add_argument("--chunk", type=int, default=40, help="requests per interleaved chunk")
     ap.add_argument("--small-queue-pages", type=int, default=24, help="queue bound of the t1_async_small_queue config")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="OMP threads per server (default: torch's, one per core). 1 keeps TTFTs meaningful on a "
-                         "machine shared with other work: SGLang's CPU ops synchronize their threads at every op")  # fmt: skip
+    add_threads_option(ap)
     args = ap.parse_args(argv)
-    if args.threads is not None:
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the servers inherit it (dev/server.py cpu_env)
+    use_server_threads(args.threads)
 
     from sglang_tiered.dev.tiny_model import TinyModelSpec, build_model
 
