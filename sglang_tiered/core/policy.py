@@ -314,13 +314,13 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
             return 0.0
         return self.c * self.cycle
 
-    @property
-    def sketch_mask(self) -> int:
-        """Pages the sketch counts: those with ``h[0] & sketch_mask == 0`` (every page in a small cache)."""
-        return self._sketch_mask
-
     def frequency(self, page_hash: bytes) -> int:
         return self.sketch.estimate(page_hash)
+
+    def counted_frequency(self, page_hash: bytes) -> int | None:
+        """The sketch's estimate for a page it counts; None for a page outside its sample (no
+        evidence either way; every page is counted in a small cache)."""
+        return None if page_hash[0] & self._sketch_mask else self.sketch.estimate(page_hash)
 
     def node_frequency(self, hashes: list[bytes]) -> int:
         """Frequency of a run of pages (a tree node): its last counted page's estimate."""

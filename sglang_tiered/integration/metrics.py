@@ -72,7 +72,7 @@ class TieredMetrics:
     def _publish_t2(self, t2) -> None:
         st = t2.stats
         for outcome, v in (("fetched", st.fetched_pages), ("stored", st.stored_pages),
-                           ("dropped", st.dropped_pages + t2.queue.stats.value_dropped_pages),
+                           ("dropped", t2.dropped_pages),
                            ("filtered", st.filtered_pages), ("bad", st.bad_pages)):  # fmt: skip
             self._inc(self.t2_pages.labels(outcome=outcome), ("__t2__", outcome), v)
         self._inc(self.t2_bytes.labels(direction="read"), ("__t2__", "read"), st.fetched_bytes)

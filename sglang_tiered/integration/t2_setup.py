@@ -54,20 +54,10 @@ def model_tag(cache_key) -> str:
     return hashlib.blake2b(ident.encode(), digest_size=6).hexdigest()
 
 
-def _page_frequency(policy):
-    """The policy's sketch frequency of a page, None for pages the sketch does not sample."""
-    mask = policy.sketch_mask
-
-    def value_of(h: bytes):
-        return None if h[0] & mask else policy.frequency(h)
-
-    return value_of
-
-
 def attach_t2(cache, cfg: T2Config, *, attach: bool = True) -> T2Tier:
     """A T2Tier over a real Mooncake client behind ``cache.t1.host`` (also for simulated caches)."""
     t2 = T2Tier(MooncakeClient(cfg), cache.t1.host.pool, cache.t1.host.lock, cfg=cfg,
-                model_tag=model_tag(cache.cache_key), value_of=_page_frequency(cache.policy))  # fmt: skip
+                model_tag=model_tag(cache.cache_key), value_of=cache.policy.counted_frequency)  # fmt: skip
     if attach:
         cache.t1.host.t2 = t2
     return t2

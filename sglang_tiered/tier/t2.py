@@ -67,7 +67,7 @@ class T2Stats:
     stored_pages: int = 0  # written by the worker
     stored_bytes: int = 0
     store_seconds: float = 0.0
-    dropped_pages: int = 0  # refused or value-dropped by the queue, or the store was full/down
+    dropped_pages: int = 0  # dropped here: the store was full or down (see T2Tier.dropped_pages for the total)
     failures: int = 0  # calls that errored or missed their deadline
     skipped_down: int = 0  # probes or writes skipped while the breaker was open
     invalidations: int = 0
@@ -298,6 +298,10 @@ class T2Tier:
     def on_victim(self, h: bytes, slot: int, tenant: int) -> None:
         """``HostPool.victim_listener``: a T1 slot is about to be reused (caller holds T1's lock).
         A valued page is copied out now (its slot is overwritten next) and waits for ``flush``."""
+        if not self.up:  # the breaker is open: the copy would only be dropped by the worker
+            self.stats.skipped_down += 1
+            self.stats.dropped_pages += 1
+            return
         freq = self.value_of(h) if self.value_of is not None else None
         if freq is None:  # the sketch does not count this page (sampled): no evidence either way
             freq = self.cfg.min_freq
@@ -321,8 +325,8 @@ class T2Tier:
             data = [d for _, _, _, d in items]  # per page [kv, layer, head, token, dim]; the worker stages them
             freq = max(1, min(f for _, _, f, _ in items))
             self.stats.offered_pages += len(items)
-            if not self.queue.offer(hashes, hashes, freq * len(items), frequency=freq, tenant=tenant, ctx=data):
-                self.stats.dropped_pages += len(items)
+            # a refused run is counted by the queue (filtered or value-dropped): see dropped_pages
+            self.queue.offer(hashes, hashes, freq * len(items), frequency=freq, tenant=tenant, ctx=data)
 
     def _put_job(self, job) -> None:
         """Worker: one batched put of a run from the registered staging buffer."""
@@ -406,6 +410,13 @@ class T2Tier:
             assert j.ctx is not None and len(j.ctx) == len(j.hashes), "job data out of step with its pages"
 
     # ------------------------------------------------------------------ reporting
+    @property
+    def dropped_pages(self) -> int:
+        """Pages offered that will not reach T2: refused or value-dropped by the queue (counted
+        there, once), or dropped by the worker (store full or down, staging busy)."""
+        q = self.queue.stats
+        return self.stats.dropped_pages + q.value_dropped_pages + q.filtered_pages
+
     def snapshot(self) -> dict:
         """Counters as kept (``T2Stats``; schema ``stats.T2TierStats``) plus the derived figures."""
         s = self.stats
@@ -415,7 +426,7 @@ class T2Tier:
             down_for_s=round(max(0.0, self._down_until - time.monotonic()), 3),
             read_gbps=round(s.fetched_bytes / s.fetch_seconds / 1e9, 3) if s.fetch_seconds else None,
             write_gbps=round(s.stored_bytes / s.store_seconds / 1e9, 3) if s.store_seconds else None,
-            dropped_pages=s.dropped_pages + self.queue.stats.value_dropped_pages,
+            dropped_pages=self.dropped_pages,
             queue_depth_pages=self.queue.stats.queued_pages, queue_capacity_pages=self.queue.capacity_pages,
         )  # fmt: skip
         return snap
