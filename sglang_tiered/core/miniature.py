@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from sglang_tiered.core.eviction import unprotected_first  # the one victim rule (tree and miniatures)
 
 
 class MiniCache:
@@ -34,7 +33,8 @@ class MiniCache:
         prob, prot = self.prob, self.prot
         if prob:
             h = next(iter(prob))
-            if not prot or unprotected_first((prob[h], 0), (prot[next(iter(prot))], 0), k * self.age):
+            # eviction.unprotected_first with no ids, inlined: this runs on every full miss
+            if not prot or prob[h] <= prot[next(iter(prot))] + k * self.age:
                 return prob, h
         return prot, next(iter(prot))
 

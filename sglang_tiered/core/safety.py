@@ -29,8 +29,8 @@ class SafetyDuel:
         self._sh_hits = {o: 0.0 for o in FIXED_ORDERS}  # decayed hits of each shadow
         self._banned: set = set()  # fixed orders that fell behind lru during the current hold
         self._credit = 0.0  # CUSUM of (real - lru shadow + allowance) sampled hits
-        self._credit_decay = 1.0 - 1.0 / max(2048.0, cfg.guard_memory * self._shadow.cap)
-        self._decay = self._credit_decay
+        # per sampled reference: decays the shadows' hit counts and (when positive) the credit
+        self._decay = 1.0 - 1.0 / max(2048.0, cfg.guard_memory * self._shadow.cap)
         self._threshold = max(16.0, cfg.guard_threshold * self._shadow.cap)
         self._hold_len = cfg.guard_hold * self._shadow.cap
         self._hold = 0.0  # sampled references left in the current lru hold
@@ -92,7 +92,7 @@ class SafetyDuel:
             bias = self._bias_rate(ref)
             c = self._credit
             if c > 0:
-                c *= self._credit_decay**n  # credit earned long ago fades (phase changes)
+                c *= d  # credit earned long ago fades (phase changes)
             c += real - hits[ref] + (bias + self.cfg.guard_allowance) * n
             self._credit = c
             if fol == "adaptive" and c > 2 * self._threshold:
