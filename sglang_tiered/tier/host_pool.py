@@ -38,6 +38,7 @@ import secrets
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from sglang_tiered.config import shm_dir
@@ -246,6 +247,11 @@ class HostPool:
         self.index_hashes = raw[off_hash:off_tenant].view(P, HASH_BYTES)
         self.index_tenant = raw[off_tenant:off_valid].view(torch.int64)  # tenant hash per slot
         self.index_valid = raw[off_valid:total]
+        # numpy views of the same bytes for the per-page index reads and writes (a one-element
+        # torch read or write costs microseconds; these run for every page T1 takes or drops)
+        self._hashes_np = self.index_hashes.numpy()
+        self._tenant_np = self.index_tenant.numpy()
+        self._valid_np = self.index_valid.numpy()
         self.slot_of: dict[bytes, int] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # resident slots, least recent first
         self.free: list[int] = []
@@ -312,10 +318,9 @@ class HostPool:
                 if not evict or not self.lru:
                     break
                 victim, _ = self.lru.popitem(last=False)
-                if self.victim_listener is not None and self.index_valid[victim]:
+                if self.victim_listener is not None and self._valid_np[victim]:
                     # T2: the page is still intact here; the listener copies it out
-                    self.victim_listener(bytes(self.index_hashes[victim].numpy()), victim,
-                                         int(self.index_tenant[victim]))  # fmt: skip
+                    self.victim_listener(self._hashes_np[victim].tobytes(), victim, int(self._tenant_np[victim]))
                 self._forget(victim)
             slot = self.free.pop()
             out.append((h, slot))
@@ -324,9 +329,9 @@ class HostPool:
     def commit(self, pairs: list[tuple[bytes, int]], tenant: int = 0) -> None:
         """Publish slots whose data has been written (hash and tenant first, valid byte last)."""
         for h, slot in pairs:
-            self.index_hashes[slot] = torch.frombuffer(bytearray(h), dtype=torch.uint8)
-            self.index_tenant[slot] = tenant
-            self.index_valid[slot] = 1
+            self._hashes_np[slot] = np.frombuffer(h, dtype=np.uint8)
+            self._tenant_np[slot] = tenant
+            self._valid_np[slot] = 1
             self.slot_of[h] = slot
             self.lru[slot] = None
 
@@ -355,10 +360,10 @@ class HostPool:
     victim_listener = None  # T2: told (hash, slot, tenant) of each page ``reserve`` is about to reuse
 
     def _forget(self, slot: int) -> None:
-        h = bytes(self.index_hashes[slot].numpy())
-        if self.forget_listener is not None and self.index_valid[slot]:
+        h = self._hashes_np[slot].tobytes()
+        if self.forget_listener is not None and self._valid_np[slot]:
             self.forget_listener(h)
-        self.index_valid[slot] = 0
+        self._valid_np[slot] = 0
         if self.slot_of.get(h) == slot:
             del self.slot_of[h]
         self.free.append(slot)
