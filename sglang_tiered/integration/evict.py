@@ -67,7 +67,7 @@ class Eviction:
             return False
         self.cache.hashes.ensure(node)
         hashes = node.tiered_hashes
-        return bool(hashes) and policy.node_frequency(hashes) >= cfg.pin_min_freq
+        return bool(hashes) and policy.is_pinned(node.tiered_end, policy.node_frequency(hashes))
 
     def run(self, num_tokens: int) -> int:
         """Evict at least ``num_tokens`` tokens if possible. Returns the tokens evicted."""

@@ -146,16 +146,14 @@ class T1Tier:
             index.notify("on_remove", [h for h in x.tiered_hashes if not self.holds(h)])
 
     def _demote_victim(self, x) -> None:
-        ps = self.cache.page_size
-        pages = x.value[::ps] // ps
-        tenant = name_hash(node_tenant(x))
         if self.store is not None:
             self.fence(x, run=True)
             if self.host.touch(x.tiered_hashes) or (not is_reused(x.hit_count) and not self.flushing):
-                return
-            self.store.stats.inline_pages += self.host.demote(pages, x.tiered_hashes, tenant)
-            return
-        self.host.demote(pages, x.tiered_hashes, tenant)
+                return  # the usual case with the queue: already in T1 (or not worth a copy now)
+        ps = self.cache.page_size
+        n = self.host.demote(x.value[::ps] // ps, x.tiered_hashes, name_hash(node_tenant(x)))
+        if self.store is not None:
+            self.store.stats.inline_pages += n
 
     def invalidate(self, tenant_hash, everything: bool) -> int:
         """Drop T1 entries of a tenant (or all) and cancel their pending writes. Returns tokens."""
@@ -256,6 +254,9 @@ class T1Tier:
         try:
             slots = self._alloc(n)
             if slots is None:  # (the lock is released in ``finally``, once)
+                # the scheduler retries this request later: keep its probe, so the retry's
+                # match_prefix reuses these hashes instead of hashing the run again
+                self.pending[req.rid] = pending
                 return None
             if not self.host.load(hashes, slots[:: cache.page_size] // cache.page_size):
                 cache.token_to_kv_pool_allocator.free(slots)
