@@ -298,10 +298,6 @@ class T2Tier:
     def on_victim(self, h: bytes, slot: int, tenant: int) -> None:
         """``HostPool.victim_listener``: a T1 slot is about to be reused (caller holds T1's lock).
         A valued page is copied out now (its slot is overwritten next) and waits for ``flush``."""
-        if not self.up:  # the breaker is open: the copy would only be dropped by the worker
-            self.stats.skipped_down += 1
-            self.stats.dropped_pages += 1
-            return
         freq = self.value_of(h) if self.value_of is not None else None
         if freq is None:  # the sketch does not count this page (sampled): no evidence either way
             freq = self.cfg.min_freq
