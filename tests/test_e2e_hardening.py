@@ -338,7 +338,7 @@ def test_t1_keeps_namespaces_apart(soak_server):
     for (salt_a, ek_a), (salt_b, ek_b) in pairs:
         ids = ids[1:] + ids[:1]  # a fresh prompt per pair
         assert _gen(soak_server, ids, tenant=salt_a, extra={"extra_key": ek_a} if ek_a else None)[0] == 200
-        assert soak_server.request("POST", "/flush_cache")[0] == 200  # device -> T1
+        assert soak_server.request("POST", "/flush_cache?timeout=30")[0] == 200  # device -> T1 (waits until idle)
         status, out = _gen(soak_server, ids, tenant=salt_b, extra={"extra_key": ek_b} if ek_b else None)
         assert status == 200 and out["meta_info"]["cached_tokens"] == 0, (salt_a, ek_a, salt_b, ek_b)
         status, out = _gen(soak_server, ids, tenant=salt_a, extra={"extra_key": ek_a} if ek_a else None)

@@ -52,7 +52,7 @@ def test_warm_restart_across_tp_change_and_changed_weights(tiny_model_path, tmp_
         with Server(ServerSpec(model_path=tiny_model_path, env=env, **common), tmp_path / "tp1.log") as s1:
             first = _gen(s1, prompts)
             assert all(o["meta_info"]["cached_tokens"] == 0 for o in first)
-            assert s1.request("POST", "/flush_cache")[0] == 200  # device pages -> T1
+            assert s1.request("POST", "/flush_cache?timeout=30")[0] == 200  # device pages -> T1 (waits until idle)
             t1 = next(t for t in s1.request("GET", "/cache/stats")[1]["tiers"] if t["name"] == "host")
             assert t1["resident_pages"] >= sum(o["meta_info"]["prompt_tokens"] // 16 for o in first) - 5
         with Server(ServerSpec(model_path=tiny_model_path, tp=2, env=env, **common), tmp_path / "tp2.log") as s2:
