@@ -79,6 +79,7 @@ class StoreQueueMachine(RuleBasedStateMachine):
     def agrees_with_model(self):
         self.q.check_invariants()
         assert self.q.depth_pages == self._depth() <= CAP
+        assert self.q.under_pressure == (2 * self._depth() >= CAP)
         assert sorted(self.written) == sorted(self.want)
         assert set(self.q._page_job) == {p for j in self.model for p in j[2]}
 

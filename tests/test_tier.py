@@ -161,6 +161,28 @@ def test_full_t1_skips_and_counts_demotions():
     cache.host.pool.check_invariants()
 
 
+@pytest.mark.parametrize("pressure", [False, True])
+def test_queue_victim_not_in_t1_is_copied_like_sync_unless_under_pressure(monkeypatch, pressure):
+    """With the store queue, T1 gets every victim the synchronous store would: a one-shot whose
+    write-through copy T1 no longer holds is copied when the device evicts it, except while the
+    queue is under pressure (then the queue's own rule holds: one-shots take no slot)."""
+    from sglang_tiered.core.store_queue import StoreQueue
+
+    cache = TieredRadixCache.create_simulated(8 * PAGE, PAGE, host_pages=32, store_queue_pages=16, verify_kv=True)
+    toks = tokens_of([1, 2])
+    cache.driver.run(toks, tenant=None)  # a one-shot: written through after the request
+    hashes = [h for n in cache.evictable_leaves for h in n.tiered_hashes]
+    assert hashes and all(cache.host.pool.contains(h) for h in hashes)
+    cache.host.pool.drop(hashes)  # T1 replaced the copy while the pages were still on the device
+    monkeypatch.setattr(StoreQueue, "under_pressure", property(lambda q: pressure))
+    cache.evict(EvictParams(num_tokens=8 * PAGE))
+    held = [cache.host.pool.contains(h) for h in hashes]
+    assert held == [not pressure] * len(hashes)
+    if not pressure:  # and the copy is served as a hit equal to recomputation
+        assert cache.driver.run(toks, tenant=None).cached_len == 2 * PAGE
+    cache.check_invariants()
+
+
 def test_failed_promotion_is_a_clean_miss(monkeypatch):
     import sglang_tiered.tier.host_tier as ht
 

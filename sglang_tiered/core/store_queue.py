@@ -13,7 +13,8 @@ Rules, and the invariants ``check_invariants`` asserts:
 1. **Bounded.** ``queued_pages <= capacity_pages`` at all times.
 2. **Filter at enqueue.** A run whose value is not positive never takes a slot, and while the queue
    is at least half full a run seen by a single request (frequency <= 1: a one-shot so far) is
-   refused: under pressure one-shots never take a slot.
+   refused: under pressure one-shots never take a slot (``under_pressure``; the cache applies the
+   same rule when it evicts a page the queue has not written: a one-shot is then not copied).
 3. **Value-drop.** When a run does not fit, strictly lower-valued pending runs leave, lowest first,
    until it fits; if it still does not fit, the new run is the one refused. So a full queue drops
    its least valuable pending write, never blindly the newest.
@@ -93,7 +94,7 @@ class StoreQueue:
         with self._cv:
             st.offered_pages += n
             if value <= 0 or n > self.capacity_pages or (
-                frequency <= 1 and 2 * st.queued_pages >= self.capacity_pages
+                frequency <= 1 and self.under_pressure
             ):
                 st.filtered_pages += n
                 return False
@@ -176,6 +177,11 @@ class StoreQueue:
     def pending(self) -> bool:
         """Whether any write is queued or in flight (a fence is a no-op otherwise)."""
         return bool(self._page_job)
+
+    @property
+    def under_pressure(self) -> bool:
+        """At least half full: one-shots are refused (rule 2), at enqueue and at eviction."""
+        return 2 * self.stats.queued_pages >= self.capacity_pages
 
     @property
     def depth_pages(self) -> int:

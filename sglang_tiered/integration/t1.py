@@ -138,8 +138,11 @@ class T1Tier:
 
     def on_evict(self, x) -> None:
         """T1 gets an evicted leaf's pages: with the store queue they are usually there already
-        (a pending write is finished inline; then only T1's recency is refreshed); a reused leaf
-        the queue dropped is copied now; without the queue, every leaf is copied now."""
+        (a pending write is finished inline; then only T1's recency is refreshed); a leaf that is
+        not (T1 replaced its copy meanwhile, or the queue refused it) is copied now, like the
+        synchronous store does, except a one-shot so far while the queue is under pressure (what
+        the queue itself refuses, rule 2); without the queue, every leaf is copied now. So T1
+        receives every victim the synchronous store would, unless the queue is under pressure."""
         self._demote_victim(x)
         index = self.cache.index
         if index.listener is not None:  # a demoted page stays held, in T1
@@ -148,8 +151,10 @@ class T1Tier:
     def _demote_victim(self, x) -> None:
         if self.store is not None:
             self.fence(x, run=True)
-            if self.host.touch(x.tiered_hashes) or (not is_reused(x.hit_count) and not self.flushing):
-                return  # the usual case with the queue: already in T1 (or not worth a copy now)
+            if self.host.touch(x.tiered_hashes):
+                return  # the usual case with the queue: already in T1
+            if not is_reused(x.hit_count) and not self.flushing and self.store.under_pressure:
+                return  # a one-shot so far, while the queue is under pressure: not worth a copy
         ps = self.cache.page_size
         n = self.host.demote(x.value[::ps] // ps, x.tiered_hashes, name_hash(node_tenant(x)))
         if self.store is not None:
