@@ -40,9 +40,16 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="store_load")
     ap.add_argument("--chunk", type=int, default=40, help="requests per interleaved chunk")
     ap.add_argument("--small-queue-pages", type=int, default=24, help="queue bound of the t1_async_small_queue config")
+    ap.add_argument("--sim-seeds", type=int, default=8,
+                    help="also replay this many seeded workloads in simulation (sync vs queue, deterministic)")
+    ap.add_argument("--sim-only", action="store_true", help="only the simulated comparison (no servers)")
     add_threads_option(ap)
     args = ap.parse_args(argv)
     use_server_threads(args.threads)
+    sim = simulated_comparison(args) if args.sim_seeds else None
+    if args.sim_only:
+        _write_sim(args, sim)
+        return 0
 
     from sglang_tiered.dev.tiny_model import TinyModelSpec, build_model
 
@@ -105,7 +112,7 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
-    doc = {"environment": env, "args": {**vars(args), "out": out.name}, "table": table}
+    doc = {"environment": env, "args": {**vars(args), "out": out.name}, "table": table, "simulated": sim}
     (out / f"{args.name}.json").write_text(json.dumps(doc, indent=2))
     with open(out / f"{args.name}.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -115,6 +122,47 @@ def main(argv=None) -> int:
     _plot(table, out / f"{args.name}.png", env)
     print(f"\nwrote {out}/{args.name}.json, .csv and .png")
     return 0
+
+
+def simulated_comparison(args) -> dict:
+    """The same comparison without a model or timing: each seed's workload through a simulated
+    server (``create_simulated``: the same device pool, T1 size and queue bound, one request at a
+    time), synchronous store vs the store queue vs the small queue. Deterministic, so it isolates
+    what the queue changes in T1's content from a live run's batch timing."""
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+
+    page = 16
+    host_pages = int(args.pool_tokens * args.host_ratio) // page
+    queues = {"t1_sync": 0, "t1_async": max(64, args.pool_tokens // page), "t1_async_small_queue": args.small_queue_pages}
+    rows = []
+    for seed in range(args.seed, args.seed + args.sim_seeds):
+        reqs = multi_tenant(n_requests=args.requests, seed=seed, scale=args.scale)
+        row = {"seed": seed}
+        for name, q in queues.items():
+            cache = TieredRadixCache.create_simulated(args.pool_tokens, page, host_pages=host_pages, store_queue_pages=q)
+            hit = total = 0
+            for r in reqs:
+                o = cache.driver.run(list(r.tokens), tenant=r.tenant)
+                hit, total = hit + o.cached_len, total + o.prompt_len
+            row[f"{name}_token_hit"] = hit / total
+            row[f"{name}_t1_hit"] = cache.driver.host_loaded_tokens / total
+            if cache.store is not None:
+                row[f"{name}_inline_pages"] = cache.store.stats.inline_pages
+                row[f"{name}_stored_pages"] = cache.store.stats.stored_pages
+        rows.append(row)
+        print(f"simulated seed {seed}: T1 hit sync {row['t1_sync_t1_hit']:.4f} queue {row['t1_async_t1_hit']:.4f} "
+              f"small queue {row['t1_async_small_queue_t1_hit']:.4f}")  # fmt: skip
+    diffs = [r["t1_async_t1_hit"] - r["t1_sync_t1_hit"] for r in rows]
+    return {"rows": rows, "queue_minus_sync_t1_hit_min": min(diffs), "queue_minus_sync_t1_hit_max": max(diffs),
+            "seeds_queue_below_sync": sum(d < 0 for d in diffs)}  # fmt: skip
+
+
+def _write_sim(args, sim) -> None:
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"environment": environment(), "args": {**vars(args), "out": out.name}, "simulated": sim}
+    (out / f"{args.name}_sim.json").write_text(json.dumps(doc, indent=2))
+    print(f"wrote {out}/{args.name}_sim.json")
 
 
 def _plot(table, path, env) -> None:
