@@ -5,6 +5,8 @@ queue bounded to a few runs so that it fills and value-drop runs under live load
 
     .venv/bin/python bench/store_load.py                       # ~5 min on 2 cores
     .venv/bin/python bench/store_load.py --requests 400 --concurrency 8 --pool-tokens 2048
+    .venv/bin/python bench/store_load.py --repeats 3 --threads 1   # 3 seeds' workloads, pooled
+    .venv/bin/python bench/store_load.py --sim-only                # simulated sync vs queue only
 
 Reports TTFT p50/p90, requests/s, token hit rate by tier and the queue's counters, with
 ratios against T1 off; writes bench/results/store_load.{json,csv,png}.
@@ -40,6 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="store_load")
     ap.add_argument("--chunk", type=int, default=40, help="requests per interleaved chunk")
     ap.add_argument("--small-queue-pages", type=int, default=24, help="queue bound of the t1_async_small_queue config")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="replay this many seeds' workloads (seed, seed+1, ...) on the same servers, each from cold")
     ap.add_argument("--sim-seeds", type=int, default=8,
                     help="also replay this many seeded workloads in simulation (sync vs queue, deterministic)")
     ap.add_argument("--sim-only", action="store_true", help="only the simulated comparison (no servers)")
@@ -54,9 +58,6 @@ def main(argv=None) -> int:
     from sglang_tiered.dev.tiny_model import TinyModelSpec, build_model
 
     model = str(build_model(TinyModelSpec(num_layers=args.layers)))
-    reqs = multi_tenant(n_requests=args.requests, seed=args.seed, scale=args.scale)
-    for r in reqs:
-        r.max_new_tokens = 4
     configs = {
         "t1_off": {"SGLANG_TIERED_HOST": "off"},
         "t1_sync": {"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_STORE": "sync"},
@@ -67,35 +68,61 @@ def main(argv=None) -> int:
     }
     logs = pathlib.Path(args.out) / "logs"
     # All servers run at once and take the workload in interleaved chunks (rotating which
-    # goes first), so background load on the machine falls on all of them alike.
+    # goes first), so background load on the machine falls on all of them alike. Each repeat
+    # replays another seed's workload from a cold cache (device and T1 emptied).
     servers = {}
+    counters = ("promoted_pages",)
+    host_counters = ("stored_pages", "inline_pages", "value_dropped_pages", "filtered_pages", "demotions")
     try:
         for name, env in configs.items():
             env = {**env, "SGLANG_TIERED_HOST_RATIO": str(args.host_ratio)}
             spec = ServerSpec(model_path=model, backend="tiered", max_total_tokens=args.pool_tokens,
                               dtype="float32", env=env)  # fmt: skip
             servers[name] = Server(spec, logs / f"{args.name}-{name}.log").start(timeout_s=300)
-        for name, server in servers.items():
-            replay(server, reqs[:16], args.concurrency, f"{name} warm-up")
-            server.request("POST", "/flush_cache?timeout=30")
-            server.request("POST", "/cache/invalidate", {"all": True})  # T1 starts empty too
+        names = list(servers)
         results = {name: [] for name in servers}
         walls = {name: 0.0 for name in servers}
-        names = list(servers)
-        for k, start in enumerate(range(0, len(reqs), args.chunk)):
-            chunk = reqs[start : start + args.chunk]
-            for name in names[k % len(names) :] + names[: k % len(names)]:
-                res, wall = replay(servers[name], chunk, args.concurrency, f"{name} {start}")
-                results[name] += res
-                walls[name] += wall
-        table, stats = {}, {}
-        for name, server in servers.items():
-            stats[name] = server.request("GET", "/cache/stats")[1]
+        totals = {name: dict.fromkeys(counters + host_counters, 0) for name in servers}
+        per_repeat = []
+        for rep in range(args.repeats):
+            reqs = multi_tenant(n_requests=args.requests, seed=args.seed + rep, scale=args.scale)
+            for r in reqs:
+                r.max_new_tokens = 4
+            before = {}
+            for name, server in servers.items():
+                if rep == 0:
+                    replay(server, reqs[:16], args.concurrency, f"{name} warm-up")
+                server.request("POST", "/flush_cache?timeout=30")
+                server.request("POST", "/cache/invalidate", {"all": True})  # T1 starts empty too
+                before[name] = _counters(server, counters, host_counters)
+            rep_results = {name: [] for name in servers}
+            rep_walls = {name: 0.0 for name in servers}
+            for k, start in enumerate(range(0, len(reqs), args.chunk)):
+                chunk = reqs[start : start + args.chunk]
+                for name in names[k % len(names) :] + names[: k % len(names)]:
+                    res, wall = replay(servers[name], chunk, args.concurrency, f"{name} r{rep} {start}")
+                    rep_results[name] += res
+                    rep_walls[name] += wall
+            row = {"seed": args.seed + rep}
+            for name, server in servers.items():
+                after = _counters(server, counters, host_counters)
+                delta = {c: after[c] - before[name][c] for c in after}
+                page = after["page_size"]
+                s = summarize(rep_results[name], rep_walls[name])
+                row[name] = {"token_hit_rate": s["token_hit_rate"], "ttft_p50_ms": s["ttft_p50_ms"],
+                             "host_hit_rate": delta["promoted_pages"] * page / s["prompt_tokens"]}  # fmt: skip
+                results[name] += rep_results[name]
+                walls[name] += rep_walls[name]
+                for c in counters + host_counters:
+                    totals[name][c] += delta[c]
+                totals[name]["page_size"] = page
+            per_repeat.append(row)
+        table = {}
+        for name in servers:
             s = summarize(results[name], walls[name])
-            host = next((t for t in stats[name]["tiers"] if t["name"] == "host"), {})
-            s["host_hit_rate"] = stats[name]["totals"]["promoted_pages"] * stats[name]["page_size"] / s["prompt_tokens"]
-            for key in ("stored_pages", "inline_pages", "value_dropped_pages", "filtered_pages", "demotions"):
-                s[key] = host.get(key, 0)
+            s["host_hit_rate"] = totals[name]["promoted_pages"] * totals[name]["page_size"] / s["prompt_tokens"]
+            for key in host_counters:
+                s[key] = totals[name][key]
             table[name] = s
     finally:
         for server in servers.values():
@@ -112,7 +139,11 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
-    doc = {"environment": env, "args": {**vars(args), "out": out.name}, "table": table, "simulated": sim}
+    for row in per_repeat:
+        print(f"repeat seed {row['seed']}: " + ", ".join(
+            f"{n} hit {row[n]['token_hit_rate']:.4f} T1 {row[n]['host_hit_rate']:.4f}" for n in table))  # fmt: skip
+    doc = {"environment": env, "args": {**vars(args), "out": out.name}, "table": table, "per_repeat": per_repeat,
+           "simulated": sim}  # fmt: skip
     (out / f"{args.name}.json").write_text(json.dumps(doc, indent=2))
     with open(out / f"{args.name}.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -122,6 +153,16 @@ def main(argv=None) -> int:
     _plot(table, out / f"{args.name}.png", env)
     print(f"\nwrote {out}/{args.name}.json, .csv and .png")
     return 0
+
+
+def _counters(server, counters, host_counters) -> dict:
+    """The server's cumulative counters now (totals and T1's), to take differences per repeat."""
+    stats = server.request("GET", "/cache/stats")[1]
+    host = next((t for t in stats["tiers"] if t["name"] == "host"), {})
+    out = {c: stats["totals"].get(c, 0) for c in counters}
+    out.update({c: host.get(c, 0) for c in host_counters})
+    out["page_size"] = stats["page_size"]
+    return out
 
 
 def simulated_comparison(args) -> dict:

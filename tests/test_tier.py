@@ -183,6 +183,38 @@ def test_queue_victim_not_in_t1_is_copied_like_sync_unless_under_pressure(monkey
     cache.check_invariants()
 
 
+@pytest.mark.parametrize("store_queue_pages", [0, 16])
+def test_pages_another_request_promoted_meanwhile_are_used_not_recomputed(store_queue_pages):
+    """Two requests of one batch probe the same T1 run; the first promotes it. The second's
+    load-back finds the whole run on the device: it uses those pages (a full hit, KV equal to
+    recomputation) instead of recomputing them."""
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sglang_tiered.dev.simulate import SimReq, expected_kv
+
+    cache = TieredRadixCache.create_simulated(8 * PAGE, PAGE, host_pages=32, store_queue_pages=store_queue_pages,
+                                              verify_kv=True)  # fmt: skip
+    toks = tokens_of([1, 2, 3])
+    cache.driver.run(toks, tenant="acme")
+    cache.evict(EvictParams(num_tokens=8 * PAGE))  # the run now lives in T1 only
+    second = SimReq("second", toks, cache_salt="acme")
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(toks, None, cache_salt="acme"), req=second))
+    assert m.device_prefix_len == 0 and m.host_hit_length == 3 * PAGE
+    assert cache.driver.run(toks, tenant="acme").cached_len == 3 * PAGE  # the first request promotes it
+    loaded, last = cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
+                                                           host_hit_length=m.host_hit_length, req=second))  # fmt: skip
+    assert loaded == 3 * PAGE and last is not m.best_match_node
+    slots = cache.path_device_indices(last)
+    kv = cache.driver.allocator.get_kvcache()
+    want = expected_kv(toks, ("acme", None), len(kv.k_buffer), kv.head_num, kv.head_dim)
+    for layer in range(len(kv.k_buffer)):
+        assert torch.equal(kv.k_buffer[layer][slots], want[: 3 * PAGE, layer, 0])
+    assert cache.t1.snapshot()["already_on_device_tokens"] == 3 * PAGE
+    cache.flush_pending_backups()  # the batch ran: the hold on the node is released
+    cache.check_invariants()
+
+
 def test_failed_promotion_is_a_clean_miss(monkeypatch):
     import sglang_tiered.tier.host_tier as ht
 

@@ -21,6 +21,7 @@ the next demotion). A failed load is a clean miss: the device pages are freed, n
 
 from __future__ import annotations
 
+from array import array
 from typing import NamedTuple, Optional, Protocol
 
 import torch
@@ -90,6 +91,7 @@ class T1Tier:
         self.pending: dict[str, PendingLoad] = {}
         self.load_locks: list = []  # promoted nodes held until the batch that uses them ran
         self.flushing = False  # /flush_cache: everything goes to T1, whatever the queue judged
+        self.already_on_device_tokens = 0  # probed in T1, found on the device at load-back
 
     # ------------------------------------------------------------------ helpers
     def _page_ids(self, node) -> list:
@@ -254,7 +256,7 @@ class T1Tier:
             return 0, node
         key = RadixKey(toks, req.extra_key, cache_salt=req.cache_salt)
         if key.child_key(cache.page_size) in node.children:
-            return 0, node  # the device got these pages meanwhile: nothing to promote
+            return self._already_on_device(node, key, n)
         lock = cache.lock(node)  # allocation below may evict; keep the matched path
         try:
             slots = self._alloc(n)
@@ -278,6 +280,29 @@ class T1Tier:
         cache.after_op()
         return n, new
 
+    def _already_on_device(self, node, key, n: int):
+        """The device got (some of) the probed pages after the probe (another request of the same
+        batch promoted or computed them). When it holds the whole run now, this request uses
+        those pages: (n, their last node), as a promotion would, with nothing copied. Otherwise a
+        clean miss (the scheduler's contract is all or nothing)."""
+        cache = self.cache
+        have = node.children[key.child_key(cache.page_size)].key.token_ids
+        if type(have) is not type(key.token_ids):  # the tree's token container (SGLang asserts it)
+            ids = array(have.typecode, key.token_ids) if isinstance(have, array) else list(key.token_ids)
+            key = RadixKey(ids, key.extra_key, cache_salt=key.cache_salt)
+        value, last = cache._match_prefix_helper(node, key)
+        x = last
+        while x is not node:  # never hand out an invalidated entry
+            if x.tiered_invalid:
+                return 0, node
+            x = x.parent
+        if sum(len(v) for v in value) < n:
+            return 0, node
+        cache.hashes.ensure(last)
+        self.already_on_device_tokens += n
+        self.load_locks.append(cache.lock(last))  # held until the batch that uses it has run
+        return n, last
+
     def _alloc(self, n: int):
         alloc = self.cache.token_to_kv_pool_allocator
         if alloc.available_size() < n:
@@ -289,6 +314,7 @@ class T1Tier:
         snap = self.host.snapshot()
         q = self.store
         snap["store"] = "async" if q is not None else "sync"
+        snap["already_on_device_tokens"] = self.already_on_device_tokens
         if q is not None:
             st = q.stats
             snap.update(queue_capacity_pages=q.capacity_pages, queue_depth_pages=st.queued_pages,
