@@ -92,8 +92,8 @@ def main(argv=None) -> int:
             for name, server in servers.items():
                 if rep == 0:
                     replay(server, reqs[:16], args.concurrency, f"{name} warm-up")
-                server.request("POST", "/flush_cache?timeout=30")
-                server.request("POST", "/cache/invalidate", {"all": True})  # T1 starts empty too
+                _ok(server, "POST", "/flush_cache?timeout=30")
+                _ok(server, "POST", "/cache/invalidate", {"all": True})  # T1 starts empty too
                 before[name] = _counters(server, counters, host_counters)
             rep_results = {name: [] for name in servers}
             rep_walls = {name: 0.0 for name in servers}
@@ -155,9 +155,22 @@ def main(argv=None) -> int:
     return 0
 
 
+def _ok(server, method: str, path: str, payload=None):
+    """The body of a 200 answer, retried for up to a minute (SGLang answers /flush_cache with 400
+    while requests are still finishing, and the cache endpoints with an error meanwhile)."""
+    import time
+
+    for _ in range(60):
+        status, body = server.request(method, path, payload)
+        if status == 200:
+            return body
+        time.sleep(1.0)
+    raise RuntimeError(f"{method} {path} kept answering {status}: {body}")
+
+
 def _counters(server, counters, host_counters) -> dict:
     """The server's cumulative counters now (totals and T1's), to take differences per repeat."""
-    stats = server.request("GET", "/cache/stats")[1]
+    stats = _ok(server, "GET", "/cache/stats")
     host = next((t for t in stats["tiers"] if t["name"] == "host"), {})
     out = {c: stats["totals"].get(c, 0) for c in counters}
     out.update({c: host.get(c, 0) for c in host_counters})
