@@ -156,13 +156,13 @@ def main(argv=None) -> int:
 
 
 def _ok(server, method: str, path: str, payload=None):
-    """The body of a 200 answer, retried for up to a minute (SGLang answers /flush_cache with 400
+    """The body of a 2xx answer, retried for up to a minute (SGLang answers /flush_cache with 400
     while requests are still finishing, and the cache endpoints with an error meanwhile)."""
     import time
 
     for _ in range(60):
         status, body = server.request(method, path, payload)
-        if status == 200:
+        if 200 <= status < 300:
             return body
         time.sleep(1.0)
     raise RuntimeError(f"{method} {path} kept answering {status}: {body}")
