@@ -50,10 +50,12 @@ class TierStats(msgspec.Struct, kw_only=True):
     queue_capacity_pages: int = 0
     queue_depth_pages: int = 0
     stored_pages: int = 0  # written by the queue's worker, off the request path
-    inline_pages: int = 0  # written on the request path (pending at eviction, or a dropped reused leaf)
+    inline_pages: int = 0  # written on the request path (pending at eviction, or a victim T1 lacked)
     value_dropped_pages: int = 0  # pending writes that left the full queue for more valuable ones
     filtered_pages: int = 0  # refused at enqueue (no value, or a one-shot while the queue is half full)
     cancelled_pages: int = 0  # pending writes of invalidated pages
+    # probed in T1, found on the device at load-back (another request of the batch promoted them)
+    already_on_device_tokens: int = 0
     decision: str = ""
 
 

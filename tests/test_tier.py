@@ -210,7 +210,10 @@ def test_pages_another_request_promoted_meanwhile_are_used_not_recomputed(store_
     want = expected_kv(toks, ("acme", None), len(kv.k_buffer), kv.head_num, kv.head_dim)
     for layer in range(len(kv.k_buffer)):
         assert torch.equal(kv.k_buffer[layer][slots], want[: 3 * PAGE, layer, 0])
-    assert cache.t1.snapshot()["already_on_device_tokens"] == 3 * PAGE
+    from sglang_tiered.stats import aggregate
+
+    stats = aggregate([cache.stats_snapshot()])  # what GET /cache/stats answers
+    assert next(t for t in stats.tiers if t.name == "host").already_on_device_tokens == 3 * PAGE
     cache.flush_pending_backups()  # the batch ran: the hold on the node is released
     cache.check_invariants()
 
