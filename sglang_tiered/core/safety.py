@@ -1,11 +1,14 @@
 """The safety duel (a mixin of ``AdaptivePolicy``): SHARDS-sampled shadows of SGLang's fixed orders
 (``core/shadows.py``) beside the real cache, a CUSUM that decides when the real cache follows
-one of them exactly instead of the adaptive policy, and the entry gate that decides when it may
-return. The design, and the bound it gives, are in the docstring of ``core/policy.py``.
+one of them exactly instead of the adaptive policy, the entry gate that decides when it may
+return, and the whole trace's loss budget that bounds what all episodes together may cost. The
+design, and the bound it gives, are in the docstring of ``core/policy.py``.
 
 Invariants (``AdaptivePolicy.check_invariants``): I1 ``following`` is adaptive or a fixed order;
 I2 orders banned during a hold do not outlive it; I3 the credit is finite; I4 the entry lead is
-finite and >= 0; I5 the fixed-order gate's noise sums and entry leads are >= 0.
+finite and >= 0; I5 the fixed-order gate's noise sums and entry leads are >= 0; I6 the budget's
+books: ``|margin| <= (1 + bias bound) x refs``, the switch reserve is >= 0, and once the shadows
+are full the cache is away from lru only with budget left (``_budget() >= 0``).
 """
 
 from __future__ import annotations
