@@ -102,3 +102,23 @@ def test_spent_budget_keeps_the_cache_on_exact_lru_until_it_is_earned_back():
         follows.add(pol.following)
     assert follows == {"lru"}
     pol.check_invariants()
+
+
+def test_adversarial_workloads_end_within_the_budget_bound_of_lru():
+    """Each learned mechanism wrong (tests/test_guarantee.py's workloads), the default policy:
+    the loss to SGLang's lru is within the budget's bound, beta x pages plus the first switch
+    back's turnover (at most a cache's worth of pages), and the books say so too."""
+    from tests.test_guarantee import (PAGE, _dead_protected_context, _returning_scan, _run,
+                                      _tinylfu_hostile_loop)  # fmt: skip
+
+    for build in (_returning_scan, _dead_protected_context, _tinylfu_hostile_loop):
+        reqs, cap_pages = build()
+        lru, _, _ = _run(reqs, cap_pages, "lru")
+        tiered, _, cache = _run(reqs, cap_pages, None)
+        pol = cache.policy
+        total_pages = sum(len(t) // PAGE for t, _ in reqs)
+        assert pol.shard_rate == 1.0  # small caches: every page is sampled
+        bound = (pol.cfg.guard_budget * total_pages + cap_pages) / total_pages
+        assert tiered >= lru - bound, (build.__name__, tiered, lru, bound)
+        assert pol._budget() >= -cap_pages, (build.__name__, pol._budget())
+        pol.check_invariants()
