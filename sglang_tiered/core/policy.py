@@ -68,7 +68,11 @@ price, episodes that would have won but had no budget yet). Mooncake 0.5/1/2 %: 
 0.1136 -> 0.0447 / 0.1001 / 0.1171. ``guard_entry_room`` 1.0 (room for a CUSUM threshold before
 an episode) gave 3 of the 79, but 41 of the 60 below best and Mooncake 1 % at 0.0530; books
 without bias correction gave 3 of the 79 and Mooncake 2 % at lru's 0.0771 (the SHARDS-sampled
-shadow overstates lru by ~1 point there). Without the budget (``guard_budget=None``): while
+shadow overstates lru by ~1 point there). The partial family run at ab45468 (bench/results/
+workload_family_ab45468_partial.json: Mooncake, multi-tenant, family-000..043, 276 cells)
+against a038739 on the same cells: below lru - 0.2 17 -> 6 (worst -1.13 -> -0.33, family-041 at
+5 %), below best - 0.5 147 -> 167, beating the best 63 -> 32. Without the budget
+(``guard_budget=None``): while
 adaptive (or a fixed order other than lru) is followed, real
 >= yardstick shadow - (bias error + allowance) x references - T/R per episode, plus at most one cache
 turnover of pages per switch (the next order starts from the other one's content): a lost
