@@ -119,14 +119,16 @@ def _replay(driver, reqs):
     hit = tot = 0
     spent = 0.0
     unserved = 0
+    per_request = []
     for r in reqs:
         o = driver.run(r.tokens, tenant=r.tenant)
         hit += o.cached_len
         tot += o.prompt_len
         spent += o.seconds
         unserved += not o.served
+        per_request.append(o.cached_len)
     return {"hit_tokens": hit, "prompt_tokens": tot, "us_per_req": spent / len(reqs) * 1e6,
-            "unserved": unserved}  # fmt: skip
+            "unserved": unserved, "per_request": per_request}  # fmt: skip
 
 
 def environment() -> dict:

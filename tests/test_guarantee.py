@@ -15,9 +15,10 @@ from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
 
 PAGE = 16
 BOUND = 0.025  # and never more than 2.5 points on these short traces with tiny caches
-# The duel without its entry gate (returns to adaptive whenever a hold ends): the stated
-# per-episode bound alone; the gated default must also stop after one lost episode.
-TRUSTING = PolicyConfig(guard_start_lru=False, guard_entry_margin=None)
+# The duel without its entry gate (returns to adaptive whenever a hold ends) and without the
+# whole-trace loss budget (tests/test_policy_budget.py): the stated per-episode bound alone; the
+# gated default must also stop after one lost episode.
+TRUSTING = PolicyConfig(guard_start_lru=False, guard_entry_margin=None, guard_budget=None)
 # Starting as exact lru, adaptive needs the gate's evidence even for its first episode.
 LRU_FIRST = PolicyConfig(guard_start_lru=True)
 

@@ -38,8 +38,42 @@ hits on the same sampled pages are counted too. The real cache then follows one 
   credit). Without evidence the hold is extended by one turnover. Caches of at most
   ``full_sample_pages`` pages duel on every page at full size (a 1-in-8 miniature of a 25-page
   cache holds 4 pages: its "lead" let adaptive in on family-021 at 5 %, which lost 2.7 points).
+* **The loss budget (the whole trace's books).** The CUSUM forgives: it decays credit and restarts
+  at every episode, and it ignores what a switch back costs (the next turnover, while the real
+  cache's content converges to lru's: up to a cache's worth of pages). On the family's short
+  traces those costs were the lru-bar failures (bench/results/workload_family_a038739.csv: the
+  worst cells lost 0.3-0.9 capacities of hits in an episode plus 0-0.3 in the turnover after it).
+  So the duel also keeps, over every sampled reference since the shadows filled and whatever is
+  followed, ``M`` = real hits - lru shadow hits (corrected by the lru shadow's measured bias once
+  that was measured over a turnover of references; never by one from a few requests, which took
+  a transition's loss for model error on family-130 at 20 %) and ``N`` the references. The budget left is ``B = beta x N + M - S``: ``beta = guard_budget`` (0.1
+  point), ``S`` the switch reserve (the largest loss measured over the turnover after a switch
+  back to lru: until the lru shadow has taken in a cache's worth of pages, LRU's convergence
+  argument). An episode away from lru starts only while ``B >= guard_entry_room x T`` (0: any
+  budget left) and ends, for lru, as soon as ``B < 0``, whatever the CUSUM says.
 
-Bound (per run, hit pages): while adaptive (or a fixed order other than lru) is followed, real
+Bound (per run, sampled hit pages against the lru shadow; ``C`` the capacity in sampled pages).
+With the budget: ``loss <= beta x N + (the turnover after the last switch back - S)``, where the
+second term is at most ``C`` for the first switch back (nothing is reserved before one is
+measured) and at most the excess over the largest earlier one after that; while the cache follows
+lru, ``M`` changes only by the transition in progress and the error of the bias correction. It
+holds at every point of the trace, not only at its end, so a trace cut anywhere stays within it;
+like the CUSUM's it is a bound on the sampled, bias-corrected estimate of lru, not an oracle.
+Measured on the 79 cells below the lru bar at a038739 plus 60 random others (same workloads,
+deterministic hits; SGLang's numbers from bench/results/workload_family_a038739.csv): below lru -
+0.2 points 79 -> 7 (worst -1.92 -> -0.48, family-119 at 20 %: a first switch back, unreserved),
+none of the 60 others newly below it; below best - 0.5: 56 -> 38 and 29 -> 27; beating the best
+SGLang policy: 0 -> 0 and 21 -> 12 (mean margin over lru on the 60: +2.89 -> +1.72 points: the
+price, episodes that would have won but had no budget yet). Mooncake 0.5/1/2 %: 0.0485 / 0.1001 /
+0.1136 -> 0.0447 / 0.1001 / 0.1171. ``guard_entry_room`` 1.0 (room for a CUSUM threshold before
+an episode) gave 3 of the 79, but 41 of the 60 below best and Mooncake 1 % at 0.0530; books
+without bias correction gave 3 of the 79 and Mooncake 2 % at lru's 0.0771 (the SHARDS-sampled
+shadow overstates lru by ~1 point there). The partial family run at ab45468 (bench/results/
+workload_family_ab45468_partial.json: Mooncake, multi-tenant, family-000..043, 276 cells)
+against a038739 on the same cells: below lru - 0.2 17 -> 6 (worst -1.13 -> -0.33, family-041 at
+5 %), below best - 0.5 147 -> 167, beating the best 63 -> 32. Without the budget
+(``guard_budget=None``): while
+adaptive (or a fixed order other than lru) is followed, real
 >= yardstick shadow - (bias error + allowance) x references - T/R per episode, plus at most one cache
 turnover of pages per switch (the next order starts from the other one's content): a lost
 episode costs at most ``T/R + C`` pages (``C`` the capacity in pages). Every episode away from
@@ -192,6 +226,15 @@ class PolicyConfig:
     # |shadow - real| hits per reference the measured bias may correct (beyond it the shadow is
     # not trusted to be that wrong: the CUSUM would tolerate any loss on a low-hit-rate workload)
     guard_bias_bound: float = 0.05
+    # The whole-trace loss budget (see the module docstring): hits per sampled reference the real
+    # cache may lose to the lru shadow over the trace so far (0.1 point; the bar is 0.2), plus what
+    # it won; None: no budget (the CUSUM alone, as before)
+    guard_budget: float | None = 0.001
+    # x shadow size: the reserve for one switch back to lru before any is measured (the measured
+    # cost of each switch back, the next turnover's loss, raises it)
+    guard_switch_reserve: float = 0.0
+    # x CUSUM threshold: budget left needed to start an episode away from lru
+    guard_entry_room: float = 0.0
 
 
 @dataclass
@@ -361,6 +404,14 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
         assert self._entry_lead >= 0.0 and self._entry_lead == self._entry_lead, "entry lead"
         assert min(self._lead_var) >= 0.0, "lead variances"
         assert min(self._order_var.values()) >= 0.0 and min(self._order_lead.values()) >= 0.0, "order gate"
+        # the loss budget (safety.py): per sampled reference, real - lru shadow + bias is within
+        # [-1 - bound, 1 + bound]
+        slack = 1.0 + self.cfg.guard_bias_bound
+        assert self._refs >= 0.0 and abs(self._margin) <= slack * self._refs + 1e-6, "budget books"
+        assert self._switch_reserve >= 0.0 and self._switch_reserve == self._switch_reserve, "switch reserve"
+        assert self._switch_mark is None or (len(self._switch_mark) == 2 and self._switch_mark[1] > 0), "switch mark"
+        if self._budgeted and len(self._shadow.d) >= self._shadow.cap and self.following != "lru":
+            assert self._budget() >= 0.0, f"away from lru with the budget spent: {self._budget()}"
         assert self._sketch_mask & self._duel_mask == self._sketch_mask, "duel sample not within the counted one"
         gp = self._ghost_pages
         assert gp[0] + gp[1] <= self.capacity_pages + max((g[1] for g in self._ghosts.values()), default=0)
