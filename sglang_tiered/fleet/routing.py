@@ -264,15 +264,19 @@ class AffinityCachePolicy:
             ow, ot = self._inflow_window.popleft()
             self._inflow[ow] -= ot
 
+    def remembered(self, req: RouteRequest, workers: Sequence[str]) -> dict[str, int]:
+        """The routing memory's matches: per worker, the prompt's prefix (tokens) last sent there."""
+        if not self.memory_pages or not self.use_index:
+            return {}
+        sent, empty = self._sent, set()
+        return longest_match(req.page_hashes, [{sent[h]} if h in sent else empty for h in req.page_hashes],
+                             req.page_size, workers)  # fmt: skip
+
     def _with_memory(self, req: RouteRequest, view: FleetView) -> FleetView:
         """The index's matches, each raised to the prefix this router last sent to that worker.
         The memory is the router's own: with Redis down it still keeps each family where it was
         sent (a Redis outage must not move families that fresh placement put off their homes)."""
-        if not self.memory_pages or not self.use_index:
-            return view
-        sent, empty = self._sent, set()
-        remembered = longest_match(req.page_hashes, [{sent[h]} if h in sent else empty for h in req.page_hashes],
-                                   req.page_size, view.workers)  # fmt: skip
+        remembered = self.remembered(req, view.workers)
         if not remembered:
             return view
         matched = dict(view.matched or {})
