@@ -41,7 +41,10 @@ from sglang_tiered.dev.workloads import load_mooncake, multi_tenant  # noqa: E40
 PAGE = 16
 # The policy before fresh placement (git 1ba9086..fdb913f), for before/after in the same run:
 # new content went to its key's homes (least loaded of 2), index matches from 5 % of the prompt.
-EXTRA = {"ours_prev": lambda: AffinityCachePolicy(fresh=False, warm_frac=0.05, name="ours_prev")}
+EXTRA = {"ours_prev": lambda: AffinityCachePolicy(fresh=False, warm_frac=0.05, name="ours_prev"),
+         "ours_priced": lambda: AffinityCachePolicy(warm_over_hatch=True, name="ours_priced"),
+         # before the hatch read the policy's own work share (it read FleetView.load: live, requests in flight)
+         "ours_view": lambda: AffinityCachePolicy(hatch_load="view", name="ours_view")}
 ALL = {**POLICIES, **EXTRA}
 # Total device tokens per workload: at N = 44 each server still fits the workload's longest prompt.
 TOTAL_DEVICE = {"mooncake": 176_000, "multitenant": 44_000, "live": 3 * 6144}

@@ -184,7 +184,7 @@ def test_routing_memory_returns_a_family_where_it_was_sent():
 
 def test_fresh_content_goes_to_the_least_inflow_worker():
     ws = [f"w{i}" for i in range(4)]
-    pol = AffinityCachePolicy(per_prefix=False, memory_pages=0)
+    pol = AffinityCachePolicy(per_prefix=False, memory_pages=0, hatch_load="view")
     pol._inflow.update({"w0": 500, "w1": 100, "w2": 300, "w3": 900})
     fresh = RouteRequest(160, [bytes([i]) * 16 for i in range(10)], tenant="acme")
     # nobody holds warm_frac (10 %) of it: new content -> least inflow (w1), whatever the homes
@@ -207,6 +207,32 @@ def test_fresh_content_goes_to_the_least_inflow_worker():
     off = AffinityCachePolicy(per_prefix=False, memory_pages=0, fresh=False)
     off._inflow.update({"w0": 500, "w1": 100, "w2": 300, "w3": 900})
     assert off.route(fresh, _view(ws, matched={})).worker in homes
+
+
+def test_hatch_reads_the_sustained_work_share_not_in_flight_counts():
+    """The hatch (spill) reads the policy's own routed work over the last horizon x N requests: a
+    transient pile-up of requests in flight on the warm worker does not spill its family (live, 6
+    clients on 3 servers, 5 of 6 in flight on one worker is common and is gone a request later);
+    a worker that took a sustained excess of the work is over it whatever it has in flight."""
+    ws = ["w0", "w1", "w2"]
+    fam = [bytes([7, i]) * 8 for i in range(10)]
+    req = RouteRequest(160, fam, tenant="acme")
+    pol = AffinityCachePolicy(per_prefix=False, memory_pages=0, horizon=4)
+    for i in range(12):  # even work: 4 requests each
+        pol._count_share(ws[i % 3], 100, len(ws))
+    spike = {"w0": 5.0, "w1": 1.0, "w2": 0.0}  # 5 of 6 in flight on w0 right now
+    d = pol.route(req, _view(ws, spike, matched={"w0": 160}))
+    assert d.worker == "w0" and d.reason in ("warm", "home") and not d.spill
+    view_pol = AffinityCachePolicy(per_prefix=False, memory_pages=0, hatch_load="view")
+    assert view_pol.route(req, _view(ws, spike, matched={"w0": 160})).worker != "w0"  # the old reading spilled
+    # sustained: w0 took most of the window's work -> over the hatch, its warm match is not taken
+    pol = AffinityCachePolicy(per_prefix=False, memory_pages=0, horizon=4)
+    for i in range(12):
+        pol._count_share("w0" if i % 2 else ws[i % 3], 400 if i % 2 else 50, len(ws))
+    assert pol.over(_view(ws), "w0") and not pol.over(_view(ws), "w1")
+    d = pol.route(req, _view(ws, {w: 1.0 for w in ws}, matched={"w0": 160}))
+    assert d.worker != "w0"
+    assert len(pol._share_window) == 12 and abs(sum(pol._share.values()) - sum(x for _, x in pol._share_window)) < 1e-6
 
 
 def test_longest_match():

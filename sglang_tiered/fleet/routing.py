@@ -206,7 +206,18 @@ class AffinityCachePolicy:
     # did not hold) over the last inflow_horizon x N requests; False: to its cold choice (homes).
     fresh: bool = True
     inflow_horizon: int = 256
+    # A warm worker over the hatch may still take the request when the time rule says the recompute
+    # it saves outweighs its extra queue (True), or never (False: the hatch is a hard bound).
+    warm_over_hatch: bool = False
+    # What the hatch reads: "share", this policy's own routed work per worker (uncached prompt
+    # tokens it believed + decode_tokens per request) over the last horizon x N requests, in mean
+    # requests (a sustained occupancy, as R2's hatch and the simulator's load); "view": FleetView.load
+    # as given (live: requests in flight, an instantaneous count).
+    hatch_load: str = "share"
+    decode_tokens: int = 32
     name: str = "ours"
+    _share: dict = field(default_factory=dict, repr=False)
+    _share_window: deque = field(default_factory=deque, repr=False)
     _inflow: dict = field(default_factory=dict, repr=False)
     _inflow_window: deque = field(default_factory=deque, repr=False)
     _window: deque = field(default_factory=deque, repr=False)
@@ -214,7 +225,13 @@ class AffinityCachePolicy:
     _sent: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     def over(self, view: FleetView, w: str) -> bool:
-        return view.load.get(w, 0.0) > self.overload * _mean_load(view) + self.slack
+        """Over the hatch: load above ``overload`` x the fleet mean + ``slack`` (mean requests)."""
+        if self.hatch_load == "view" or not self._share_window:
+            return view.load.get(w, 0.0) > self.overload * _mean_load(view) + self.slack
+        share, ws = self._share, view.workers
+        mean_work = sum(share.values()) / len(self._share_window)  # per request
+        mean = sum(share.get(x, 0.0) for x in ws) / max(1, len(ws))
+        return share.get(w, 0.0) > self.overload * mean + self.slack * mean_work
 
     def homes(self, key: bytes, workers: Sequence[str]) -> list[str]:
         """The key's homes: ``new_choices`` for a key not seen in the window, else k adapted to
@@ -244,7 +261,9 @@ class AffinityCachePolicy:
         # fresh placement needs the index (to know that nobody holds the prompt) and the prompt's
         # page hashes (a router that has not learnt the servers' CacheKey yet has none)
         d = self._route(req, mview, fresh=self.fresh and view.matched is not None and bool(req.page_hashes))
-        self._count_inflow(d.worker, req.prompt_tokens - (mview.matched or {}).get(d.worker, 0), len(view.workers))
+        new_tokens = max(0, req.prompt_tokens - (mview.matched or {}).get(d.worker, 0))
+        self._count_inflow(d.worker, new_tokens, len(view.workers))
+        self._count_share(d.worker, new_tokens + self.decode_tokens, len(view.workers))
         if self.memory_pages:
             sent = self._sent
             for h in req.page_hashes:
@@ -253,6 +272,14 @@ class AffinityCachePolicy:
             while len(sent) > self.memory_pages:
                 sent.popitem(last=False)
         return d
+
+    def _count_share(self, worker: str, work: float, n: int) -> None:
+        """The hatch's load: work routed to ``worker`` over the last ``horizon`` x N requests."""
+        self._share[worker] = self._share.get(worker, 0.0) + work
+        self._share_window.append((worker, work))
+        while len(self._share_window) > self.horizon * max(1, n):
+            ow, ot = self._share_window.popleft()
+            self._share[ow] -= ot
 
     def _count_inflow(self, worker: str, new_tokens: int, n: int) -> None:
         """Cache inflow: tokens sent to ``worker`` that it did not hold (by index + memory), over
@@ -304,7 +331,8 @@ class AffinityCachePolicy:
         #    hatch, wins when the recompute it saves outweighs its extra queue delay
         matched = (view.matched or {}) if self.use_index else {}
         floor = max(1, self.warm_frac * req.prompt_tokens)
-        warm = [w for w, m in matched.items() if m >= floor and w in view.load and not self.over(view, w)]
+        warm = [w for w, m in matched.items()
+                if m >= floor and w in view.load and (self.warm_over_hatch or not self.over(view, w))]  # fmt: skip
         if fresh and self.use_index and not any(m >= floor for m in matched.values()):
             # 2'. new content (no worker holds warm_frac of it): to the worker whose cache takes the
             #     least inflow, under the hatch, so that every server's cache is under the same
