@@ -37,6 +37,7 @@ from sglang_tiered.dev.workloads import multi_tenant  # noqa: E402
 LOGS = ROOT / "logs" / "fleet_live"
 # Our router with other policy settings (AffinityCachePolicy fields), for before/after in one run.
 VARIANTS: dict = {
+    "ours-view": {"hatch_load": "view"},  # the hatch on requests in flight (before 2026-12-02)
     "ours-tenant": {"per_prefix": False},  # affinity unit = the tenant (prefix_hash's unit), not its prompt family
     "ours-calm": {"cold_over": 1e9},  # no "cold" moves off a home on in-flight counts (the hatch stays)
 }

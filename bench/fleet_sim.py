@@ -44,7 +44,9 @@ PAGE = 16
 EXTRA = {"ours_prev": lambda: AffinityCachePolicy(fresh=False, warm_frac=0.05, name="ours_prev"),
          "ours_priced": lambda: AffinityCachePolicy(warm_over_hatch=True, name="ours_priced"),
          # before the hatch read the policy's own work share (it read FleetView.load: live, requests in flight)
-         "ours_view": lambda: AffinityCachePolicy(hatch_load="view", name="ours_view")}
+         "ours_view": lambda: AffinityCachePolicy(hatch_load="view", name="ours_view"),
+         "ours_share": lambda: AffinityCachePolicy(hatch_load="share", name="ours_share"),
+         "ours_both": lambda: AffinityCachePolicy(hatch_load="both", name="ours_both")}
 ALL = {**POLICIES, **EXTRA}
 # Total device tokens per workload: at N = 44 each server still fits the workload's longest prompt.
 TOTAL_DEVICE = {"mooncake": 176_000, "multitenant": 44_000, "live": 3 * 6144}

@@ -219,20 +219,24 @@ def test_hatch_reads_the_sustained_work_share_not_in_flight_counts():
     req = RouteRequest(160, fam, tenant="acme")
     pol = AffinityCachePolicy(per_prefix=False, memory_pages=0, horizon=4)
     for i in range(12):  # even work: 4 requests each
-        pol._count_share(ws[i % 3], 100, len(ws))
+        pol._count_share(ws[i % 3], 100, 160, len(ws))
     spike = {"w0": 5.0, "w1": 1.0, "w2": 0.0}  # 5 of 6 in flight on w0 right now
     d = pol.route(req, _view(ws, spike, matched={"w0": 160}))
     assert d.worker == "w0" and d.reason in ("warm", "home") and not d.spill
     view_pol = AffinityCachePolicy(per_prefix=False, memory_pages=0, hatch_load="view")
     assert view_pol.route(req, _view(ws, spike, matched={"w0": 160})).worker != "w0"  # the old reading spilled
-    # sustained: w0 took most of the window's work -> over the hatch, its warm match is not taken
-    pol = AffinityCachePolicy(per_prefix=False, memory_pages=0, horizon=4)
-    for i in range(12):
-        pol._count_share("w0" if i % 2 else ws[i % 3], 400 if i % 2 else 50, len(ws))
-    assert pol.over(_view(ws), "w0") and not pol.over(_view(ws), "w1")
-    d = pol.route(req, _view(ws, {w: 1.0 for w in ws}, matched={"w0": 160}))
-    assert d.worker != "w0"
-    assert len(pol._share_window) == 12 and abs(sum(pol._share.values()) - sum(x for _, x in pol._share_window)) < 1e-6
+    # sustained: w0 took most of the window's work -> over the hatch ("share" alone; the default
+    # "both" also needs the in-flight count over it), its warm match is not taken
+    for mode, load in (("share", {w: 1.0 for w in ws}), ("both", spike)):
+        pol = AffinityCachePolicy(per_prefix=False, memory_pages=0, horizon=4, hatch_load=mode)
+        for i in range(12):
+            pol._count_share("w0" if i % 2 else ws[i % 3], 400 if i % 2 else 50, 400, len(ws))
+        assert pol.over(_view(ws, load), "w0") and not pol.over(_view(ws, load), "w1")
+        d = pol.route(req, _view(ws, load, matched={"w0": 160}))
+        assert d.worker != "w0"
+    assert not pol.over(_view(ws), "w0")  # "both": a sustained share with nothing in flight is not over
+    assert len(pol._share_window) == 12 and abs(sum(pol._share.values()) - sum(x for _, x, _ in pol._share_window)) < 1e-6
+    assert abs(pol._share_full - sum(f for _, _, f in pol._share_window)) < 1e-6
 
 
 def test_longest_match():
