@@ -7,7 +7,11 @@ tenant header), same workload, one run; plus a no-cache server for output equali
 Between routers every server's cache is flushed (POST /flush_cache; T1 off) and Redis emptied, so
 each router starts equal. Reports fleet token hit rate (sum cached_tokens / sum prompt tokens),
 TTFT p50/p90, requests/s, spill rate (ours; smg does not report one), and whether every greedy
-output equals the no-cache server's. Writes bench/results/fleet_live.{json,csv,png}.
+output equals the no-cache server's, each router's own CPU per request, hit rate by request kind;
+the JSON keeps every request's worker, cached/prompt tokens and TTFT per router and round, and for
+ours the router's decisions joined with what was cached (``explain``; the raw decisions go to
+logs/fleet_live/decisions-*.json). ``--routers ours-view ...`` runs our router with other policy
+settings (``VARIANTS``) in the same run. Writes bench/results/<name>.{json,csv,png}.
 Everything listens on 127.0.0.1; nothing is downloaded (HF_HUB_OFFLINE=1, local model path).
 """
 

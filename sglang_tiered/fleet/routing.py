@@ -22,7 +22,9 @@ Ours (``AffinityCachePolicy``), seed R2 + section 9.3, per request:
   now contains a joining one): about k/n of them per membership change.
 * **Cold choice, bounded load**: the least loaded home. A worker is *over the hatch* when its load
   (``FleetView.load``: requests in flight, or the simulator's recent work) exceeds ``overload`` x
-  the fleet mean + ``slack`` (1.25 and 2); when the chosen home is over it, the request *spills* to
+  the fleet mean + ``slack`` (1.25 and 2) and so does the work this policy routed to it over its
+  last ``horizon`` x N requests (``hatch_load="both"``: a transient pile-up of requests in flight
+  is not a sustained occupancy, see the field's comment); when the chosen home is over it, the request *spills* to
   the least loaded worker (R2's occupancy escape hatch, counted in ``spill``); when it is only above
   ``cold_over`` (1.3) x the mean it goes to the least loaded worker too (``reason="cold"``).
 * **Locality from the index, priced in seconds** (section 9.3: prefer a warmer replica when
