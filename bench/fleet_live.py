@@ -114,6 +114,7 @@ def build_workload(n, tenants, seed, model):
 
 
 WORKER_HEADERS = ("x-sglang-tiered-worker", "x-smg-routed-worker-id")
+PER_REQUEST_FIELDS = ("worker", "prompt_tokens", "cached_tokens", "ttft_s")
 
 
 def stream_one(url: str, payload: dict, headers: dict) -> dict:
@@ -353,9 +354,8 @@ def main(argv=None) -> int:
                               **{k: st.get(k) for k in ("index_lookups", "index_errors", "index_timeouts",
                                                         "index_unavailable", "retries", "failed", "client_gone")},
                               "explain": explain_ours(res, work, decisions)})  # fmt: skip
-            per_request.append({"router": name, "round": rnd,
-                                "requests": [{k: r.get(k) for k in ("worker", "prompt_tokens", "cached_tokens", "ttft_s")}
-                                             for r in res]})  # fmt: skip
+            per_request.append({"router": name, "round": rnd,  # one compact row per request: PER_REQUEST_FIELDS
+                                "requests": json.dumps([[r.get(k) for k in PER_REQUEST_FIELDS] for r in res])})
             d = summarize(name, res, wall, ref_res, extra)
             d["round"] = rnd
             rows.append(d)
@@ -380,7 +380,8 @@ def main(argv=None) -> int:
         for d in summary:
             print("mean over rounds:", json.dumps(d), flush=True)
         out = ROOT / "bench" / "results"
-        doc = {"meta": env, "args": vars(args), "rows": rows, "summary": summary, "per_request": per_request,
+        doc = {"meta": env, "args": vars(args), "rows": rows, "summary": summary,
+               "per_request_fields": PER_REQUEST_FIELDS, "per_request": per_request,
                "kinds": [w["kind"] for w in work], "tenants": [w["tenant"] for w in work],
                "note": "same 3 servers (tiered, T1 off), caches flushed and Redis emptied between routers"}  # fmt: skip
         (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
