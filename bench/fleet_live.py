@@ -7,7 +7,11 @@ tenant header), same workload, one run; plus a no-cache server for output equali
 Between routers every server's cache is flushed (POST /flush_cache; T1 off) and Redis emptied, so
 each router starts equal. Reports fleet token hit rate (sum cached_tokens / sum prompt tokens),
 TTFT p50/p90, requests/s, spill rate (ours; smg does not report one), and whether every greedy
-output equals the no-cache server's. Writes bench/results/fleet_live.{json,csv,png}.
+output equals the no-cache server's, each router's own CPU per request, hit rate by request kind;
+the JSON keeps every request's worker, cached/prompt tokens and TTFT per router and round, and for
+ours the router's decisions joined with what was cached (``explain``; the raw decisions go to
+logs/fleet_live/decisions-*.json). ``--routers ours-view ...`` runs our router with other policy
+settings (``VARIANTS``) in the same run. Writes bench/results/<name>.{json,csv,png}.
 Everything listens on 127.0.0.1; nothing is downloaded (HF_HUB_OFFLINE=1, local model path).
 """
 
@@ -35,6 +39,12 @@ from sglang_tiered.dev.server import Server, ServerSpec, add_threads_option, fre
 from sglang_tiered.dev.workloads import multi_tenant  # noqa: E402
 
 LOGS = ROOT / "logs" / "fleet_live"
+# Our router with other policy settings (AffinityCachePolicy fields), for before/after in one run.
+VARIANTS: dict = {
+    "ours-view": {"hatch_load": "view"},  # the hatch on requests in flight (before 2026-12-02)
+    "ours-tenant": {"per_prefix": False},  # affinity unit = the tenant (prefix_hash's unit), not its prompt family
+    "ours-calm": {"cold_over": 1e9},  # no "cold" moves off a home on in-flight counts (the hatch stays)
+}
 
 
 def server_ports(n: int, base: int = 62100) -> list[int]:
@@ -99,25 +109,102 @@ def build_workload(n, tenants, seed, model):
     out = []
     for r in reqs:
         text = tok.decode(list(r.tokens)[:700], skip_special_tokens=True)
-        out.append({"tenant": r.tenant, "text": text})
+        out.append({"tenant": r.tenant, "text": text, "kind": r.kind})
     return out
 
 
+WORKER_HEADERS = ("x-sglang-tiered-worker", "x-smg-routed-worker-id")
+PER_REQUEST_FIELDS = ("worker", "prompt_tokens", "cached_tokens", "ttft_s")
+
+
+def stream_one(url: str, payload: dict, headers: dict) -> dict:
+    """POST /generate with stream=true (as bench.live_compare.stream_generate), also keeping which
+    worker the router says served it."""
+    body = json.dumps({**payload, "stream": True}).encode()
+    req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json", **headers})
+    t0 = time.perf_counter()
+    ttft = last = None
+    with urllib.request.urlopen(req, timeout=600) as r:
+        worker = next((r.headers.get(h) for h in WORKER_HEADERS if r.headers.get(h)), None)
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            last = json.loads(data)
+    meta = last["meta_info"]
+    return {"ttft_s": ttft, "latency_s": time.perf_counter() - t0, "output_ids": last.get("output_ids"),
+            "prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta.get("cached_tokens", 0), "worker": worker}
+
+
 def run(url, work, concurrency, max_new):
-    def one(w):
+    def one(iw):
+        i, w = iw
         payload = {"text": w["text"], "cache_salt": w["tenant"],
                    "sampling_params": {"temperature": 0, "max_new_tokens": max_new}}  # fmt: skip
         for attempt in range(2):
             try:
-                return stream_generate(url, payload, headers={"x-tenant-id": w["tenant"]})
+                return stream_one(url, payload, {"x-tenant-id": w["tenant"], "x-request-id": str(i)})
             except Exception as exc:  # noqa: BLE001
                 err = exc
         return {"error": str(err)}
 
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(concurrency) as ex:
-        res = list(ex.map(one, work))
+        res = list(ex.map(one, enumerate(work)))
     return res, time.perf_counter() - t0
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc; 0 where unavailable)."""
+    try:
+        f = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def explain_ours(res, work, decisions) -> dict:
+    """Our router's decisions joined with what the servers reported (by x-request-id): per reason,
+    requests, hit rate, and how what the router believed the chosen worker held (index, routing
+    memory) compares with what it had cached; plus each router's hit rate by request kind."""
+    by_rid = {int(d["rid"]): d for d in decisions if d.get("rid") is not None}
+    per_reason: dict = {}
+    over = {"index": 0, "memory": 0}
+    for i, r in enumerate(res):
+        d = by_rid.get(i)
+        if d is None or "error" in r:
+            continue
+        x = per_reason.setdefault(d["reason"], {"requests": 0, "prompt": 0, "cached": 0, "believed": 0,
+                                                "believed_over_cached": 0})  # fmt: skip
+        x["requests"] += 1
+        x["prompt"] += r["prompt_tokens"]
+        x["cached"] += r["cached_tokens"]
+        x["believed"] += d["matched"]
+        x["believed_over_cached"] += max(0, d["matched"] - r["cached_tokens"] - 16)  # a page of slack
+        for src in over:
+            m = (d.get(src) or {}).get(d["worker"], 0)
+            over[src] += max(0, m - r["cached_tokens"] - 16)
+    total = max(1, sum(r.get("prompt_tokens", 0) for r in res if "error" not in r))
+    for x in per_reason.values():
+        x["hit_rate"] = round(x["cached"] / max(1, x["prompt"]), 4)
+    return {"per_reason": per_reason, "believed_not_cached_frac": {k: round(v / total, 4) for k, v in over.items()},
+            "route_ms_mean": round(statistics.mean(d["route_ms"] for d in decisions), 3) if decisions else None}
+
+
+def hit_by_kind(res, work) -> dict:
+    out: dict = {}
+    for r, w in zip(res, work):
+        if "error" in r:
+            continue
+        x = out.setdefault(w["kind"], [0, 0])
+        x[0] += r["cached_tokens"]
+        x[1] += r["prompt_tokens"]
+    return {k: round(c / max(1, p), 4) for k, (c, p) in sorted(out.items())}
 
 
 def summarize(name, res, wall, ref, extra=None):
@@ -143,7 +230,9 @@ def summarize_rounds(rows, routers):
             continue
         d = {"router": name, "rounds": len(rs), "requests": sum(r["requests"] for r in rs),
              "errors": sum(r["errors"] for r in rs)}  # fmt: skip
-        for k in ("hit_rate", "ttft_p50_ms", "ttft_p90_ms", "req_per_s"):
+        for k in ("hit_rate", "ttft_p50_ms", "ttft_p90_ms", "req_per_s", "router_cpu_ms_per_req"):
+            if any(k not in r for r in rs):
+                continue
             d[k] = round(statistics.mean(r[k] for r in rs), 4)
             d[k + "_per_round"] = [r[k] for r in rs]
         d["outputs_equal_nocache"] = " ".join(r["outputs_equal_nocache"] for r in rs)
@@ -163,7 +252,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", help="serving dtype (bf16 prefill over a cached prefix rounds "
                     "differently from a full prefill, so output equality is checked in float32)")
-    ap.add_argument("--routers", nargs="+", default=["ours", "smg-round_robin", "smg-cache_aware", "smg-prefix_hash"])
+    ap.add_argument("--routers", nargs="+", default=["ours", "smg-round_robin", "smg-cache_aware", "smg-prefix_hash"],
+                    help="ours, smg-<policy>, or a variant of ours: " + (", ".join(VARIANTS) or "none"))
     ap.add_argument("--rounds", type=int, default=2, help="runs per router, order reversed every other round")
     ap.add_argument("--name", default="fleet_live")
     add_threads_option(ap)
@@ -198,7 +288,7 @@ def main(argv=None) -> int:
         ref_res, _ = run(ref.url, work, args.concurrency, args.max_new_tokens)
         ref.stop()
         urls = [s.url for s in servers]
-        rows = []
+        rows, per_request = [], []
         # Rounds alternate the router order (A B C D, then D C B A, ...): the other work on this
         # machine drifts over minutes, and reversing the order spreads that drift over all routers.
         schedule = [(rnd, name) for rnd in range(args.rounds)
@@ -214,6 +304,12 @@ def main(argv=None) -> int:
             if name == "ours":
                 argv = [sys.executable, "-m", "sglang_tiered.cli", "route", "--workers", *urls, "--redis", redis_url,
                         "--port", str(port), "--model", model, "--tenant-header", "x-tenant-id"]  # fmt: skip
+            elif name in VARIANTS:  # the same router with other policy settings (before/after in one run)
+                kw = dict(host="127.0.0.1", port=port, model_path=model, tenant_header="x-tenant-id",
+                          policy_kw=VARIANTS[name])  # fmt: skip
+                code = ("import json, sys; from sglang_tiered.fleet.router import serve; "
+                        "serve(json.loads(sys.argv[1]), sys.argv[2], **json.loads(sys.argv[3]))")  # fmt: skip
+                argv = [sys.executable, "-c", code, json.dumps(urls), redis_url, json.dumps(kw)]
             else:
                 pol = name.split("-", 1)[1]
                 smg = shutil.which("smg") or str(pathlib.Path(sys.executable).parent / "smg")
@@ -240,20 +336,36 @@ def main(argv=None) -> int:
             for s in servers:
                 flush(s.url)
             time.sleep(1.0)
+            cpu0, rcpu0 = cpu_s(p.pid), cpu_s(procs[0].pid)
             res, wall = run(f"http://127.0.0.1:{port}", work, args.concurrency, args.max_new_tokens)
-            extra = {}
-            if name == "ours":
+            # the router's own CPU per request (2 cores shared with 3 servers: it is taken from them)
+            extra = {"router_cpu_ms_per_req": round(1e3 * (cpu_s(p.pid) - cpu0) / len(work), 3),
+                     "redis_cpu_ms_per_req": round(1e3 * (cpu_s(procs[0].pid) - rcpu0) / len(work), 3),
+                     "hit_by_kind": hit_by_kind(res, work)}  # fmt: skip
+            if name == "ours" or name in VARIANTS:
                 st = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/router/stats").read())
-                extra = {"spill_rate": round(st["spill_rate"], 4), "index_hit_rate": round(st["index_hit_rate"], 4),
-                         "per_worker": {w: v["routed"] for w, v in st["workers"].items()},
-                         "reasons": st.get("reasons", {}), "load_polls": st.get("load_polls", 0),
-                         "load_poll_errors": st.get("load_poll_errors", 0)}  # fmt: skip
+                decisions = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/router/decisions").read())
+                (LOGS / f"decisions-{name}-{rnd}.json").write_text(json.dumps(decisions))
+                extra.update({"spill_rate": round(st["spill_rate"], 4), "index_hit_rate": round(st["index_hit_rate"], 4),
+                              "per_worker": {w: v["routed"] for w, v in st["workers"].items()},
+                              "reasons": st.get("reasons", {}), "load_polls": st.get("load_polls", 0),
+                              "load_poll_errors": st.get("load_poll_errors", 0),
+                              "mean_route_ms": round(st.get("mean_route_ms", 0.0), 3),
+                              **{k: st.get(k) for k in ("index_lookups", "index_errors", "index_timeouts",
+                                                        "index_unavailable", "retries", "failed", "client_gone")},
+                              "explain": explain_ours(res, work, decisions)})  # fmt: skip
+            per_request.append({"router": name, "round": rnd,  # one compact row per request: PER_REQUEST_FIELDS
+                                "requests": json.dumps([[r.get(k) for k in PER_REQUEST_FIELDS] for r in res])})
             d = summarize(name, res, wall, ref_res, extra)
             d["round"] = rnd
             rows.append(d)
             print(json.dumps(d), flush=True)
             p.terminate()
-            p.wait(timeout=20)
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:  # a router that does not exit must not end the bench
+                p.kill()
+                p.wait(timeout=20)
         env = environment()
         try:
             from importlib.metadata import version
@@ -269,10 +381,13 @@ def main(argv=None) -> int:
             print("mean over rounds:", json.dumps(d), flush=True)
         out = ROOT / "bench" / "results"
         doc = {"meta": env, "args": vars(args), "rows": rows, "summary": summary,
+               "per_request_fields": PER_REQUEST_FIELDS, "per_request": per_request,
+               "kinds": [w["kind"] for w in work], "tenants": [w["tenant"] for w in work],
                "note": "same 3 servers (tiered, T1 off), caches flushed and Redis emptied between routers"}  # fmt: skip
         (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
         with open(out / f"{args.name}.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=["round"] + [k for k in rows[0] if k not in ("per_worker", "round")],
+            keys = dict.fromkeys(k for r in rows for k in r if k not in ("per_worker", "round", "explain", "hit_by_kind"))
+            w = csv.DictWriter(f, fieldnames=["round"] + list(keys),
                                extrasaction="ignore")  # fmt: skip
             w.writeheader()
             w.writerows(rows + [dict(d, round="mean") for d in summary])

@@ -4,6 +4,11 @@ each routing policy, on the Mooncake conversation trace and the multi-tenant wor
     .venv/bin/python bench/fleet_sim.py                       # both workloads, N = 1..44
     .venv/bin/python bench/fleet_sim.py --workload multitenant --ns 8 44 --limit 2000
     .venv/bin/python bench/fleet_sim.py --workload family-many-0 family-huge-0 --ns 1 8 44   # generated shapes
+    .venv/bin/python bench/fleet_sim.py --workload live --limit 360 --ns 1 3 --clients 6 --host-ratio 0
+
+``live`` is the live bench's workload (bench/fleet_live.py: 12 tenants, scale 0.2, prompts cut at 700
+tokens, 3 x 6,144 device tokens, T1 off); with ``--clients 6`` the load model is its closed loop
+(6 clients; load = requests in flight) instead of evenly spaced arrivals.
 
 The total cache is fixed per workload (device tokens, T1 = --host-ratio x device) and split evenly
 over the N servers, so N = 1 is "one server with the same total cache". Reports, per policy and
@@ -23,6 +28,7 @@ import platform
 import subprocess
 import sys
 import time
+from array import array
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -35,10 +41,15 @@ from sglang_tiered.dev.workloads import load_mooncake, multi_tenant  # noqa: E40
 PAGE = 16
 # The policy before fresh placement (git 1ba9086..fdb913f), for before/after in the same run:
 # new content went to its key's homes (least loaded of 2), index matches from 5 % of the prompt.
-EXTRA = {"ours_prev": lambda: AffinityCachePolicy(fresh=False, warm_frac=0.05, name="ours_prev")}
+EXTRA = {"ours_prev": lambda: AffinityCachePolicy(fresh=False, warm_frac=0.05, name="ours_prev"),
+         "ours_priced": lambda: AffinityCachePolicy(warm_over_hatch=True, name="ours_priced"),
+         # before the hatch read the policy's own work share (it read FleetView.load: live, requests in flight)
+         "ours_view": lambda: AffinityCachePolicy(hatch_load="view", name="ours_view"),
+         "ours_share": lambda: AffinityCachePolicy(hatch_load="share", name="ours_share"),
+         "ours_both": lambda: AffinityCachePolicy(hatch_load="both", name="ours_both")}
 ALL = {**POLICIES, **EXTRA}
 # Total device tokens per workload: at N = 44 each server still fits the workload's longest prompt.
-TOTAL_DEVICE = {"mooncake": 176_000, "multitenant": 44_000}
+TOTAL_DEVICE = {"mooncake": 176_000, "multitenant": 44_000, "live": 3 * 6144}
 
 
 class SimServer:
@@ -124,6 +135,15 @@ def total_device_tokens(name: str, reqs) -> int:
 def load_workload(name: str, limit: int, seed: int):
     if name.startswith("family-"):
         return [(r.tokens, r.tenant) for r in family_workload(name, limit)]
+    if name == "live":  # bench/fleet_live.py's workload, as the servers tokenize its text prompts
+        from transformers import AutoTokenizer
+
+        from bench.fleet_live import build_workload
+        from sglang_tiered.dev.tiny_model import build_model
+
+        model = str(build_model())
+        tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+        return [(array("q", tok.encode(w["text"])), w["tenant"]) for w in build_workload(limit, 12, seed, model)]
     if name == "mooncake":
         data = ROOT / "bench" / "data" / "mooncake_conversation_trace.jsonl.gz"
         reqs = load_mooncake(data, limit=limit)
@@ -132,7 +152,7 @@ def load_workload(name: str, limit: int, seed: int):
     return [(r.tokens, r.tenant) for r in reqs]
 
 
-def run_one(workload, reqs, n, policy_name, host_ratio, rho, single_log=None):
+def run_one(workload, reqs, n, policy_name, host_ratio, rho, single_log=None, clients=0, trace=None):
     key = CacheKey()
     seeds: dict = {}
 
@@ -150,7 +170,13 @@ def run_one(workload, reqs, n, policy_name, host_ratio, rho, single_log=None):
         s.log = served
     probe = Probe(pol) if single_log is not None else pol
     t0 = time.perf_counter()
-    res = simulate(reqs, servers, probe, hashes_of, page_size=PAGE, rho=rho)
+    on_route = None
+    if trace is not None:  # --trace: one row per request (where it went, why, what the index said)
+        def on_route(i, req, view, d, prompt, cached):
+            trace.append({"n": n, "policy": pol.name, "i": i, "tenant": req.tenant, "worker": d.worker,
+                          "reason": d.reason, "spill": d.spill, "prompt": prompt, "cached": cached,
+                          "matched": dict(view.matched or {}), "load": dict(view.load)})  # fmt: skip
+    res = simulate(reqs, servers, probe, hashes_of, page_size=PAGE, rho=rho, clients=clients, on_route=on_route)
     res.unserved = sum(s.unserved for s in servers.values())
     d = res.as_dict()
     d.update(workload=workload, device_tokens_per_server=per, seconds=round(time.perf_counter() - t0, 1))
@@ -214,18 +240,21 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--host-ratio", type=float, default=2.0, help="T1 pages per device page")
     ap.add_argument("--rho", type=float, default=0.9, help="fleet utilisation if nothing were cached")
+    ap.add_argument("--clients", type=int, default=0,
+                    help="closed loop with this many clients (load = requests in flight, as live); 0: open loop at --rho")
+    ap.add_argument("--trace", action="store_true", help="also write <name>.trace.jsonl: one row per request and policy")
     ap.add_argument("--name", default="fleet_sim")
     ap.add_argument("--diagnose", action="store_true",
                     help="per request, against the single server (run N = 1 first): routing vs capacity loss")
     args = ap.parse_args(argv)
     wls = [w for x in args.workload for w in (["mooncake", "multitenant"] if x == "both" else [x])]
-    rows = []
+    rows, trace = [], ([] if args.trace else None)
     for wl in wls:
         reqs = load_workload(wl, args.limit, args.seed)
         single_log = None
         for n in args.ns:
             for pol in (["round_robin"] if n == 1 else args.policies):
-                d, served = run_one(wl, reqs, n, pol, args.host_ratio, args.rho, single_log)
+                d, served = run_one(wl, reqs, n, pol, args.host_ratio, args.rho, single_log, args.clients, trace)
                 if n == 1:
                     d["policy"] = "single"
                     single_log = served if args.diagnose else None
@@ -244,6 +273,10 @@ def main(argv=None) -> int:
         w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         w.writeheader()
         w.writerows(rows)
+    if trace is not None:
+        with open(out / f"{args.name}.trace.jsonl", "w") as f:
+            for r in trace:
+                f.write(json.dumps(r) + "\n")
     plot(rows, out / f"{args.name}.png")
     print(f"wrote {out / args.name}.{{json,csv,png}}")
     return 0

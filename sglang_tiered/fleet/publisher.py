@@ -105,25 +105,34 @@ class IndexPublisher:
         return items
 
     def _apply_local(self, items) -> tuple[list, list]:
-        """Fold events into the held set; return (stored, removed) page hashes to send."""
-        stored, removed = [], []
+        """Fold events into the held set; return (stored, removed) page hashes to send: each page's
+        *last* event in the batch wins. ``_send`` issues all removals before all stores, so a page
+        stored and then evicted within one batch (a short prompt under memory pressure, or any
+        page during a flush) must be sent as removed only; sending it in both lists left it in the
+        index as held until its entry aged out (TTL), a claim the router then trusted."""
+        stored: dict = {}
+        removed: dict = {}
         held = self._held
         for op, hs in items:
             if op == "s":
                 for h in hs:
                     held[h] = None
                     held.move_to_end(h)
-                stored.extend(hs)
+                    removed.pop(h, None)
+                    stored[h] = None
             elif op == "r":
                 for h in hs:
                     held.pop(h, None)
-                removed.extend(hs)
+                    stored.pop(h, None)
+                    removed[h] = None
             else:
-                removed.extend(held.keys())
+                for h in held:
+                    removed[h] = None
+                stored.clear()
                 held.clear()
         while len(held) > HELD_MAX:
             held.popitem(last=False)
-        return stored, removed
+        return list(stored), list(removed)
 
     def _send(self, stored, removed) -> None:
         c = self._client

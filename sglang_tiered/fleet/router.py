@@ -15,15 +15,26 @@ Per request (``/generate``, ``/v1/completions``, ``/v1/chat/completions``, strea
    locality, never correctness);
 3. the same chained page hashes as the servers (seeded by the ``CacheKey`` the servers publish in
    the index and the namespace (cache_salt, no extra key));
-4. one Redis round trip (pipelined ``HGETALL`` of the prompt's page keys + the heartbeats) gives
-   each worker's matched prefix; Redis down or slower than ``--index-timeout-ms`` means "no
-   index" and routing falls back to affinity + load (counted);
+4. one Redis round trip (``EVALSHA`` of ``index.LOOKUP_LUA`` over the heartbeats and the prompt's
+   page keys) gives each worker's matched prefix; a lookup slower than ``--index-timeout-ms``
+   routes that request without the index (``index_timeouts``), and so does Redis down
+   (``index_errors``: a connection error, or ``SLOW_LOOKUPS_DOWN`` timeouts in a row, then the
+   index is not asked for 1 s): affinity + the routing memory + load. A single slow lookup does
+   not switch the index off: on 2 busy cores one lookup in a few waits past 50 ms behind other
+   requests' work in the event loop, and the 1 s pause that followed had routed 187 of 360
+   requests of a live run blind (bench/fleet_live.py, decisions log);
 5. ``AffinityCachePolicy`` picks the worker (see routing.py); load = requests in flight on the
    worker, queue delay = their not-yet-cached prompt tokens x c_tok. Both are this router's own
    counts (exact and current for what it sent) raised to what the worker last reported at
    ``/v1/loads`` (polled every ``load_poll_s``: running + waiting requests, waiting uncached
    tokens), so traffic that bypasses this router, or another router, is seen too (smg polls the
    same endpoint). A poll that fails or is older than 4 periods is ignored.
+
+``GET /router/decisions`` returns the last ``DECISIONS_KEPT`` routing decisions (per request: its
+``x-request-id``, tenant, prompt tokens, what the index and the routing memory said each worker
+holds, each worker's load and queue estimate, the chosen worker, the policy's reason, the routing
+time), to explain a run after the fact (bench/fleet_live.py joins them with what the servers
+reported as cached).
 
 A worker that fails health checks or a connection leaves the routing set (its tenants rehome by
 rendezvous, about 1/n of them) until it answers again; a request whose connection fails before
@@ -36,17 +47,19 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes
-from sglang_tiered.fleet.index import alive_key, ckey_key, holders_from_replies, page_key
-from sglang_tiered.fleet.routing import (AffinityCachePolicy, FleetView, RouteRequest, longest_match,
-                                         token_affinity_key)  # fmt: skip
+from sglang_tiered.fleet.index import LOOKUP_LUA, alive_key, ckey_key, matched_from_lookup, page_key
+from sglang_tiered.fleet.routing import AffinityCachePolicy, FleetView, RouteRequest, token_affinity_key
 
 logger = logging.getLogger("sglang_tiered.router")
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 MAX_LOOKUP_PAGES = 512
+SLOW_LOOKUPS_DOWN = 3  # index lookups timing out in a row before the index is treated as down for 1 s
+DECISIONS_KEPT = 4096  # /router/decisions: the last this many (bounded; about 1 KiB each)
 
 
 @dataclass
@@ -78,13 +91,15 @@ class RouterStats:
     spills: int = 0
     index_lookups: int = 0
     index_hits: int = 0  # requests sent to a worker the index said holds part of the prompt
-    index_errors: int = 0
+    index_errors: int = 0  # connection errors (Redis down), or SLOW_LOOKUPS_DOWN timeouts in a row
+    index_timeouts: int = 0  # lookups slower than the timeout (that request routed without the index)
     index_unavailable: int = 0  # requests routed without the index
     retries: int = 0
     health_downs: int = 0  # workers taken out of the routing set by health checks
     load_polls: int = 0
     load_poll_errors: int = 0
     failed: int = 0
+    client_gone: int = 0  # the client closed its connection before the response ended
     matched_tokens: int = 0
     prompt_tokens: int = 0
     route_ms_total: float = 0.0
@@ -96,10 +111,11 @@ class Router:
                  model_path: Optional[str] = None, tenant_header: Optional[str] = None,
                  c_tok_us: float = 35.0, page_size: int = 16, index_ttl_s: float = 30.0,
                  index_timeout_ms: float = 50.0, health_interval_s: float = 1.0, health_misses: int = 3,
-                 load_poll_s: float = 0.25):  # fmt: skip
+                 load_poll_s: float = 0.25, policy_kw: Optional[dict] = None):  # fmt: skip
         self.workers = {w.rstrip("/"): WorkerState(w.rstrip("/")) for w in workers}
         self.redis_url = redis_url
-        self.policy = AffinityCachePolicy(k=k, c_tok_s=c_tok_us * 1e-6)
+        self.policy = AffinityCachePolicy(**{"k": k, "c_tok_s": c_tok_us * 1e-6, **(policy_kw or {})})
+        self.decisions: deque = deque(maxlen=DECISIONS_KEPT)
         self.model_path = model_path
         self.tenant_header = tenant_header.lower() if tenant_header else None
         self.page_size = page_size
@@ -113,10 +129,13 @@ class Router:
         self._poll_task = None
         self.stats = RouterStats()
         self.tokenizer = None
+        self._encode = None  # text -> token ids, as SGLang's tokenizer.encode(text)
         self.cache_key: Optional[CacheKey] = None
         self._seeds: dict = {}
         self._redis = None
         self._redis_down_until = 0.0
+        self._slow_lookups = 0  # timeouts in a row
+        self._lookup = None  # the registered LOOKUP_LUA script
         self._session = None
 
     # ------------------------------------------------------------------ setup
@@ -130,11 +149,13 @@ class Router:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+            self._encode = fast_encode(self.tokenizer)
         if self.redis_url:
             import redis.asyncio as aredis
 
             self._redis = aredis.Redis.from_url(self.redis_url, socket_timeout=self.index_timeout_s * 4,
                                                 socket_connect_timeout=self.index_timeout_s * 4)  # fmt: skip
+            self._lookup = self._redis.register_script(LOOKUP_LUA)
         self._health_task = asyncio.create_task(self._health_loop())
         if self.load_poll_s:
             self._poll_task = asyncio.create_task(self._poll_loop())
@@ -223,11 +244,11 @@ class Router:
                     return [int(t) for t in out]
                 except Exception:  # noqa: BLE001 - no template / odd content: approximate
                     text = "".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
-                    return tok.encode(text)
+                    return self._encode(text)
             return []
         text = body.get("text") if path == "/generate" else body.get("prompt")
         if isinstance(text, str):
-            return tok.encode(text)
+            return self._encode(text)
         if isinstance(text, list) and text and isinstance(text[0], int):
             return text
         return []
@@ -255,29 +276,38 @@ class Router:
         """Matched prefix tokens per worker from the index; None when the index is unavailable."""
         if self._redis is None or time.monotonic() < self._redis_down_until:
             return None
+        if not hashes and self.cache_key is not None:
+            return {}
+
+        async def lookup():
+            await self._ensure_cache_key()
+            keys = [alive_key(w) for w in workers] + [page_key(h) for h in hashes]
+            return await self._lookup(keys=keys, args=[len(workers), time.time(), self.index_ttl_s, *workers])
+
         try:
-            async def lookup():
-                await self._ensure_cache_key()
-                pipe = self._redis.pipeline(transaction=False)
-                for w in workers:
-                    pipe.exists(alive_key(w))
-                for h in hashes:
-                    pipe.hgetall(page_key(h))
-                return await pipe.execute()
-
-            if not hashes and self.cache_key is not None:
-                return {}
-            replies = await asyncio.wait_for(lookup(), self.index_timeout_s)
-        except Exception:  # noqa: BLE001 - Redis down or slow: route without it
-            self.stats.index_errors += 1
-            self._redis_down_until = time.monotonic() + 1.0
+            reply = await asyncio.wait_for(lookup(), self.index_timeout_s)
+        except asyncio.TimeoutError:  # slow (a busy event loop, or Redis): this request goes without
+            self.stats.index_timeouts += 1
+            self._slow_lookups += 1
+            if self._slow_lookups >= SLOW_LOOKUPS_DOWN:  # persistently slow: stop paying the timeout
+                self._index_down(f"{SLOW_LOOKUPS_DOWN} lookups in a row over {self.index_timeout_s * 1e3:g} ms")
             return None
+        except Exception as exc:  # noqa: BLE001 - Redis down: route without it
+            self._index_down(exc)
+            return None
+        self._slow_lookups = 0
         self.stats.index_lookups += 1
-        alive = {w: bool(r) for w, r in zip(workers, replies[: len(workers)])}
-        holders = holders_from_replies(replies[len(workers) :], alive, self.index_ttl_s)
-        return longest_match(hashes, holders, self.page_size, workers)
+        return matched_from_lookup(reply, self.page_size)
 
-    async def choose(self, tokens, tenant, exclude=()):
+    def _index_down(self, why) -> None:
+        if self.stats.index_errors == 0 or time.monotonic() > self._redis_down_until + 60:
+            logger.warning("router: index unavailable for 1 s (%s)", f"{type(why).__name__}: {why}"
+                           if isinstance(why, BaseException) else why)  # fmt: skip
+        self.stats.index_errors += 1
+        self._slow_lookups = 0
+        self._redis_down_until = time.monotonic() + 1.0
+
+    async def choose(self, tokens, tenant, exclude=(), explain: Optional[dict] = None):
         live = [w for w, s in self.workers.items() if s.healthy and w not in exclude]
         if not live:
             live = [w for w in self.workers if w not in exclude] or list(self.workers)
@@ -296,7 +326,11 @@ class Router:
                          {w: t * self.policy.c_tok_s for w, (_, t) in loads.items()}, matched)  # fmt: skip
         pol = self.policy
         key = token_affinity_key(tenant, tokens, self.page_size, pol.affinity_pages, pol.per_prefix)
-        return pol.route(RouteRequest(len(tokens), hashes, tenant, self.page_size, key=key), view)
+        req = RouteRequest(len(tokens), hashes, tenant, self.page_size, key=key)
+        if explain is not None:  # before route(): the memory as the policy sees it
+            explain.update(index=matched, memory=pol.remembered(req, live), load=view.load,
+                           queue_ms={w: round(q * 1e3, 2) for w, q in view.queue_s.items()})  # fmt: skip
+        return pol.route(req, view)
 
     # ------------------------------------------------------------------ HTTP
     def _tenant(self, request, body) -> Optional[str]:
@@ -326,16 +360,21 @@ class Router:
                    if k.lower() not in ("host", "content-length", "transfer-encoding", "connection")}  # fmt: skip
         tried: list[str] = []
         for attempt in range(2):
-            d = await self.choose(tokens, tenant, exclude=tried)
+            explain: Optional[dict] = {} if attempt == 0 else None
+            d = await self.choose(tokens, tenant, exclude=tried, explain=explain)
             ws = self.workers[d.worker]
             if attempt == 0:
+                route_ms = (time.perf_counter() - t0) * 1e3
+                self.decisions.append({"rid": request.headers.get("x-request-id"), "tenant": tenant,
+                                       "tokens": len(tokens), **explain, "worker": d.worker, "reason": d.reason,
+                                       "matched": d.matched, "route_ms": round(route_ms, 3)})  # fmt: skip
                 self.stats.requests += 1
                 self.stats.spills += d.spill
                 self.stats.reasons[d.reason] = self.stats.reasons.get(d.reason, 0) + 1
                 self.stats.index_hits += d.matched > 0
                 self.stats.matched_tokens += d.matched
                 self.stats.prompt_tokens += len(tokens)
-                self.stats.route_ms_total += (time.perf_counter() - t0) * 1e3
+                self.stats.route_ms_total += route_ms
             else:
                 self.stats.retries += 1
             tried.append(d.worker)
@@ -355,8 +394,9 @@ class Router:
                     resp.headers["x-sglang-tiered-worker"] = ws.url
                     await resp.prepare(request)
                     async for chunk in up.content.iter_any():
-                        await resp.write(chunk)
-                    await resp.write_eof()
+                        if not await self._write(resp, chunk):
+                            return resp
+                    await self._write(resp, None)
                     return resp
             except Exception as exc:  # noqa: BLE001
                 ws.failures += 1
@@ -373,6 +413,16 @@ class Router:
         self.stats.failed += 1
         return web.json_response({"error": {"message": "no worker could serve the request"}}, status=502)
 
+    async def _write(self, resp, chunk) -> bool:
+        """Write a chunk to the client (``None``: end the response); False when the client has gone
+        (e.g. it closed after ``data: [DONE]``): counted, not a worker fault, nothing to retry."""
+        try:
+            await (resp.write(chunk) if chunk is not None else resp.write_eof())
+            return True
+        except ConnectionResetError:
+            self.stats.client_gone += 1
+            return False
+
     def stats_doc(self) -> dict:
         s = self.stats
         n = max(1, s.requests)
@@ -383,12 +433,14 @@ class Router:
             "index_matched_token_rate": s.matched_tokens / max(1, s.prompt_tokens),
             "index_lookups": s.index_lookups,
             "index_errors": s.index_errors,
+            "index_timeouts": s.index_timeouts,
             "index_unavailable": s.index_unavailable,
             "retries": s.retries,
             "health_downs": s.health_downs,
             "load_polls": s.load_polls,
             "load_poll_errors": s.load_poll_errors,
             "failed": s.failed,
+            "client_gone": s.client_gone,
             "mean_route_ms": s.route_ms_total / n,
             "reasons": dict(s.reasons),
             "workers": {w: {"routed": x.routed, "inflight": x.inflight, "healthy": x.healthy,
@@ -404,6 +456,9 @@ class Router:
         async def stats(_):
             return web.json_response(self.stats_doc())
 
+        async def decisions(_):
+            return web.json_response(list(self.decisions))
+
         async def health(_):
             ok = any(s.healthy for s in self.workers.values())
             return web.json_response({"healthy": ok}, status=200 if ok else 503)
@@ -415,6 +470,7 @@ class Router:
             await self.close()
 
         app.router.add_get("/router/stats", stats)
+        app.router.add_get("/router/decisions", decisions)
         app.router.add_get("/health", health)
         for r in ROUTES:
             app.router.add_post(r, self.handle)
@@ -423,8 +479,23 @@ class Router:
         return app
 
 
+def fast_encode(tok):
+    """``tok.encode`` through the Rust tokenizer directly when that gives the same ids (0.29 vs
+    0.45 ms per live-bench prompt here: the Python wrapper's share), else ``tok.encode``."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    probe = "Hello, world!  A probe: 123 \u00e9\u4e2d <s> </s>\n\tend"
+    try:
+        if backend is not None and backend.encode(probe).ids == list(tok.encode(probe)):
+            return lambda text: backend.encode(text).ids
+    except Exception:  # noqa: BLE001
+        pass
+    return tok.encode
+
+
 def serve(workers, redis_url=None, *, host="127.0.0.1", port=30100, **kw) -> None:
     from aiohttp import web
 
     router = Router(workers, redis_url, **kw)
-    web.run_app(router.app(), host=host, port=port, print=None, access_log=None)
+    # shutdown_timeout: aiohttp's default waits up to 60 s for open connections on SIGTERM; a
+    # router behind 6 keep-alive clients took 13-20+ s to exit (the live bench's 20 s wait ran out)
+    web.run_app(router.app(), host=host, port=port, print=None, access_log=None, shutdown_timeout=2.0)

@@ -22,7 +22,9 @@ Ours (``AffinityCachePolicy``), seed R2 + section 9.3, per request:
   now contains a joining one): about k/n of them per membership change.
 * **Cold choice, bounded load**: the least loaded home. A worker is *over the hatch* when its load
   (``FleetView.load``: requests in flight, or the simulator's recent work) exceeds ``overload`` x
-  the fleet mean + ``slack`` (1.25 and 2); when the chosen home is over it, the request *spills* to
+  the fleet mean + ``slack`` (1.25 and 2) and so does the work this policy routed to it over its
+  last ``horizon`` x N requests (``hatch_load="both"``: a transient pile-up of requests in flight
+  is not a sustained occupancy, see the field's comment); when the chosen home is over it, the request *spills* to
   the least loaded worker (R2's occupancy escape hatch, counted in ``spill``); when it is only above
   ``cold_over`` (1.3) x the mean it goes to the least loaded worker too (``reason="cold"``).
 * **Locality from the index, priced in seconds** (section 9.3: prefer a warmer replica when
@@ -206,7 +208,25 @@ class AffinityCachePolicy:
     # did not hold) over the last inflow_horizon x N requests; False: to its cold choice (homes).
     fresh: bool = True
     inflow_horizon: int = 256
+    # A warm worker over the hatch may still take the request when the time rule says the recompute
+    # it saves outweighs its extra queue (True), or never (False: the hatch is a hard bound).
+    warm_over_hatch: bool = False
+    # What the hatch reads: "view", FleetView.load as given (live: requests in flight, an
+    # instantaneous count; the simulator: a windowed work share); "share", this policy's own routed
+    # work per worker (uncached prompt tokens it believed + decode_tokens per request) over the last
+    # horizon x N requests, against the mean request (prompt + decode); "both": over only when both
+    # say so. Why "both" (bench/fleet_sim.py, before/after in one run): on the live bench's closed
+    # loop, in-flight counts alone spilled warm families on a transient pile-up (5 of 6 requests on
+    # one server: live replica 0.4767 -> 0.4814, above cache_aware in 3 of 3 seeds); the believed
+    # share alone under-counts work on servers the routing memory over-credits and loaded them
+    # more (multi-tenant N = 44: 0.4184 -> 0.4145, work max/mean 1.24 -> 1.39); both together keep
+    # the first gain and the second's numbers.
+    hatch_load: str = "both"
+    decode_tokens: int = 32
     name: str = "ours"
+    _share: dict = field(default_factory=dict, repr=False)
+    _share_window: deque = field(default_factory=deque, repr=False)
+    _share_full: float = field(default=0.0, repr=False)
     _inflow: dict = field(default_factory=dict, repr=False)
     _inflow_window: deque = field(default_factory=deque, repr=False)
     _window: deque = field(default_factory=deque, repr=False)
@@ -214,7 +234,14 @@ class AffinityCachePolicy:
     _sent: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     def over(self, view: FleetView, w: str) -> bool:
-        return view.load.get(w, 0.0) > self.overload * _mean_load(view) + self.slack
+        """Over the hatch: load above ``overload`` x the fleet mean + ``slack`` (mean requests)."""
+        by_view = view.load.get(w, 0.0) > self.overload * _mean_load(view) + self.slack
+        if self.hatch_load == "view" or not self._share_window or not (by_view or self.hatch_load == "share"):
+            return by_view
+        share, ws = self._share, view.workers
+        mean_request = self._share_full / len(self._share_window)  # prompt + decode tokens: slack's unit
+        mean = sum(share.get(x, 0.0) for x in ws) / max(1, len(ws))
+        return share.get(w, 0.0) > self.overload * mean + self.slack * mean_request
 
     def homes(self, key: bytes, workers: Sequence[str]) -> list[str]:
         """The key's homes: ``new_choices`` for a key not seen in the window, else k adapted to
@@ -244,7 +271,10 @@ class AffinityCachePolicy:
         # fresh placement needs the index (to know that nobody holds the prompt) and the prompt's
         # page hashes (a router that has not learnt the servers' CacheKey yet has none)
         d = self._route(req, mview, fresh=self.fresh and view.matched is not None and bool(req.page_hashes))
-        self._count_inflow(d.worker, req.prompt_tokens - (mview.matched or {}).get(d.worker, 0), len(view.workers))
+        new_tokens = max(0, req.prompt_tokens - (mview.matched or {}).get(d.worker, 0))
+        self._count_inflow(d.worker, new_tokens, len(view.workers))
+        self._count_share(d.worker, new_tokens + self.decode_tokens, req.prompt_tokens + self.decode_tokens,
+                          len(view.workers))  # fmt: skip
         if self.memory_pages:
             sent = self._sent
             for h in req.page_hashes:
@@ -253,6 +283,17 @@ class AffinityCachePolicy:
             while len(sent) > self.memory_pages:
                 sent.popitem(last=False)
         return d
+
+    def _count_share(self, worker: str, work: float, full: float, n: int) -> None:
+        """The hatch's load: work routed to ``worker`` over the last ``horizon`` x N requests
+        (``full``: the request's size with nothing cached, for the mean request)."""
+        self._share[worker] = self._share.get(worker, 0.0) + work
+        self._share_full += full
+        self._share_window.append((worker, work, full))
+        while len(self._share_window) > self.horizon * max(1, n):
+            ow, ot, of = self._share_window.popleft()
+            self._share[ow] -= ot
+            self._share_full -= of
 
     def _count_inflow(self, worker: str, new_tokens: int, n: int) -> None:
         """Cache inflow: tokens sent to ``worker`` that it did not hold (by index + memory), over
@@ -264,15 +305,19 @@ class AffinityCachePolicy:
             ow, ot = self._inflow_window.popleft()
             self._inflow[ow] -= ot
 
+    def remembered(self, req: RouteRequest, workers: Sequence[str]) -> dict[str, int]:
+        """The routing memory's matches: per worker, the prompt's prefix (tokens) last sent there."""
+        if not self.memory_pages or not self.use_index:
+            return {}
+        sent, empty = self._sent, set()
+        return longest_match(req.page_hashes, [{sent[h]} if h in sent else empty for h in req.page_hashes],
+                             req.page_size, workers)  # fmt: skip
+
     def _with_memory(self, req: RouteRequest, view: FleetView) -> FleetView:
         """The index's matches, each raised to the prefix this router last sent to that worker.
         The memory is the router's own: with Redis down it still keeps each family where it was
         sent (a Redis outage must not move families that fresh placement put off their homes)."""
-        if not self.memory_pages or not self.use_index:
-            return view
-        sent, empty = self._sent, set()
-        remembered = longest_match(req.page_hashes, [{sent[h]} if h in sent else empty for h in req.page_hashes],
-                                   req.page_size, view.workers)  # fmt: skip
+        remembered = self.remembered(req, view.workers)
         if not remembered:
             return view
         matched = dict(view.matched or {})
@@ -300,7 +345,8 @@ class AffinityCachePolicy:
         #    hatch, wins when the recompute it saves outweighs its extra queue delay
         matched = (view.matched or {}) if self.use_index else {}
         floor = max(1, self.warm_frac * req.prompt_tokens)
-        warm = [w for w, m in matched.items() if m >= floor and w in view.load and not self.over(view, w)]
+        warm = [w for w, m in matched.items()
+                if m >= floor and w in view.load and (self.warm_over_hatch or not self.over(view, w))]  # fmt: skip
         if fresh and self.use_index and not any(m >= floor for m in matched.values()):
             # 2'. new content (no worker holds warm_frac of it): to the worker whose cache takes the
             #     least inflow, under the hatch, so that every server's cache is under the same

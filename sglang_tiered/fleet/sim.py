@@ -12,10 +12,17 @@ least_load) is the work routed to it over the last ``horizon`` x N arrivals, in 
 request's work (a sustained share, like R2's KV occupancy, not the instantaneous backlog). Reported imbalance (the acceptance's load metric):
 max/mean over servers of **work done** (uncached prompt tokens + decode_tokens per request, i.e.
 busy time); max/mean of requests routed is reported beside it.
+
+Closed loop (``clients`` > 0, the live bench's shape: C clients, each sends its next request when
+the previous one finished): a server works its requests first come first served, each taking
+(uncached prompt + ``decode_tokens``) x ``c_tok``; a server's *load* is then its requests in
+flight and its *queue delay* their remaining work, which is what the live router sees (its own
+in-flight counts and ``/v1/loads``).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -100,9 +107,15 @@ class SimResult:
 
 
 def simulate(requests, servers: dict, policy, hashes_of, *, page_size: int = 16, rho: float = 0.9,
-             decode_tokens: int = 32, c_tok_s: float = 35e-6, horizon: int = 32) -> SimResult:  # fmt: skip
+             decode_tokens: int = 32, c_tok_s: float = 35e-6, horizon: int = 32, clients: int = 0,
+             on_route=None) -> SimResult:  # fmt: skip
     """``requests``: list of (tokens, tenant); ``servers``: worker name -> server;
-    ``hashes_of(tokens, tenant)``: the prompt's chained page hashes (same as the servers')."""
+    ``hashes_of(tokens, tenant)``: the prompt's chained page hashes (same as the servers').
+    ``clients`` > 0: closed loop with that many clients (see the module docstring).
+    ``on_route(i, req, view, decision, prompt, cached)``: called per request (diagnostics)."""
+    if clients:
+        return _simulate_closed(requests, servers, policy, hashes_of, page_size=page_size, clients=clients,
+                                decode_tokens=decode_tokens, c_tok_s=c_tok_s, on_route=on_route)  # fmt: skip
     workers = list(servers)
     index = SimIndex()
     for w, s in servers.items():
@@ -124,8 +137,11 @@ def simulate(requests, servers: dict, policy, hashes_of, *, page_size: int = 16,
         view = FleetView(workers, {w: share[w] / mean_work for w in workers},
                          {w: backlog[w] * c_tok_s for w in workers},
                          index.matched(hashes, page_size, workers))  # fmt: skip
-        d = policy.route(RouteRequest(len(tokens), hashes, tenant, page_size), view)
+        req = RouteRequest(len(tokens), hashes, tenant, page_size)
+        d = policy.route(req, view)
         prompt, cached = servers[d.worker].run(tokens, tenant)
+        if on_route is not None:
+            on_route(res.requests, req, view, d, prompt, cached)
         res.requests += 1
         res.prompt_tokens += prompt
         res.cached_tokens += cached
@@ -142,4 +158,51 @@ def simulate(requests, servers: dict, policy, hashes_of, *, page_size: int = 16,
         if len(recent) > window:
             ow, oc = recent.popleft()
             share[ow] -= oc
+    return res
+
+
+def _simulate_closed(requests, servers: dict, policy, hashes_of, *, page_size: int, clients: int,
+                     decode_tokens: int, c_tok_s: float, on_route) -> SimResult:  # fmt: skip
+    """The closed loop: ``clients`` clients send the requests in trace order, each its next one
+    when its previous one finished; servers serve first come first served."""
+    workers = list(servers)
+    index = SimIndex()
+    for w, s in servers.items():
+        s.attach_index(index.listener(w))
+    res = SimResult(policy.name, len(workers), per_worker_requests=[0] * len(workers),
+                    per_worker_work=[0] * len(workers))  # fmt: skip
+    pos = {w: i for i, w in enumerate(workers)}
+    free_at = [0.0] * clients  # heap: when each client sends its next request
+    busy_until = {w: 0.0 for w in workers}
+    running: dict = {w: [] for w in workers}  # heap of (finish time, start time, work s) per server
+    for i, (tokens, tenant) in enumerate(requests):
+        now = heapq.heappop(free_at)
+        for w in workers:
+            q = running[w]
+            while q and q[0][0] <= now:
+                heapq.heappop(q)
+        hashes = hashes_of(tokens, tenant)
+        view = FleetView(workers, {w: float(len(running[w])) for w in workers},
+                         {w: max(0.0, busy_until[w] - now) for w in workers},
+                         index.matched(hashes, page_size, workers))  # fmt: skip
+        req = RouteRequest(len(tokens), hashes, tenant, page_size)
+        d = policy.route(req, view)
+        prompt, cached = servers[d.worker].run(tokens, tenant)
+        if on_route is not None:
+            on_route(i, req, view, d, prompt, cached)
+        work = (prompt - cached) + decode_tokens
+        start = max(now, busy_until[d.worker])
+        finish = start + work * c_tok_s
+        busy_until[d.worker] = finish
+        heapq.heappush(running[d.worker], (finish, start, work))
+        heapq.heappush(free_at, finish)
+        res.requests += 1
+        res.prompt_tokens += prompt
+        res.cached_tokens += cached
+        res.spills += bool(d.spill)
+        j = pos[d.worker]
+        res.per_worker_requests[j] += 1
+        res.per_worker_work[j] += work
+        res.queue_s += start - now
+        res.ttft_s += start - now + (prompt - cached) * c_tok_s
     return res
