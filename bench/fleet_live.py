@@ -118,27 +118,8 @@ PER_REQUEST_FIELDS = ("worker", "prompt_tokens", "cached_tokens", "ttft_s")
 
 
 def stream_one(url: str, payload: dict, headers: dict) -> dict:
-    """POST /generate with stream=true (as bench.live_compare.stream_generate), also keeping which
-    worker the router says served it."""
-    body = json.dumps({**payload, "stream": True}).encode()
-    req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json", **headers})
-    t0 = time.perf_counter()
-    ttft = last = None
-    with urllib.request.urlopen(req, timeout=600) as r:
-        worker = next((r.headers.get(h) for h in WORKER_HEADERS if r.headers.get(h)), None)
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            last = json.loads(data)
-    meta = last["meta_info"]
-    return {"ttft_s": ttft, "latency_s": time.perf_counter() - t0, "output_ids": last.get("output_ids"),
-            "prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta.get("cached_tokens", 0), "worker": worker}
+    """``stream_generate``, also keeping which worker the router says served the request."""
+    return stream_generate(url, payload, headers=headers, worker_headers=WORKER_HEADERS)
 
 
 def run(url, work, concurrency, max_new):

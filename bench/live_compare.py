@@ -32,14 +32,18 @@ from sglang_tiered.dev.server import Server, ServerSpec, add_threads_option, use
 from sglang_tiered.dev.workloads import multi_tenant  # noqa: E402
 
 
-def stream_generate(url: str, payload: dict, timeout: float = 600.0, headers: dict | None = None) -> dict:
-    """POST /generate with stream=true; returns ttft_s, latency_s, output_ids, cached/prompt tokens."""
+def stream_generate(url: str, payload: dict, timeout: float = 600.0, headers: dict | None = None,
+                    worker_headers: tuple = ()) -> dict:  # fmt: skip
+    """POST /generate with stream=true; returns ttft_s, latency_s, output_ids, cached/prompt tokens
+    and, with ``worker_headers``, ``worker``: the first of those response headers present (which
+    worker a router says served the request)."""
     body = json.dumps({**payload, "stream": True}).encode()
     req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json", **(headers or {})})
     t0 = time.perf_counter()
     ttft = None
     last = None
     with urllib.request.urlopen(req, timeout=timeout) as r:
+        worker = next((r.headers.get(h) for h in worker_headers if r.headers.get(h)), None)
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data:"):
@@ -53,7 +57,8 @@ def stream_generate(url: str, payload: dict, timeout: float = 600.0, headers: di
     latency = time.perf_counter() - t0
     meta = last["meta_info"]
     return {"ttft_s": ttft, "latency_s": latency, "output_ids": last.get("output_ids"),
-            "prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta.get("cached_tokens", 0)}  # fmt: skip
+            "prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta.get("cached_tokens", 0),
+            **({"worker": worker} if worker_headers else {})}  # fmt: skip
 
 
 def replay(server: Server, reqs, concurrency: int, label: str) -> tuple[list[dict], float]:
