@@ -142,16 +142,9 @@ def simulate(requests, servers: dict, policy, hashes_of, *, page_size: int = 16,
         prompt, cached = servers[d.worker].run(tokens, tenant)
         if on_route is not None:
             on_route(res.requests, req, view, d, prompt, cached)
-        res.requests += 1
-        res.prompt_tokens += prompt
-        res.cached_tokens += cached
-        res.spills += bool(d.spill)
-        i = pos[d.worker]
-        res.per_worker_requests[i] += 1
         work = (prompt - cached) + decode_tokens
-        res.per_worker_work[i] += work
-        res.queue_s += backlog[d.worker] * c_tok_s
-        res.ttft_s += (backlog[d.worker] + prompt - cached) * c_tok_s
+        b = backlog[d.worker]
+        _account(res, pos[d.worker], d, prompt, cached, work, b * c_tok_s, (b + prompt - cached) * c_tok_s)
         backlog[d.worker] += work
         recent.append((d.worker, work))
         share[d.worker] += work
@@ -196,13 +189,17 @@ def _simulate_closed(requests, servers: dict, policy, hashes_of, *, page_size: i
         busy_until[d.worker] = finish
         heapq.heappush(running[d.worker], (finish, start, work))
         heapq.heappush(free_at, finish)
-        res.requests += 1
-        res.prompt_tokens += prompt
-        res.cached_tokens += cached
-        res.spills += bool(d.spill)
-        j = pos[d.worker]
-        res.per_worker_requests[j] += 1
-        res.per_worker_work[j] += work
-        res.queue_s += start - now
-        res.ttft_s += start - now + (prompt - cached) * c_tok_s
+        _account(res, pos[d.worker], d, prompt, cached, work, start - now, start - now + (prompt - cached) * c_tok_s)
     return res
+
+
+def _account(res: SimResult, i: int, d, prompt: int, cached: int, work: float, queue_s: float, ttft_s: float) -> None:
+    """One routed request into the result (``i``: its worker's position)."""
+    res.requests += 1
+    res.prompt_tokens += prompt
+    res.cached_tokens += cached
+    res.spills += bool(d.spill)
+    res.per_worker_requests[i] += 1
+    res.per_worker_work[i] += work
+    res.queue_s += queue_s
+    res.ttft_s += ttft_s
