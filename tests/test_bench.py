@@ -49,7 +49,7 @@ def test_live_trace_against_a_server(tiered_server, tmp_path):
 def test_demo_small(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "live_compare.py"), "--requests", "40", "--out", str(tmp_path),
-         "--long-prefix-tokens", "512", "--long-prefix-reps", "1"],
+         "--long-prefix-tokens", "512", "--long-prefix-reps", "3"],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
