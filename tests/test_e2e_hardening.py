@@ -133,20 +133,25 @@ def _check_conservation(stats):
 
 
 def test_differential_soak(soak_server, reference32):
+    """Outputs equal the no-cache server's, judged by ``dev.greedy.compare``: same tokens with
+    logprobs within 1e-3, or a divergence exactly at a reference near-tie (float32 noise between
+    batch shapes; CI at stop 19 saw one prompt with a 6.5e-5 margin flip twice)."""
+    from sglang_tiered.dev.greedy import LOGPROBS, compare
+
     work = _soak_workload(SOAK_REQUESTS)
     want = {}
     with ThreadPoolExecutor(4) as pool:
         uniq = list({tuple(ids) for _, ids, _ in work})
-        for ids, (status, out) in zip(uniq, pool.map(lambda i: _gen(reference32, list(i)), uniq)):
+        for ids, (status, out) in zip(uniq, pool.map(lambda i: _gen(reference32, list(i), extra=LOGPROBS), uniq)):
             assert status == 200, out
-            want[ids] = out["output_ids"]
+            want[ids] = out
 
     def one(item):
         t, ids, no_store = item
-        extra = {"kv_transfer_params": {"lmcache.skip_save": True}} if no_store else None
-        return _gen(soak_server, ids, tenant=t, extra=extra)
+        extra = {"kv_transfer_params": {"lmcache.skip_save": True}} if no_store else {}
+        return _gen(soak_server, ids, tenant=t, extra={**extra, **LOGPROBS})
 
-    mismatches, errors, cached, sent = [], [], 0, 0
+    mismatches, ties, errors, cached, sent = [], [], [], 0, 0
     invalidations = [{"tenant": "acme"}, {"all": True}, {"tenant": "globex"}, {"model_version": "default"}]
     with ThreadPoolExecutor(6) as pool:
         for start in range(0, len(work), 100):
@@ -157,8 +162,9 @@ def test_differential_soak(soak_server, reference32):
                     errors.append((status, out))
                     continue
                 cached += out["meta_info"]["cached_tokens"]
-                if out["output_ids"] != want[tuple(ids)]:
-                    mismatches.append((t, len(ids), out["meta_info"]["cached_tokens"]))
+                verdict, why = compare(want[tuple(ids)], out)
+                if verdict != "equal":
+                    (ties if verdict == "tie" else mismatches).append((t, len(ids), out["meta_info"]["cached_tokens"], why))
             status, stats = soak_server.request("GET", "/cache/stats")
             assert status == 200
             _check_conservation(stats)
@@ -167,6 +173,8 @@ def test_differential_soak(soak_server, reference32):
             assert status == 202, body
     assert not errors, errors[:5]
     assert not mismatches, f"{len(mismatches)} of {sent} outputs differ from no-cache: {mismatches[:5]}"
+    print(f"soak: {sent} requests, {len(ties)} diverged at a float32 near-tie of the reference: {ties[:5]}")
+    assert len(ties) <= sent // 50, ties  # near-ties are rare; many would mean the tolerance hides a bug
     status, stats = soak_server.request("GET", "/cache/stats")
     _check_conservation(stats)
     host = next(t for t in stats["tiers"] if t["name"] == "host")
@@ -247,6 +255,10 @@ def _requests(draw):
     return path, raw, headers
 
 
+def _bad_field_value(v: bytes) -> bool:
+    return any(c < 0x20 and c != 0x09 or c == 0x7F for c in v)
+
+
 def test_fuzz_http_surface_never_5xx(soak_server):
     seen = []
 
@@ -255,7 +267,16 @@ def test_fuzz_http_surface_never_5xx(soak_server):
     @given(_requests())
     def fuzz(req):
         path, raw, headers = req
-        status, body = _raw(soak_server, "POST", path, raw, headers, timeout=60)
+        try:
+            status, body = _raw(soak_server, "POST", path, raw, headers, timeout=60)
+        except ConnectionResetError:
+            # A header value with control bytes is not HTTP (RFC 9110 field-value): uvicorn's h11
+            # answers 400 and closes, and when the close beats the client's read the client sees
+            # a reset instead of the 400 (CI, stop 19: seen once, not on the rerun). That is a
+            # rejection, not a 5xx. Any other reset is a failure.
+            if not any(_bad_field_value(v) for _, v in headers):
+                raise
+            status, body = 400, b"connection closed on an invalid header"
         seen.append(status)
         assert status < 500, (path, raw[:200], headers, status, body[:300])
 
