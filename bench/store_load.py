@@ -46,6 +46,8 @@ def main(argv=None) -> int:
                     help="replay this many seeds' workloads (seed, seed+1, ...) on the same servers, each from cold")
     ap.add_argument("--sim-seeds", type=int, default=8,
                     help="also replay this many seeded workloads in simulation (sync vs queue, deterministic)")
+    ap.add_argument("--twin-sync", action="store_true",
+                    help="also run a second synchronous server (how far two identical servers differ)")
     ap.add_argument("--sim-only", action="store_true", help="only the simulated comparison (no servers)")
     add_threads_option(ap)
     args = ap.parse_args(argv)
@@ -66,13 +68,16 @@ def main(argv=None) -> int:
         "t1_async_small_queue": {"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_STORE": "async",
                                  "SGLANG_TIERED_STORE_QUEUE_PAGES": str(args.small_queue_pages)},
     }
+    if args.twin_sync:  # a second synchronous server: the run-to-run spread of one configuration
+        configs["t1_sync_twin"] = dict(configs["t1_sync"])
     logs = pathlib.Path(args.out) / "logs"
     # All servers run at once and take the workload in interleaved chunks (rotating which
     # goes first), so background load on the machine falls on all of them alike. Each repeat
     # replays another seed's workload from a cold cache (device and T1 emptied).
     servers = {}
     counters = ("promoted_pages",)
-    host_counters = ("stored_pages", "inline_pages", "value_dropped_pages", "filtered_pages", "demotions")
+    host_counters = ("stored_pages", "inline_pages", "value_dropped_pages", "filtered_pages", "demotions",
+                     "ahead_offered_pages", "through_offered_pages")  # fmt: skip
     try:
         for name, env in configs.items():
             env = {**env, "SGLANG_TIERED_HOST_RATIO": str(args.host_ratio)}

@@ -54,6 +54,8 @@ class TierStats(msgspec.Struct, kw_only=True):
     value_dropped_pages: int = 0  # pending writes that left the full queue for more valuable ones
     filtered_pages: int = 0  # refused at enqueue (no value, or a one-shot while the queue is half full)
     cancelled_pages: int = 0  # pending writes of invalidated pages
+    ahead_offered_pages: int = 0  # pages the device was about to evict, offered at batch ends
+    through_offered_pages: int = 0  # admitted pages offered while T1 had free room (write-through)
     # probed in T1, found on the device at load-back (another request of the batch promoted them)
     already_on_device_tokens: int = 0
     decision: str = ""

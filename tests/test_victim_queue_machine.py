@@ -94,6 +94,16 @@ class VictimQueueMachine(RuleBasedStateMachine):
         assert (got.id if got is not None else None) == want
         assert model_victim(self.leaves, boost) == want
 
+    @rule(boost=st.sampled_from([0.0, 0.5, 3.0, float("inf")]))
+    def ordered_is_the_pop_order(self, boost):
+        """``ordered`` (the store queue's write-ahead walk) lists the leaves exactly in the order
+        successive pops would take them, and changes nothing (the pop rule checks afterwards)."""
+        rest, want = set(self.leaves), []
+        while (v := model_victim(rest, boost)) is not None:
+            want.append(v)
+            rest.discard(self.by_id[v])
+        assert [n.id for n in self.queue.ordered(boost)] == want
+
     @invariant()
     def checker(self):
         self.queue.check_invariants()

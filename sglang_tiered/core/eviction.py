@@ -30,6 +30,8 @@ it), ``tiered_tick`` (logical time of last use) and a writable ``tiered_entry``.
 from __future__ import annotations
 
 import heapq
+import itertools
+import math
 
 REUSE_MIN_REQUESTS = 2  # a node used by this many requests is "reused" (protected, slru's segment)
 
@@ -109,6 +111,46 @@ class VictimQueue:
             node.tiered_entry = None
         return node
 
+    def ordered(self, boost: float):
+        """The evictable leaves in victim order (the order successive ``pop`` calls would return
+        them if nothing changed), lazily and without changing the queue: O(k log k) for the first
+        k plus the stale entries met on the way. A leaf is yielded once, at its current tick and
+        class (a stale entry's node is re-placed at its true key, which is never earlier: ticks
+        only grow and re-classing only protects)."""
+        leaves, heaps = self.leaves, self.heaps
+        inf = math.isinf(boost)
+
+        def key(tick, prot: int, node_id: int):
+            return (prot, tick, node_id) if inf else (tick + boost * prot, 0, node_id)
+
+        seq = itertools.count()
+        frontier = []  # (key, seq, heap index or -1 for a re-placed node, heap position, node)
+        for i in (0, 1):
+            if heaps[i]:
+                tick, nid, node = heaps[i][0]
+                frontier.append((key(tick, i, nid), next(seq), i, 0, node))
+        heapq.heapify(frontier)
+        seen = set()
+        while frontier:
+            _, _, i, j, node = heapq.heappop(frontier)
+            if i >= 0:
+                heap = heaps[i]
+                for c in (2 * j + 1, 2 * j + 2):
+                    if c < len(heap):
+                        tick, nid, child = heap[c]
+                        heapq.heappush(frontier, (key(tick, i, nid), next(seq), i, c, child))
+                tick = heap[j][0]
+                if node.id in seen or node not in leaves:
+                    continue
+                prot = int(is_reused(node.hit_count))
+                if node.tiered_tick != tick or prot != i:  # stale: its true place is later
+                    heapq.heappush(frontier, (key(node.tiered_tick, prot, node.id), next(seq), -1, 0, node))
+                    continue
+            elif node.id in seen or node not in leaves:
+                continue
+            seen.add(node.id)
+            yield node
+
     def check_invariants(self) -> None:
         live = {(e[1], e[0], i) for i in (0, 1) for e in self.heaps[i]}
         for n in self.leaves:
@@ -133,6 +175,10 @@ class RebuiltQueue:
 
     def pop(self, boost: float):
         return heapq.heappop(self.heap)[2] if self.heap else None
+
+    def ordered(self, boost: float):
+        """The leaves in victim order without changing the heap."""
+        return (e[2] for e in sorted(self.heap))
 
 
 def fixed_order_priority(order: str):

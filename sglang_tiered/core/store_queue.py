@@ -117,6 +117,11 @@ class StoreQueue:
             self._cv.notify_all()
             return True
 
+    def is_pending(self, page) -> bool:
+        """Whether a write of ``page`` is queued or being copied."""
+        with self._cv:
+            return page in self._page_job
+
     def fence(self, pages, *, run: bool = True) -> None:
         """Return once none of ``pages`` is queued or being copied (rule 4). Queued pages are
         removed from their jobs; with ``run`` they are written inline first (so a page the

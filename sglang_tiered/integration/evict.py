@@ -46,6 +46,11 @@ class Eviction:
         priority = fixed_order_priority(self.cache.policy.followed_order)
         return RebuiltQueue([(priority(n), n.id, n) for n in self.cache.evictable_leaves], priority)
 
+    def ordered(self):
+        """The evictable leaves in the order ``run`` would take them now (pinning aside), lazily;
+        changes nothing (the store queue's write-ahead walks it)."""
+        return self.victims().ordered(self.cache.policy.protection_boost())
+
     def next_victim(self):
         """The leaf ``evict`` would take first now (pinning aside), or None; changes nothing."""
         return self.victims().peek(self.cache.policy.protection_boost())[0]

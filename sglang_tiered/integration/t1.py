@@ -21,6 +21,7 @@ the next demotion). A failed load is a clean miss: the device pages are freed, n
 
 from __future__ import annotations
 
+import math
 from array import array
 from typing import NamedTuple, Optional, Protocol
 
@@ -34,6 +35,10 @@ from sglang_tiered.core.tenants import name_hash, tenant_of
 from sglang_tiered.integration.node_state import node_tenant
 
 PENDING_HOST_MAX = 4096  # T1 probes of requests still waiting for admission (aborted ones age out)
+# Write-ahead (store queue): at each batch end, the pages the eviction order takes next, about
+# this many batches' worth at the recent eviction rate, are queued for T1 (see ``write_ahead``).
+AHEAD_BATCHES = 3
+EVICT_RATE_DECAY = 0.8  # the rate is a decaying maximum of the pages evicted per batch
 
 
 class PendingLoad(NamedTuple):
@@ -92,6 +97,10 @@ class T1Tier:
         self.load_locks: list = []  # promoted nodes held until the batch that uses them ran
         self.flushing = False  # /flush_cache: everything goes to T1, whatever the queue judged
         self.already_on_device_tokens = 0  # probed in T1, found on the device at load-back
+        self.evicted_since_batch = 0  # device pages evicted since the last batch end
+        self.evict_rate = 0.0  # decaying maximum of pages evicted per batch
+        self.ahead_offered_pages = 0  # victims-to-be offered to the queue by ``write_ahead``
+        self.through_offered_pages = 0  # admitted pages offered while T1 had free room
 
     # ------------------------------------------------------------------ helpers
     def _page_ids(self, node) -> list:
@@ -108,24 +117,80 @@ class T1Tier:
         return self.host.pool.contains(page_hash)
 
     # ------------------------------------------------------------------ stores
+    def _ready_event(self):
+        """On CUDA, an event after the forward passes that wrote the pages being offered."""
+        if not self.host.k_buffers[0].is_cuda:
+            return None
+        ready = torch.cuda.Event()
+        ready.record()
+        return ready
+
+    def _offer(self, node, ready, pages=None, hashes=None) -> int:
+        """Offer a node's pages (or the given subset) to the store queue, valued ``frequency x
+        pages`` (R3). Returns the pages offered."""
+        hashes = node.tiered_hashes if hashes is None else hashes
+        freq = self.cache.policy.node_frequency(node.tiered_hashes)
+        pages = self._page_ids(node) if pages is None else pages
+        self.store.offer(pages, hashes, freq * len(hashes), frequency=freq,
+                         tenant=name_hash(node_tenant(node)), ctx=ready)  # fmt: skip
+        return len(pages)
+
     def on_admitted(self, anchor, last) -> None:
-        """Offer the runs of pages a request just added to the tree (``anchor``..``last``) to the
-        store queue, one job per node, valued ``frequency x pages`` (R3)."""
+        """Write-through of the runs of pages a request just added to the tree (``anchor``..``last``),
+        one job per node, *while T1 has free room for them*: a copy of a page that is still on the
+        device then costs T1 nothing. Once T1 is full, a write-through copy would push out a real
+        victim (a page only T1 holds) to keep a duplicate, so only ``write_ahead`` writes, and
+        only what the device is about to evict."""
         if self.store is None:
             return
-        cache, store, policy = self.cache, self.store, self.cache.policy
+        cache = self.cache
+        room = self.host.pool.free_pages - self.store.stats.queued_pages
         ready = None
-        if self.host.k_buffers[0].is_cuda:
-            ready = torch.cuda.Event()
-            ready.record()  # the forward pass that wrote these pages
         node = last
         while node is not anchor and node is not cache.root_node:
             hashes = node.tiered_hashes
             if hashes and not node.tiered_invalid:
-                freq = policy.node_frequency(hashes)
-                store.offer(self._page_ids(node), hashes, freq * len(hashes), frequency=freq,
-                            tenant=name_hash(node_tenant(node)), ctx=ready)  # fmt: skip
+                if len(hashes) > room:
+                    return
+                if ready is None:
+                    ready = self._ready_event()  # the forward pass that wrote these pages
+                n = self._offer(node, ready)
+                room -= n
+                self.through_offered_pages += n
             node = node.parent
+
+    def write_ahead(self) -> int:
+        """At a batch end: queue for T1 the pages the device will evict next, so that eviction
+        finds them written (off the request path) instead of copying them inline, as the
+        synchronous store does. The walk follows the eviction order itself (``Eviction.ordered``)
+        and covers ``AHEAD_BATCHES`` x the recent eviction rate (a decaying maximum of pages
+        evicted per batch), at most the queue's bound; pages T1 holds or the queue has pending
+        are skipped. T1 thus holds what the synchronous store gives it, written a few batches
+        early: the copies of pages still on the device are bounded by the walk (a duplicate
+        costs T1 a slot, which is why admission writes through only into free room).
+        Returns the pages offered."""
+        self.evict_rate = max(float(self.evicted_since_batch), EVICT_RATE_DECAY * self.evict_rate)
+        self.evicted_since_batch = 0
+        target = min(self.store.capacity_pages, math.ceil(AHEAD_BATCHES * self.evict_rate))
+        if target <= 0:
+            return 0
+        store, holds = self.store, self.holds
+        walked = offered = 0
+        ready = None
+        for node in self.cache.eviction.ordered():
+            if walked >= target:
+                break
+            hashes = node.tiered_hashes
+            if not hashes or node.tiered_invalid:
+                continue  # (eviction does not demote these either)
+            walked += len(hashes)
+            need = [(p, h) for p, h in zip(self._page_ids(node), hashes) if not holds(h) and not store.is_pending(p)]
+            if need:
+                if ready is None:
+                    ready = self._ready_event()
+                offered += self._offer(node, ready, [p for p, _ in need], [h for _, h in need])
+        self.ahead_offered_pages += offered
+        return offered
 
     def on_refused(self, req, start: int, hashes: list) -> None:
         """Pages the device refused go to T1 instead (the host tier is the victim buffer in which
@@ -151,6 +216,7 @@ class T1Tier:
             index.notify("on_remove", [h for h in x.tiered_hashes if not self.holds(h)])
 
     def _demote_victim(self, x) -> None:
+        self.evicted_since_batch += len(x.tiered_hashes)
         if self.store is not None:
             self.fence(x, run=True)
             if self.host.touch(x.tiered_hashes):
@@ -175,8 +241,10 @@ class T1Tier:
         return 0
 
     def after_batch(self) -> None:
-        if self.store is not None and self.store._thread is None:
-            self.store.drain()  # no worker thread (simulation): the writes land between batches
+        if self.store is not None:
+            self.write_ahead()
+            if self.store._thread is None:
+                self.store.drain()  # no worker thread (simulation): the writes land between batches
         while self.load_locks:
             self.cache.unlock(self.load_locks.pop())
 
@@ -320,7 +388,8 @@ class T1Tier:
             snap.update(queue_capacity_pages=q.capacity_pages, queue_depth_pages=st.queued_pages,
                         stored_pages=st.stored_pages, inline_pages=st.inline_pages,
                         value_dropped_pages=st.value_dropped_pages, filtered_pages=st.filtered_pages,
-                        cancelled_pages=st.cancelled_pages)  # fmt: skip
+                        cancelled_pages=st.cancelled_pages, ahead_offered_pages=self.ahead_offered_pages,
+                        through_offered_pages=self.through_offered_pages)  # fmt: skip
         return snap
 
     def check_invariants(self) -> None:

@@ -282,6 +282,10 @@ class HostPool:
         return self.layout.num_pages
 
     @property
+    def free_pages(self) -> int:
+        return len(self.free)
+
+    @property
     def resident(self) -> int:
         return len(self.slot_of)
 
