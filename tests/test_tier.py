@@ -150,6 +150,44 @@ TierMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30
 TestTiers = TierMachine.TestCase
 
 
+class TierQueueMachine(TierMachine):
+    """The same, with T1 written through the store queue (write-through into free room, write-ahead
+    of the eviction order at batch ends, drained between batches as a worker would)."""
+
+    def __init__(self):
+        RuleBasedStateMachine.__init__(self)
+        self.cache = TieredRadixCache.create_simulated(12 * PAGE, PAGE, host_pages=10, verify_kv=True,
+                                                      debug_checks=True, store_queue_pages=8)  # fmt: skip
+        self.computed = {t: set() for t in TENANTS}
+
+
+TierQueueMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+TestTiersQueue = TierQueueMachine.TestCase
+
+
+def test_full_t1_gets_victims_written_ahead_not_duplicates_of_admitted_pages():
+    """Once T1 is full, admitted pages are not written through (a copy of a page still on the
+    device would push a real victim out); the pages the eviction order takes next are written at
+    batch ends instead, so only the first eviction copies inline. T1 ends up holding every victim
+    the synchronous store gives it, and serves the same hits (KV checked against recomputation)."""
+    runs = [[0, 1], [2, 3], [4, 5], [6, 0], [1, 2], [3, 4], [5, 6], [0, 1], [2, 3]]
+    got = {}
+    for q in (0, 16):
+        cache = TieredRadixCache.create_simulated(8 * PAGE, PAGE, host_pages=32, store_queue_pages=q,
+                                                  verify_kv=True, debug_checks=True)  # fmt: skip
+        pool = cache.host.pool
+        old = [bytes([i]) * 16 for i in range(32)]
+        pool.commit(pool.reserve(old))  # T1 full of older entries
+        cached = [cache.driver.run(tokens_of(b), tenant=None).cached_len for b in runs]
+        got[q] = (cached, set(pool.slot_of) - set(old), cache.t1.snapshot())
+    (sync_hits, sync_t1, _), (queue_hits, queue_t1, snap) = got[0], got[16]
+    assert queue_hits == sync_hits and sum(queue_hits) > 0
+    assert sync_t1 <= queue_t1
+    assert snap["through_offered_pages"] == 0 and snap["ahead_offered_pages"] > 0
+    first_batch = 2  # pages the first eviction took: nothing predicted them yet
+    assert snap["inline_pages"] == first_batch and snap["stored_pages"] >= snap["demotions"] - first_batch
+
+
 def test_full_t1_skips_and_counts_demotions():
     cache = TieredRadixCache.create_simulated(8 * PAGE, PAGE, host_pages=2, verify_kv=True)
     cache.host.replace_when_full = False
