@@ -26,10 +26,13 @@ class HostPoolMachine(RuleBasedStateMachine):
         self.pending: list = []  # reserved, not yet committed
 
     @precondition(lambda self: not self.pending)
-    @rule(hs=st.lists(st.sampled_from(HASHES), min_size=1, max_size=4, unique=True), evict=st.booleans())
-    def reserve(self, hs, evict):
-        pairs = self.pool.reserve(hs, evict=evict)
-        for h in hs:  # resident pages of the batch count as used first
+    @rule(hs=st.lists(st.sampled_from(HASHES), min_size=1, max_size=4, unique=True), evict=st.booleans(),
+          cold=st.booleans())  # fmt: skip
+    def reserve(self, hs, evict, cold):
+        """``cold``: a write-through copy (free slots only, no touch, committed at the LRU end)."""
+        evict = evict and not cold
+        pairs = self.pool.reserve(hs, evict=evict, touch=not cold)
+        for h in hs if not cold else ():  # resident pages of the batch count as used first
             if h in self.model:
                 self.model.move_to_end(h)
         want = [h for h in hs if h not in self.model]
@@ -43,14 +46,17 @@ class HostPoolMachine(RuleBasedStateMachine):
         for h, slot in pairs:
             self.pool.data[0, 0, :, slot] = float(h[0])
         self.pending = pairs
+        self.cold = cold
 
     @precondition(lambda self: self.pending)
     @rule(tenant=st.integers(0, 2), ok=st.booleans())
     def commit_or_abort(self, tenant, ok):
         if ok:
-            self.pool.commit(self.pending, tenant)
+            self.pool.commit(self.pending, tenant, cold=self.cold)
             for h, _ in self.pending:
                 self.model[h] = tenant
+                if self.cold:  # each goes to the least recently used end, in turn
+                    self.model.move_to_end(h, last=False)
         else:
             self.pool.abort(self.pending)
         self.pending = []

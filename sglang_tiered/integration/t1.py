@@ -77,11 +77,12 @@ def make_store_queue(host, capacity_pages: int, threaded: bool = True):
 
     def write(job) -> None:
         pages = torch.tensor(job.pages, dtype=torch.int64)
+        ready, cold = job.ctx  # (CUDA event or None, a write-through copy: see HostTier.demote)
         if side is None:
-            host.demote(pages, job.hashes, job.tenant)
+            host.demote(pages, job.hashes, job.tenant, cold=cold)
             return
         with torch.cuda.stream(side):
-            host.demote(pages, job.hashes, job.tenant, ready=job.ctx)
+            host.demote(pages, job.hashes, job.tenant, ready=ready, cold=cold)
 
     return StoreQueue(capacity_pages, write, threaded=threaded)
 
@@ -125,22 +126,24 @@ class T1Tier:
         ready.record()
         return ready
 
-    def _offer(self, node, ready, pages=None, hashes=None) -> int:
+    def _offer(self, node, ready, cold: bool, pages=None, hashes=None) -> int:
         """Offer a node's pages (or the given subset) to the store queue, valued ``frequency x
-        pages`` (R3). Returns the pages offered."""
+        pages`` (R3); ``cold``: a write-through copy (``HostTier.demote``). Returns the pages offered."""
         hashes = node.tiered_hashes if hashes is None else hashes
         freq = self.cache.policy.node_frequency(node.tiered_hashes)
         pages = self._page_ids(node) if pages is None else pages
         self.store.offer(pages, hashes, freq * len(hashes), frequency=freq,
-                         tenant=name_hash(node_tenant(node)), ctx=ready)  # fmt: skip
+                         tenant=name_hash(node_tenant(node)), ctx=(ready, cold))  # fmt: skip
         return len(pages)
 
     def on_admitted(self, anchor, last) -> None:
         """Write-through of the runs of pages a request just added to the tree (``anchor``..``last``),
-        one job per node, *while T1 has free room for them*: a copy of a page that is still on the
-        device then costs T1 nothing. Once T1 is full, a write-through copy would push out a real
-        victim (a page only T1 holds) to keep a duplicate, so only ``write_ahead`` writes, and
-        only what the device is about to evict."""
+        one job per node, *into free T1 room only*: the copy goes to free slots at T1's least
+        recently used end (``HostTier.demote(cold=True)``), so it never pushes out a page only T1
+        holds, and it is the first to make room for one later; when the device evicts the page,
+        the copy is marked used like a fresh victim. Sync's T1 keeps every victim this T1 keeps.
+        Once T1 is full nothing is written through: ``write_ahead`` writes only what the device
+        is about to evict."""
         if self.store is None:
             return
         cache = self.cache
@@ -154,7 +157,7 @@ class T1Tier:
                     return
                 if ready is None:
                     ready = self._ready_event()  # the forward pass that wrote these pages
-                n = self._offer(node, ready)
+                n = self._offer(node, ready, cold=True)
                 room -= n
                 self.through_offered_pages += n
             node = node.parent
@@ -188,7 +191,7 @@ class T1Tier:
             if need:
                 if ready is None:
                     ready = self._ready_event()
-                offered += self._offer(node, ready, [p for p, _ in need], [h for _, h in need])
+                offered += self._offer(node, ready, False, [p for p, _ in need], [h for _, h in need])
         self.ahead_offered_pages += offered
         return offered
 

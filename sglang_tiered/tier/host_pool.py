@@ -307,11 +307,12 @@ class HostPool:
                 self.lru.move_to_end(s)
         return slots
 
-    def reserve(self, hashes: list[bytes], *, evict: bool = True) -> list[tuple[bytes, int]]:
+    def reserve(self, hashes: list[bytes], *, evict: bool = True, touch: bool = True) -> list[tuple[bytes, int]]:
         """Slots for pages not yet resident (least recently used pages make room when ``evict``).
-        Returns (hash, slot) pairs in order; fewer than asked when the pool is full."""
+        Returns (hash, slot) pairs in order; fewer than asked when the pool is full. ``touch``:
+        pages of the batch already resident count as used now (a cold write leaves them be)."""
         out = []
-        for h in hashes:  # pages of this batch already resident are used again: never the victims
+        for h in hashes if touch else ():  # pages of this batch already resident: never the victims
             slot = self.slot_of.get(h)
             if slot is not None:
                 self.lru.move_to_end(slot)
@@ -330,14 +331,17 @@ class HostPool:
             out.append((h, slot))
         return out
 
-    def commit(self, pairs: list[tuple[bytes, int]], tenant: int = 0) -> None:
-        """Publish slots whose data has been written (hash and tenant first, valid byte last)."""
+    def commit(self, pairs: list[tuple[bytes, int]], tenant: int = 0, *, cold: bool = False) -> None:
+        """Publish slots whose data has been written (hash and tenant first, valid byte last).
+        ``cold``: at the least recently used end (the first to make room), not the most recent."""
         for h, slot in pairs:
             self._hashes_np[slot] = np.frombuffer(h, dtype=np.uint8)
             self._tenant_np[slot] = tenant
             self._valid_np[slot] = 1
             self.slot_of[h] = slot
             self.lru[slot] = None
+            if cold:
+                self.lru.move_to_end(slot, last=False)
 
     def verify(self, hashes: list[bytes], slots: list[int]) -> bool:
         """True when every slot is valid and stores exactly the page hash asked for (checked

@@ -81,11 +81,15 @@ class HostTier:
         if self.stream_fence is not None:
             self.stream_fence()
 
-    def demote(self, device_pages: torch.Tensor, hashes: list[bytes], tenant: int = 0, ready=None) -> int:
+    def demote(self, device_pages: torch.Tensor, hashes: list[bytes], tenant: int = 0, ready=None,
+               cold: bool = False) -> int:  # fmt: skip
         """Copy device pages to T1 (skipping pages already there). Returns pages written.
-        ``ready``: a CUDA event the copy waits for (the forward pass that wrote the pages)."""
+        ``ready``: a CUDA event the copy waits for (the forward pass that wrote the pages).
+        ``cold``: a copy of pages still on the device (write-through): only into free slots, and
+        at the least recently used end, so it never pushes out a page only T1 holds and is the
+        first to go when one needs room (the device's eviction then marks it used, ``touch``)."""
         with self.lock:
-            return self._demote(device_pages, hashes, tenant, ready)
+            return self._demote(device_pages, hashes, tenant, ready, cold)
 
     def touch(self, hashes: list[bytes]) -> bool:
         """Mark resident pages as just used (a device eviction of pages already written through).
@@ -101,11 +105,12 @@ class HostTier:
         with self.lock:
             return self.pool.clear()
 
-    def _demote(self, device_pages, hashes, tenant, ready) -> int:
+    def _demote(self, device_pages, hashes, tenant, ready, cold=False) -> int:
         t0 = time.perf_counter()
-        pairs = self.pool.reserve(hashes, evict=self.replace_when_full)
-        wanted = sum(1 for h in hashes if not self.pool.contains(h))
-        self.stats.demote_skipped_pages += max(0, wanted - len(pairs))
+        pairs = self.pool.reserve(hashes, evict=self.replace_when_full and not cold, touch=not cold)
+        if not cold:  # (a cold copy that finds no free slot is not a lost victim)
+            wanted = sum(1 for h in hashes if not self.pool.contains(h))
+            self.stats.demote_skipped_pages += max(0, wanted - len(pairs))
         if not pairs:
             return 0
         pos = {h: i for i, h in enumerate(hashes)}
@@ -129,7 +134,7 @@ class HostTier:
             self.stats.failed_demotions += len(pairs)
             logger.exception("sglang-tiered: demotion of %d pages failed; skipped", len(pairs))
             return 0
-        self.pool.commit(pairs, tenant)
+        self.pool.commit(pairs, tenant, cold=cold)
         if self.t2 is not None:
             self.t2.flush()  # the victims reserve() copied out go to T2's store queue
         self.stats.demoted_pages += len(pairs)
