@@ -7,12 +7,12 @@ ARCHITECTURE.md "Adding a tier"):
 |---|---|---|
 | ``probe(params, result)`` | ``match_prefix`` | counts the pages after the device match it holds; remembers a ``PendingLoad`` |
 | ``load_back(params)`` | ``init_load_back`` | promotes the pending pages into new device pages, all or nothing |
-| ``on_admitted(anchor, last)`` | ``checkpoint`` | offers a request's new pages to the store queue (write-through) |
+| ``on_admitted(anchor, last)`` | ``checkpoint`` | offers a request's new pages to the store queue (write-through into free T1 room) |
 | ``on_refused(req, start, hashes)`` | ``checkpoint`` | pages the device refused go to T1 instead |
 | ``on_evict(node)`` | ``evict`` | a device victim's pages go to (or stay in) T1 |
 | ``fence(node, run)`` | before device pages are freed | no store of them may be pending or running |
 | ``invalidate(tenant_hash, everything)`` | invalidation | drops T1 entries, cancels pending writes |
-| ``after_batch()`` / ``forget(rid)`` | scheduler | drains the queue / forgets a finished request |
+| ``after_batch()`` / ``forget(rid)`` | scheduler | offers the next victims (write-ahead), drains the queue / forgets a finished request |
 
 State table of a page (by chained hash): device only -> (evict/refuse, T1 on) -> T1 only ->
 (probe + load_back) -> device + T1 (T1 copy kept as a victim-cache entry; its recency refreshed on
