@@ -232,7 +232,8 @@ def _plot(table, path, env) -> None:
 
     names = list(table)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    a1.bar(names, [table[n]["ttft_p50_ms"] for n in names], color=["grey", "tab:orange", "tab:green", "tab:olive"][: len(names)])
+    colors = {"t1_off": "grey", "t1_sync": "tab:orange", "t1_sync_twin": "tab:orange", "t1_async": "tab:green"}
+    a1.bar(names, [table[n]["ttft_p50_ms"] for n in names], color=[colors.get(n, "tab:olive") for n in names])
     a1.set_ylabel("TTFT p50 ms")
     a1.set_title("TTFT p50, 8 concurrent clients")
     a2.bar(names, [table[n]["token_hit_rate"] - table[n]["host_hit_rate"] for n in names], label="device")
@@ -240,6 +241,8 @@ def _plot(table, path, env) -> None:
                                                                        for n in names], label="T1")  # fmt: skip
     a2.set_ylabel("token hit rate")
     a2.legend()
+    for a in (a1, a2):
+        a.tick_params(axis="x", labelrotation=20)
     fig.suptitle(f"T1 store queue vs synchronous demotion vs T1 off (git {env['git_sha']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
