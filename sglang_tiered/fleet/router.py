@@ -17,7 +17,6 @@ Per request (``/generate``, ``/v1/completions``, ``/v1/chat/completions``, strea
    the index and the namespace (cache_salt, no extra key)); a background task reads that key (a
    request never waits for it), and until it has, requests route without the index. The routing
    memory is keyed by the router's own chain of the same pages, so it works without the index;
-
 4. one Redis round trip (``EVALSHA`` of ``index.LOOKUP_LUA`` over the heartbeats and the prompt's
    page keys) gives each worker's matched prefix; a lookup slower than ``--index-timeout-ms``
    routes that request without the index (``index_timeouts``), and so does Redis down
