@@ -147,7 +147,8 @@ def test_fleet_routes_by_affinity_and_index_and_survives_faults(fleet):
         time.sleep(0.2)
     assert r.keys(b"st:p:*") and r.exists(b"st:alive:" + servers[0].url.encode())
     time.sleep(0.5)
-    _send_all(router, tenants, 1, start=3)
+    res = _send_all(router, tenants, 1, start=3)
+    assert all(w in homes[t] for t, w, _, _ in res), (homes, res)  # with the index: the same homes
     st = _get(router + "/router/stats")
     assert st["index_lookups"] > 0 and st["index_hit_rate"] > 0, st
     stats = servers[0].request("GET", "/cache/stats")[1]
@@ -174,6 +175,10 @@ def test_fleet_routes_by_affinity_and_index_and_survives_faults(fleet):
     fleet["redis"].kill()
     fleet["redis"].wait()
     res = _send_all(router, tenants, 2, start=4)
+    # every decision so far, for a failure's post-mortem (reason, index/memory matches, loads)
+    (LOG_DIR / "fleet-decisions.json").write_text(json.dumps({
+        "homes": {t: sorted(ws) for t, ws in homes.items()}, "stats": _get(router + "/router/stats"),
+        "decisions": _get(router + "/router/decisions")}, indent=1))  # fmt: skip
     for t, w, _, _ in res:  # same homes without the index (stats and the last decisions if not)
         assert w in homes[t], (t, w, homes[t], _get(router + "/router/stats"),
                                _get(router + "/router/decisions")[-2 * len(tenants):])  # fmt: skip

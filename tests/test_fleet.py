@@ -394,6 +394,57 @@ def test_router_load_is_own_counts_raised_to_polled_v1_loads():
         Router(["http://127.0.0.1:1"], load_poll_s=-1)
 
 
+def test_router_load_takes_finished_requests_off_the_last_report():
+    """A /v1/loads report counts this router's requests in flight when it was asked for; those that
+    finished since are taken off it (a sequential client saw the worker that served its previous
+    request as busy for up to 1 s, and the cold rule moved the next request off its home)."""
+    import time
+
+    from sglang_tiered.fleet.router import WorkerState
+
+    ws = WorkerState("http://w")
+    ws.inflight, ws.inflight_tokens = 1, 100  # one request of ours, sent before the poll
+    started = time.monotonic()
+    ws.polled(2, 300, sent_at=started + 0.01)  # it, and one from elsewhere (200 uncached tokens)
+    assert ws.load(1.0) == (2.0, 300.0)
+    ws.inflight += 1
+    ws.inflight_tokens += 50
+    ws.finished(started + 0.02, 50)  # sent after the poll: the report did not count it
+    assert ws.load(1.0) == (2.0, 300.0) and ws.done_since_poll == 0
+    ws.finished(started, 100)  # ours, counted by the report, has finished
+    assert (ws.inflight, ws.inflight_tokens) == (0, 0)
+    assert ws.load(1.0) == (1.0, 200.0)  # the other one is still there
+    ws.polled(0, 0, sent_at=time.monotonic())  # a new report starts over
+    assert ws.load(1.0) == (0.0, 0.0) and ws.done_since_poll == 0
+
+
+def test_router_memory_keeps_families_without_the_index():
+    """The routing memory needs no CacheKey from the index: a router with Redis down from the start
+    keeps a family where its first request went (the less loaded of its two new-key homes), not on
+    its one home from the second request on (memory keyed by the servers' page hashes, which need
+    the CacheKey, remembered nothing)."""
+    import asyncio
+
+    from sglang_tiered.fleet.router import Router
+    from sglang_tiered.fleet.routing import token_affinity_key
+
+    async def main():
+        urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+        r = Router(urls, redis_url=None, page_size=16)
+        tokens = list(range(1000, 1160))  # 10 pages
+        top = rendezvous_top_k(token_affinity_key("acme", tokens, 16), urls, 2)
+        r.workers[top[0]].inflight = 1  # the first home busy: the new key goes to its second
+        d = await r.choose(tokens, "acme")
+        assert d.worker == top[1] and r.cache_key is None
+        r.workers[top[0]].inflight = 0
+        r.workers[top[1]].inflight = 1
+        d = await r.choose(tokens[:150] + [7] * 10, "acme")  # its next request, the home now idle
+        assert d.worker == top[1] and d.reason == "warm", d
+        assert r.memory_hashes_of(tokens, "other")[0] != r.memory_hashes_of(tokens, "acme")[0]  # tenants apart
+
+    asyncio.run(main())
+
+
 def test_publisher_batch_last_event_wins():
     """Events folded into one batch: a page's last event decides whether it is sent as stored or as
     removed (removals go out before stores, so a page stored then evicted in one batch was left in

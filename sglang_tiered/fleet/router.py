@@ -14,7 +14,9 @@ Per request (``/generate``, ``/v1/completions``, ``/v1/chat/completions``, strea
    template path for plain text messages and is approximate otherwise: a mismatch only costs
    locality, never correctness);
 3. the same chained page hashes as the servers (seeded by the ``CacheKey`` the servers publish in
-   the index and the namespace (cache_salt, no extra key));
+   the index and the namespace (cache_salt, no extra key)); a background task reads that key (a
+   request never waits for it), and until it has, requests route without the index. The routing
+   memory is keyed by the router's own chain of the same pages, so it works without the index;
 4. one Redis round trip (``EVALSHA`` of ``index.LOOKUP_LUA`` over the heartbeats and the prompt's
    page keys) gives each worker's matched prefix; a lookup slower than ``--index-timeout-ms``
    routes that request without the index (``index_timeouts``), and so does Redis down
@@ -28,7 +30,10 @@ Per request (``/generate``, ``/v1/completions``, ``/v1/chat/completions``, strea
    counts (exact and current for what it sent) raised to what the worker last reported at
    ``/v1/loads`` (polled every ``load_poll_s``: running + waiting requests, waiting uncached
    tokens), so traffic that bypasses this router, or another router, is seen too (smg polls the
-   same endpoint). A poll that fails or is older than 4 periods is ignored.
+   same endpoint). A poll that fails or is older than 4 periods is ignored, and the requests of
+   this router that the report counted and that have finished since are taken off it: on a
+   sequential client a report up to 1 s old showed the worker that served the previous request
+   as busy, and the cold rule moved the next request off its home (decisions log of the fleet test).
 
 ``GET /router/decisions`` returns the last ``DECISIONS_KEPT`` routing decisions (per request: its
 ``x-request-id``, tenant, prompt tokens, what the index and the routing memory said each worker
@@ -59,6 +64,7 @@ logger = logging.getLogger("sglang_tiered.router")
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 MAX_LOOKUP_PAGES = 512
 SLOW_LOOKUPS_DOWN = 3  # index lookups timing out in a row before the index is treated as down for 1 s
+MEMORY_KEY = CacheKey(model_id="sglang-tiered-router-memory")  # seeds the routing memory's page chain
 DECISIONS_KEPT = 4096  # /router/decisions: the last this many (bounded; about 1 KiB each)
 
 
@@ -76,13 +82,32 @@ class WorkerState:
     polled_reqs: int = 0
     polled_tokens: int = 0
     polled_at: float = 0.0
+    poll_sent_at: float = 0.0  # when the last accepted report was asked for
+    done_since_poll: int = 0  # this router's requests sent before that and finished since
+    done_tokens_since_poll: int = 0  # ... and their uncached prompt tokens
 
     def load(self, max_age_s: float) -> tuple[float, float]:
         """(requests in flight, uncached prompt tokens queued): this router's counts, raised to
-        the worker's last report when that is younger than ``max_age_s``."""
+        the worker's last report (less what of it has finished since) when that is younger than
+        ``max_age_s``."""
         if time.monotonic() - self.polled_at <= max_age_s:
-            return float(max(self.inflight, self.polled_reqs)), float(max(self.inflight_tokens, self.polled_tokens))
+            return (float(max(self.inflight, self.polled_reqs - self.done_since_poll)),
+                    float(max(self.inflight_tokens, self.polled_tokens - self.done_tokens_since_poll)))  # fmt: skip
         return float(self.inflight), float(self.inflight_tokens)
+
+    def polled(self, reqs: int, tokens: int, sent_at: float) -> None:
+        """A /v1/loads report asked for at ``sent_at``."""
+        self.polled_reqs, self.polled_tokens = reqs, tokens
+        self.polled_at, self.poll_sent_at = time.monotonic(), sent_at
+        self.done_since_poll = self.done_tokens_since_poll = 0
+
+    def finished(self, started_at: float, pending_tokens: int) -> None:
+        """One of this router's requests ended; the last report counted it if it started before."""
+        self.inflight -= 1
+        self.inflight_tokens -= pending_tokens
+        if started_at <= self.poll_sent_at:
+            self.done_since_poll += 1
+            self.done_tokens_since_poll += pending_tokens
 
 
 @dataclass
@@ -132,6 +157,8 @@ class Router:
         self._encode = None  # text -> token ids, as SGLang's tokenizer.encode(text)
         self.cache_key: Optional[CacheKey] = None
         self._seeds: dict = {}
+        self._memory_seeds: dict = {}
+        self._ckey_task = None
         self._redis = None
         self._redis_down_until = 0.0
         self._slow_lookups = 0  # timeouts in a row
@@ -156,14 +183,16 @@ class Router:
             self._redis = aredis.Redis.from_url(self.redis_url, socket_timeout=self.index_timeout_s * 4,
                                                 socket_connect_timeout=self.index_timeout_s * 4)  # fmt: skip
             self._lookup = self._redis.register_script(LOOKUP_LUA)
+            self._ckey_task = asyncio.create_task(self._cache_key_loop())
         self._health_task = asyncio.create_task(self._health_loop())
         if self.load_poll_s:
             self._poll_task = asyncio.create_task(self._poll_loop())
 
     async def close(self):
         self._health_task.cancel()
-        if self._poll_task is not None:
-            self._poll_task.cancel()
+        for task in (self._poll_task, self._ckey_task):
+            if task is not None:
+                task.cancel()
         if self._session is not None:
             await self._session.close()
         if self._redis is not None:
@@ -205,16 +234,15 @@ class Router:
 
         async def one(ws: WorkerState):
             try:
+                sent_at = time.monotonic()
                 timeout = aiohttp.ClientTimeout(total=max(0.1, 2 * self.load_poll_s))
                 async with self._session.get(ws.url + "/v1/loads?include=core", timeout=timeout) as r:
                     doc = await r.json(content_type=None) if r.status == 200 else None
                 loads = doc.get("loads") if isinstance(doc, dict) else None
                 if not isinstance(loads, list):
                     raise ValueError("no 'loads' list")
-                ws.polled_reqs = sum(int(x.get("num_running_reqs", 0)) + int(x.get("num_waiting_reqs", 0))
-                                     for x in loads)  # fmt: skip
-                ws.polled_tokens = sum(int(x.get("num_waiting_uncached_tokens", 0)) for x in loads)
-                ws.polled_at = time.monotonic()
+                ws.polled(sum(int(x.get("num_running_reqs", 0)) + int(x.get("num_waiting_reqs", 0)) for x in loads),
+                          sum(int(x.get("num_waiting_uncached_tokens", 0)) for x in loads), sent_at)  # fmt: skip
                 self.stats.load_polls += 1
             except Exception:  # noqa: BLE001 - an old server or a slow answer: own counts only
                 self.stats.load_poll_errors += 1
@@ -262,6 +290,22 @@ class Router:
                 self.cache_key = CacheKey(**json.loads(raw))
                 return
 
+    async def _cache_key_loop(self):
+        """Read the servers' CacheKey from the index, off the request path, then load the lookup
+        script. The first requests read it under the 50 ms lookup timeout, each timeout paused the
+        index for 1 s, and the requests in that second had no page hashes (so no index and, before
+        the memory had its own keys, no memory); on 2 cores at a load average of 18 the fleet
+        test's first routing decision took 95 ms and lookups timed out 3 times in 39 requests."""
+        while self.cache_key is None:
+            try:
+                await asyncio.wait_for(self._ensure_cache_key(), 2.0)
+                if self.cache_key is not None:
+                    await asyncio.wait_for(self._redis.script_load(LOOKUP_LUA), 2.0)
+            except Exception:  # noqa: BLE001 - Redis down or slow: try again
+                pass
+            if self.cache_key is None:
+                await asyncio.sleep(0.2)
+
     def hashes_of(self, tokens, tenant) -> list[bytes]:
         if self.cache_key is None:
             return []
@@ -272,15 +316,24 @@ class Router:
             s = self._seeds[tenant] = self.cache_key.namespace_seed(tenant, None)
         return chain_page_hashes(s, tokens[: MAX_LOOKUP_PAGES * self.page_size], self.page_size)
 
+    def memory_hashes_of(self, tokens, tenant) -> list[bytes]:
+        """The routing memory's page keys: a chain of the same pages under the router's own seed
+        (per tenant, as the servers' namespaces), known whether or not the index is."""
+        s = self._memory_seeds.get(tenant)
+        if s is None:
+            if len(self._memory_seeds) > 4096:
+                self._memory_seeds.clear()
+            s = self._memory_seeds[tenant] = MEMORY_KEY.namespace_seed(tenant, None)
+        return chain_page_hashes(s, tokens[: MAX_LOOKUP_PAGES * self.page_size], self.page_size)
+
     async def matched(self, hashes, workers) -> Optional[dict]:
         """Matched prefix tokens per worker from the index; None when the index is unavailable."""
-        if self._redis is None or time.monotonic() < self._redis_down_until:
-            return None
-        if not hashes and self.cache_key is not None:
+        if self._redis is None or self.cache_key is None or time.monotonic() < self._redis_down_until:
+            return None  # no index, or its CacheKey not read yet (_cache_key_loop)
+        if not hashes:
             return {}
 
         async def lookup():
-            await self._ensure_cache_key()
             keys = [alive_key(w) for w in workers] + [page_key(h) for h in hashes]
             return await self._lookup(keys=keys, args=[len(workers), time.time(), self.index_ttl_s, *workers])
 
@@ -311,11 +364,6 @@ class Router:
         live = [w for w, s in self.workers.items() if s.healthy and w not in exclude]
         if not live:
             live = [w for w in self.workers if w not in exclude] or list(self.workers)
-        if self.cache_key is None and self._redis is not None and time.monotonic() >= self._redis_down_until:
-            try:
-                await asyncio.wait_for(self._ensure_cache_key(), self.index_timeout_s)
-            except Exception:  # noqa: BLE001
-                self._redis_down_until = time.monotonic() + 1.0
         hashes = self.hashes_of(tokens, tenant)
         matched = await self.matched(hashes, live)
         if matched is None:
@@ -326,7 +374,8 @@ class Router:
                          {w: t * self.policy.c_tok_s for w, (_, t) in loads.items()}, matched)  # fmt: skip
         pol = self.policy
         key = token_affinity_key(tenant, tokens, self.page_size, pol.affinity_pages, pol.per_prefix)
-        req = RouteRequest(len(tokens), hashes, tenant, self.page_size, key=key)
+        req = RouteRequest(len(tokens), hashes, tenant, self.page_size, key=key,
+                           memory_hashes=self.memory_hashes_of(tokens, tenant))  # fmt: skip
         if explain is not None:  # before route(): the memory as the policy sees it
             explain.update(index=matched, memory=pol.remembered(req, live), load=view.load,
                            queue_ms={w: round(q * 1e3, 2) for w, q in view.queue_s.items()})  # fmt: skip
@@ -382,6 +431,7 @@ class Router:
             ws.inflight += 1
             pending = max(0, len(tokens) - d.matched)
             ws.inflight_tokens += pending
+            started_at = time.monotonic()
             resp = None
             try:
                 async with self._session.request(request.method, ws.url + request.path_qs, data=raw,
@@ -408,8 +458,7 @@ class Router:
                 logger.warning("router: %s failed (%s); %s", ws.url, exc,
                                "retrying once" if attempt == 0 else "giving up")  # fmt: skip
             finally:
-                ws.inflight -= 1
-                ws.inflight_tokens -= pending
+                ws.finished(started_at, pending)
         self.stats.failed += 1
         return web.json_response({"error": {"message": "no worker could serve the request"}}, status=502)
 

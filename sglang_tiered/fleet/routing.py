@@ -48,7 +48,11 @@ Ours (``AffinityCachePolicy``), seed R2 + section 9.3, per request:
   after an eviction it forgets, and the family's next request went wherever the cold rule put it,
   seeding a second copy. The memory sends it back where it *was*: it recomputes once there and the
   family stays on one worker. Measured in the simulator (multi-tenant, N = 8): 0.429 -> 0.448.
-  The memory is the router's own state, so it applies with Redis down too.
+  The memory is the router's own state, so it applies with Redis down too; the live router keys
+  it by its own chain of the prompt's pages (``RouteRequest.memory_hashes``), not by the servers'
+  page hashes, which it can compute only once it has read their ``CacheKey`` from the index: keyed
+  by those, a router that started with the index slow or down remembered nothing, and a family
+  placed on the less loaded of its two new-key homes went to its one home on its next request.
 
 * **Fresh placement by cache inflow**: a request that no worker holds ``warm_frac`` (10 %) of, by
   the index and the memory, is new content (a new conversation, a one-shot scan, a new document):
@@ -138,6 +142,13 @@ class RouteRequest:
     page_size: int = 16
     key: Optional[bytes] = None  # affinity key (default: affinity_key(tenant, page_hashes))
     text: str = ""  # what smg-like text policies see
+    # the routing memory's page keys (default: page_hashes); the live router passes its own chain
+    # of the prompt's pages, which needs no CacheKey from the index (see the module docstring)
+    memory_hashes: Optional[Sequence[bytes]] = None
+
+    @property
+    def memory_keys(self) -> Sequence[bytes]:
+        return self.page_hashes if self.memory_hashes is None else self.memory_hashes
 
 
 @dataclass
@@ -277,7 +288,7 @@ class AffinityCachePolicy:
                           len(view.workers))  # fmt: skip
         if self.memory_pages:
             sent = self._sent
-            for h in req.page_hashes:
+            for h in req.memory_keys:
                 sent[h] = d.worker
                 sent.move_to_end(h)
             while len(sent) > self.memory_pages:
@@ -309,9 +320,8 @@ class AffinityCachePolicy:
         """The routing memory's matches: per worker, the prompt's prefix (tokens) last sent there."""
         if not self.memory_pages or not self.use_index:
             return {}
-        sent, empty = self._sent, set()
-        return longest_match(req.page_hashes, [{sent[h]} if h in sent else empty for h in req.page_hashes],
-                             req.page_size, workers)  # fmt: skip
+        sent, empty, keys = self._sent, set(), req.memory_keys
+        return longest_match(keys, [{sent[h]} if h in sent else empty for h in keys], req.page_size, workers)
 
     def _with_memory(self, req: RouteRequest, view: FleetView) -> FleetView:
         """The index's matches, each raised to the prefix this router last sent to that worker.
