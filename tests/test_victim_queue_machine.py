@@ -126,3 +126,19 @@ def test_pop_order_exact_scenario():
         leaves.discard(n)
         order.append(n.id)
     assert order == [2, 3, 1, 0]
+
+
+def test_rebuilt_queue_ordered_is_the_pop_order_and_changes_nothing():
+    """The fixed orders' queue (safety duel): ``ordered`` lists what successive pops return."""
+    from sglang_tiered.core.eviction import RebuiltQueue
+
+    leaves = [Leaf(i, float(t)) for i, t in enumerate([5, 1, 3, 3, 9, 0])]
+    prio = lambda n: (0, n.tiered_tick)  # noqa: E731
+    q = RebuiltQueue([(prio(n), n.id, n) for n in leaves], prio)
+    before = list(q.heap)
+    walked = [n.id for n in q.ordered(0.0)]
+    assert q.heap == before
+    popped = []
+    while (n := q.pop(0.0)) is not None:
+        popped.append(n.id)
+    assert walked == popped == [5, 1, 2, 3, 0, 4]

@@ -306,25 +306,24 @@ class Router:
             if self.cache_key is None:
                 await asyncio.sleep(0.2)
 
-    def hashes_of(self, tokens, tenant) -> list[bytes]:
-        if self.cache_key is None:
-            return []
-        s = self._seeds.get(tenant)
+    def _chain(self, key: CacheKey, seeds: dict, tokens, tenant) -> list[bytes]:
+        """Chained page hashes of the prompt (its first MAX_LOOKUP_PAGES pages) under ``key``'s
+        namespace for ``tenant``; ``seeds`` caches the per-tenant seeds (bounded)."""
+        s = seeds.get(tenant)
         if s is None:
-            if len(self._seeds) > 4096:
-                self._seeds.clear()
-            s = self._seeds[tenant] = self.cache_key.namespace_seed(tenant, None)
+            if len(seeds) > 4096:
+                seeds.clear()
+            s = seeds[tenant] = key.namespace_seed(tenant, None)
         return chain_page_hashes(s, tokens[: MAX_LOOKUP_PAGES * self.page_size], self.page_size)
+
+    def hashes_of(self, tokens, tenant) -> list[bytes]:
+        """The servers' page hashes (empty until their CacheKey has been read from the index)."""
+        return [] if self.cache_key is None else self._chain(self.cache_key, self._seeds, tokens, tenant)
 
     def memory_hashes_of(self, tokens, tenant) -> list[bytes]:
         """The routing memory's page keys: a chain of the same pages under the router's own seed
         (per tenant, as the servers' namespaces), known whether or not the index is."""
-        s = self._memory_seeds.get(tenant)
-        if s is None:
-            if len(self._memory_seeds) > 4096:
-                self._memory_seeds.clear()
-            s = self._memory_seeds[tenant] = MEMORY_KEY.namespace_seed(tenant, None)
-        return chain_page_hashes(s, tokens[: MAX_LOOKUP_PAGES * self.page_size], self.page_size)
+        return self._chain(MEMORY_KEY, self._memory_seeds, tokens, tenant)
 
     async def matched(self, hashes, workers) -> Optional[dict]:
         """Matched prefix tokens per worker from the index; None when the index is unavailable."""

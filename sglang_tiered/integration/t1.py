@@ -187,6 +187,8 @@ class T1Tier:
             if not hashes or node.tiered_invalid:
                 continue  # (eviction does not demote these either)
             walked += len(hashes)
+            if all(holds(h) for h in hashes):
+                continue  # the usual case: written at an earlier batch end (no page ids needed)
             need = [(p, h) for p, h in zip(self._page_ids(node), hashes) if not holds(h) and not store.is_pending(p)]
             if need:
                 if ready is None:
