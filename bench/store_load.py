@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     servers = {}
     counters = ("promoted_pages",)
     host_counters = ("stored_pages", "inline_pages", "value_dropped_pages", "filtered_pages", "demotions",
-                     "ahead_offered_pages", "through_offered_pages")  # fmt: skip
+                     "ahead_offered_pages", "through_offered_pages", "staged_used_pages", "staged_dropped_pages")  # fmt: skip
     try:
         for name, env in configs.items():
             env = {**env, "SGLANG_TIERED_HOST_RATIO": str(args.host_ratio)}

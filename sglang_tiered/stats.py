@@ -56,6 +56,10 @@ class TierStats(msgspec.Struct, kw_only=True):
     cancelled_pages: int = 0  # pending writes of invalidated pages
     ahead_offered_pages: int = 0  # pages the device was about to evict, offered at batch ends
     through_offered_pages: int = 0  # admitted pages offered while T1 had free room (write-through)
+    staging_pages: int = 0  # host slots outside T1's capacity for write-ahead copies
+    staged_pages: int = 0  # written ahead, waiting for the device to evict them
+    staged_used_pages: int = 0  # write-ahead copies an eviction adopted (no copy at eviction)
+    staged_dropped_pages: int = 0  # write-ahead copies dropped unused (staging full, invalidated)
     # probed in T1, found on the device at load-back (another request of the batch promoted them)
     already_on_device_tokens: int = 0
     decision: str = ""

@@ -182,10 +182,44 @@ def test_full_t1_gets_victims_written_ahead_not_duplicates_of_admitted_pages():
         got[q] = (cached, set(pool.slot_of) - set(old), cache.t1.snapshot())
     (sync_hits, sync_t1, _), (queue_hits, queue_t1, snap) = got[0], got[16]
     assert queue_hits == sync_hits and sum(queue_hits) > 0
-    assert sync_t1 <= queue_t1
+    assert sync_t1 == queue_t1
     assert snap["through_offered_pages"] == 0 and snap["ahead_offered_pages"] > 0
     first_batch = 2  # pages the first eviction took: nothing predicted them yet
     assert snap["inline_pages"] == first_batch and snap["stored_pages"] >= snap["demotions"] - first_batch
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_queue_t1_holds_what_sync_t1_holds_in_the_same_order(seed):
+    """The store queue changes when T1 is written, never what it holds: on generated workloads
+    (``dev/workload_family.py``: tenants, shared prefixes, documents, conversations, agents,
+    scans, phase changes) and device / T1 / queue sizes drawn per seed, after every request the
+    queue's T1 (its write-through copies not yet used aside) holds exactly the synchronous
+    store's pages in the same LRU order, and every request gets the same hit. Write-through
+    copies fill free room only, write-ahead copies go to the staging slots, and an eviction
+    adopts either as the synchronous store would copy it (``HostPool.reserve``)."""
+    import random
+
+    from sglang_tiered.dev.workload_family import draw, generate
+
+    ps = 16
+    rng = random.Random(seed)
+    dev = rng.choice([48, 96, 200])
+    t1, q = rng.choice([dev // 2, dev, 3 * dev]), rng.choice([16, 64, 256])
+    reqs = [r for r in generate(draw(seed, n_requests=(150, 150), token_scale=0.05)) if len(r.tokens) <= dev * ps // 2]
+    sync, queue = (TieredRadixCache.create_simulated(dev * ps, ps, host_pages=t1, store_queue_pages=n)
+                   for n in (0, q))  # fmt: skip
+
+    def t1_pages(pool):
+        return [pool._hashes_np[s].tobytes() for s in pool.lru if s not in pool.cold]
+
+    for i, r in enumerate(reqs):
+        a = sync.driver.run(list(r.tokens), tenant=r.tenant).cached_len
+        b = queue.driver.run(list(r.tokens), tenant=r.tenant).cached_len
+        assert a == b, f"request {i}: hit {b} with the queue, {a} synchronous"
+        assert t1_pages(queue.host.pool) == t1_pages(sync.host.pool), f"request {i}: T1 differs"
+    snap, base = queue.t1.snapshot(), sync.t1.snapshot()
+    assert snap["inline_pages"] <= base["demotions"]  # copies on the request path: never more than sync's
+    queue.check_invariants()
 
 
 def test_full_t1_skips_and_counts_demotions():

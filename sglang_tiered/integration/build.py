@@ -34,7 +34,7 @@ def from_build_context(cls, ctx):
 
 def setup_host_tier(cache, ctx, cfg) -> None:
     """Build T1 where it pays off (host_setup.py) and its store queue."""
-    from sglang_tiered.integration.host_setup import build_host_tier
+    from sglang_tiered.integration.host_setup import build_host_tier, store_queue_pages
     from sglang_tiered.integration.t1 import make_store_queue
 
     host, cache.host_decision = build_host_tier(cache, ctx, cfg)
@@ -44,7 +44,7 @@ def setup_host_tier(cache, ctx, cfg) -> None:
     if cfg.store == "async":
         # default: the device pool (a pending page is a device page, so this never binds
         # unless half the pool waits for T1: then one-shots are filtered and value-drop runs)
-        pages = cfg.store_queue_pages or max(64, cache.capacity_tokens // cache.page_size)
+        pages = store_queue_pages(cfg, cache.capacity_tokens // cache.page_size)
         # TP ranks share one T1 and must make identical slot and drop decisions, so with TP > 1
         # the queue drains at the end of every batch in the scheduler thread (same point on
         # every rank) instead of on a free-running worker whose timing differs per rank.
@@ -77,8 +77,8 @@ def create_simulated(cls, capacity_tokens: int, page_size: int = 16, policy_conf
         from sglang_tiered.tier.host_tier import HostTier
 
         kv = alloc.get_kvcache()
-        host = HostTier.build(kv, page_size=page_size, total_kv_heads=kv.head_num, tp_size=1,
-                              tp_rank=0, capacity_pages=host_pages, name=None)  # fmt: skip
+        host = HostTier.build(kv, page_size=page_size, total_kv_heads=kv.head_num, tp_size=1, tp_rank=0,
+                              capacity_pages=host_pages, name=None, staging_pages=store_queue_pages)  # fmt: skip
         cache.host_decision = host.decision = "on: simulated"
         # written by drain() after every request (deterministic)
         store = make_store_queue(host, store_queue_pages, threaded=False) if store_queue_pages else None

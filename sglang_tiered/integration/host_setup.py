@@ -101,6 +101,21 @@ def _auto_decision(ctx, kv, k0) -> tuple[bool, str]:
     return on, decision
 
 
+def store_queue_pages(cfg, device_pages: int) -> int:
+    """The store queue's bound (``SGLANG_TIERED_STORE_QUEUE_PAGES``; default: the device pool,
+    so that it binds only when half the pool waits for T1)."""
+    return cfg.store_queue_pages or max(64, device_pages)
+
+
+def staging_pages(cfg, device_pages: int, t1_pages: int) -> int:
+    """Slots beyond T1's capacity for write-ahead copies (``HostPool.reserve_staging``): with the
+    store queue, the queue's bound or a sixteenth of T1 (at least 64 pages), whichever is less;
+    none with the synchronous store."""
+    if cfg.store != "async":
+        return 0
+    return min(store_queue_pages(cfg, device_pages), max(64, t1_pages // 16))
+
+
 def build_host_tier(cache, ctx, cfg):
     """Return (HostTier or None, decision text)."""
     if cfg.host_mode == "off":
@@ -114,6 +129,9 @@ def build_host_tier(cache, ctx, cfg):
     layout = PoolLayout(1, len(kv.k_buffer), total_heads, ps, k0.shape[2], str(k0.dtype).replace("torch.", ""))
     device_pages = cache.capacity_tokens // ps
     pages = int(cfg.host_gb * 1e9 // layout.page_bytes) if cfg.host_gb else int(device_pages * cfg.host_ratio)
+    staging = staging_pages(cfg, device_pages, pages)
+    if cfg.host_gb:  # the memory budget holds the staging slots too
+        pages -= staging
     if pages <= 0:
         return None, "off: host tier size rounds to zero pages"
 
@@ -140,7 +158,7 @@ def build_host_tier(cache, ctx, cfg):
     try:
         tier = HostTier.build(kv, page_size=ps, total_kv_heads=total_heads, tp_size=ctx.tp_size,
                               tp_rank=ctx.tp_rank, capacity_pages=pages, name=name, stream_fence=fence,
-                              exclusive=bool(cfg.host_name))  # auto-<launcher pid>: this server's ranks only  # fmt: skip
+                              exclusive=bool(cfg.host_name), staging_pages=staging)  # auto-<launcher pid>: this server's ranks only  # fmt: skip
     except (HostPoolError, ValueError) as exc:
         logger.warning("sglang-tiered: T1 disabled: %s", exc)
         return None, f"off: {exc}"

@@ -39,6 +39,7 @@ PENDING_HOST_MAX = 4096  # T1 probes of requests still waiting for admission (ab
 # this many batches' worth at the recent eviction rate, are queued for T1 (see ``write_ahead``).
 AHEAD_BATCHES = 3
 EVICT_RATE_DECAY = 0.8  # the rate is a decaying maximum of the pages evicted per batch
+THROUGH, AHEAD = "through", "ahead"  # store queue jobs: write-through (admitted), write-ahead (victims-to-be)
 
 
 class PendingLoad(NamedTuple):
@@ -77,12 +78,13 @@ def make_store_queue(host, capacity_pages: int, threaded: bool = True):
 
     def write(job) -> None:
         pages = torch.tensor(job.pages, dtype=torch.int64)
-        ready, cold = job.ctx  # (CUDA event or None, a write-through copy: see HostTier.demote)
+        ready, kind = job.ctx  # (CUDA event or None, THROUGH or AHEAD: see HostTier.demote)
+        cold, stage = kind == THROUGH, kind == AHEAD
         if side is None:
-            host.demote(pages, job.hashes, job.tenant, cold=cold)
+            host.demote(pages, job.hashes, job.tenant, cold=cold, stage=stage)
             return
         with torch.cuda.stream(side):
-            host.demote(pages, job.hashes, job.tenant, ready=ready, cold=cold)
+            host.demote(pages, job.hashes, job.tenant, ready=ready, cold=cold, stage=stage)
 
     return StoreQueue(capacity_pages, write, threaded=threaded)
 
@@ -117,6 +119,11 @@ class T1Tier:
     def holds(self, page_hash) -> bool:
         return self.host.pool.contains(page_hash)
 
+    def has_copy(self, page_hash) -> bool:
+        """T1 holds the page or has it staged (written ahead)."""
+        pool = self.host.pool
+        return pool.contains(page_hash) or pool.is_staged(page_hash)
+
     # ------------------------------------------------------------------ stores
     def _ready_event(self):
         """On CUDA, an event after the forward passes that wrote the pages being offered."""
@@ -126,14 +133,14 @@ class T1Tier:
         ready.record()
         return ready
 
-    def _offer(self, node, ready, cold: bool, pages=None, hashes=None) -> int:
+    def _offer(self, node, ready, kind: str, pages=None, hashes=None) -> int:
         """Offer a node's pages (or the given subset) to the store queue, valued ``frequency x
-        pages`` (R3); ``cold``: a write-through copy (``HostTier.demote``). Returns the pages offered."""
+        pages`` (R3); ``kind``: THROUGH or AHEAD (``HostTier.demote``). Returns the pages offered."""
         hashes = node.tiered_hashes if hashes is None else hashes
         freq = self.cache.policy.node_frequency(node.tiered_hashes)
         pages = self._page_ids(node) if pages is None else pages
         self.store.offer(pages, hashes, freq * len(hashes), frequency=freq,
-                         tenant=name_hash(node_tenant(node)), ctx=(ready, cold))  # fmt: skip
+                         tenant=name_hash(node_tenant(node)), ctx=(ready, kind))  # fmt: skip
         return len(pages)
 
     def on_admitted(self, anchor, last) -> None:
@@ -141,9 +148,8 @@ class T1Tier:
         one job per node, *into free T1 room only*: the copy goes to free slots at T1's least
         recently used end (``HostTier.demote(cold=True)``), so it never pushes out a page only T1
         holds, and it is the first to make room for one later; when the device evicts the page,
-        the copy is marked used like a fresh victim. Sync's T1 keeps every victim this T1 keeps.
-        Once T1 is full nothing is written through: ``write_ahead`` writes only what the device
-        is about to evict."""
+        the copy is adopted like a fresh victim. Once T1 is full nothing is written through:
+        ``write_ahead`` writes what the device is about to evict, outside T1's capacity."""
         if self.store is None:
             return
         cache = self.cache
@@ -157,27 +163,28 @@ class T1Tier:
                     return
                 if ready is None:
                     ready = self._ready_event()  # the forward pass that wrote these pages
-                n = self._offer(node, ready, cold=True)
+                n = self._offer(node, ready, THROUGH)
                 room -= n
                 self.through_offered_pages += n
             node = node.parent
 
     def write_ahead(self) -> int:
-        """At a batch end: queue for T1 the pages the device will evict next, so that eviction
+        """At a batch end: queue copies of the pages the device will evict next, so that eviction
         finds them written (off the request path) instead of copying them inline, as the
         synchronous store does. The walk follows the eviction order itself (``Eviction.ordered``)
         and covers ``AHEAD_BATCHES`` x the recent eviction rate (a decaying maximum of pages
-        evicted per batch), at most the queue's bound; pages T1 holds or the queue has pending
-        are skipped. T1 thus holds what the synchronous store gives it, written a few batches
-        early: the copies of pages still on the device are bounded by the walk (a duplicate
-        costs T1 a slot, which is why admission writes through only into free room).
-        Returns the pages offered."""
+        evicted per batch), at most the queue's bound and the staging area; pages T1 holds, has
+        staged, or the queue has pending are skipped. The copies go to staging slots outside
+        T1's capacity (``HostPool.reserve_staging``) and become T1 pages only when the device
+        evicts them (``HostPool.reserve`` adopts them): so T1 holds exactly the pages, in the same
+        order, that the synchronous store gives it; a wrong guess costs a staging slot, never a
+        T1 page. Returns the pages offered."""
         self.evict_rate = max(float(self.evicted_since_batch), EVICT_RATE_DECAY * self.evict_rate)
         self.evicted_since_batch = 0
-        target = min(self.store.capacity_pages, math.ceil(AHEAD_BATCHES * self.evict_rate))
+        target = min(self.store.capacity_pages, self.host.pool.staging, math.ceil(AHEAD_BATCHES * self.evict_rate))
         if target <= 0:
             return 0
-        store, holds = self.store, self.holds
+        store, has_copy = self.store, self.has_copy
         walked = offered = 0
         ready = None
         for node in self.cache.eviction.ordered():
@@ -187,13 +194,13 @@ class T1Tier:
             if not hashes or node.tiered_invalid:
                 continue  # (eviction does not demote these either)
             walked += len(hashes)
-            if all(holds(h) for h in hashes):
+            if all(has_copy(h) for h in hashes):
                 continue  # the usual case: written at an earlier batch end (no page ids needed)
-            need = [(p, h) for p, h in zip(self._page_ids(node), hashes) if not holds(h) and not store.is_pending(p)]
+            need = [(p, h) for p, h in zip(self._page_ids(node), hashes) if not has_copy(h) and not store.is_pending(p)]
             if need:
                 if ready is None:
                     ready = self._ready_event()
-                offered += self._offer(node, ready, False, [p for p, _ in need], [h for _, h in need])
+                offered += self._offer(node, ready, AHEAD, [p for p, _ in need], [h for _, h in need])
         self.ahead_offered_pages += offered
         return offered
 
@@ -209,12 +216,13 @@ class T1Tier:
             cache.index.notify("on_store", [h for h in hashes if self.holds(h)])
 
     def on_evict(self, x) -> None:
-        """T1 gets an evicted leaf's pages: with the store queue they are usually there already
-        (a pending write is finished inline; then only T1's recency is refreshed); a leaf that is
-        not (T1 replaced its copy meanwhile, or the queue refused it) is copied now, like the
-        synchronous store does, except a one-shot so far while the queue is under pressure (what
-        the queue itself refuses, rule 2); without the queue, every leaf is copied now. So T1
-        receives every victim the synchronous store would, unless the queue is under pressure."""
+        """T1 gets an evicted leaf's pages: with the store queue they are usually written already
+        (a pending write is finished inline; then the copies are adopted, ``HostTier.touch``); a
+        leaf that is not (T1 replaced its write-through copy, staging dropped it, or the queue
+        refused it) is copied now, like the synchronous store does, except a one-shot so far
+        while the queue is under pressure (what the queue itself refuses, rule 2); without the
+        queue, every leaf is copied now. So T1 receives every victim the synchronous store
+        would, unless the queue is under pressure."""
         self._demote_victim(x)
         index = self.cache.index
         if index.listener is not None:  # a demoted page stays held, in T1

@@ -183,11 +183,16 @@ def _align(n: int, a: int = 64) -> int:
 
 class HostPool:
     def __init__(self, layout: PoolLayout, *, name: str | None = None, pin_memory: bool = False,
-                 exclusive: bool = True):  # fmt: skip
+                 exclusive: bool = True, staging: int = 0):  # fmt: skip
         """``exclusive=False`` skips the ownership check: only for names no other server can
-        choose (the per-launcher ``auto-<pid>`` segment that TP ranks share without a name)."""
+        choose (the per-launcher ``auto-<pid>`` segment that TP ranks share without a name).
+        ``staging``: slots of ``layout.num_pages`` kept outside T1's counted capacity for
+        write-ahead copies (``reserve_staging``); T1 holds at most ``num_pages - staging`` pages."""
+        if not 0 <= staging < layout.num_pages:
+            raise ValueError(f"staging must be in [0, {layout.num_pages}), got {staging}")
         self.layout = layout
         self.name = name
+        self.staging = staging
         L, H, P, ps, D = layout.layers, layout.kv_heads, layout.num_pages, layout.page_size, layout.head_dim
         off_hash = _align(layout.data_bytes)
         off_tenant = off_hash + P * HASH_BYTES
@@ -255,6 +260,15 @@ class HostPool:
         self.slot_of: dict[bytes, int] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # resident slots, least recent first
         self.free: list[int] = []
+        # Write-through copies of pages still on the device, not used since (``commit(cold=True)``):
+        # they sit at the LRU end and are not victims (T2 is not told when they go).
+        self.cold: set[int] = set()
+        # Write-ahead copies (page hash -> slot), oldest first: written, not resident (invisible to
+        # probes, valid byte 0) until the device evicts the page and ``reserve`` adopts the slot.
+        self.staged: OrderedDict[bytes, int] = OrderedDict()
+        self.staged_used = 0  # staged pages adopted by an eviction (no copy at eviction)
+        self.staged_dropped = 0  # staged pages dropped unused (staging full, or invalidated)
+        self._renew: list[bytes] = []  # pages ``reserve`` made resident or used, re-touched by ``commit``
         self._load_index()
 
     # ------------------------------------------------------------------ index
@@ -276,14 +290,18 @@ class HostPool:
             else:
                 self.free.append(slot)
         self.free.reverse()  # pop() hands out low slots first
+        while len(self.slot_of) > self.capacity:  # attached with a larger staging area than before
+            self._forget(self.lru.popitem(last=False)[0])
 
     @property
     def capacity(self) -> int:
-        return self.layout.num_pages
+        """Pages T1 may hold (the staging slots are not counted)."""
+        return self.layout.num_pages - self.staging
 
     @property
     def free_pages(self) -> int:
-        return len(self.free)
+        """Room T1 has before its least recently used page must go."""
+        return self.capacity - len(self.slot_of)
 
     @property
     def resident(self) -> int:
@@ -305,43 +323,109 @@ class HostPool:
         if touch:
             for s in slots:
                 self.lru.move_to_end(s)
+                self.cold.discard(s)
         return slots
 
     def reserve(self, hashes: list[bytes], *, evict: bool = True, touch: bool = True) -> list[tuple[bytes, int]]:
         """Slots for pages not yet resident (least recently used pages make room when ``evict``).
-        Returns (hash, slot) pairs in order; fewer than asked when the pool is full. ``touch``:
-        pages of the batch already resident count as used now (a cold write leaves them be)."""
+        Returns (hash, slot) pairs to write, in order; fewer than asked when T1 is full.
+
+        ``touch`` (a victim): pages of the batch T1 already holds count as used now, and are never
+        the ones that make room; a write-through copy (cold) or a write-ahead copy (staged) of a
+        page of the batch is adopted as is (no slot, no copy), made resident at once. ``commit``
+        then orders the batch exactly as a store without those copies would: the pages it held
+        first, then the others in the batch's order. Not ``touch`` (a write-through copy): free
+        room only is used, staged pages are skipped, and nothing is touched."""
         out = []
-        for h in hashes if touch else ():  # pages of this batch already resident: never the victims
-            slot = self.slot_of.get(h)
-            if slot is not None:
-                self.lru.move_to_end(slot)
+        self._renew = []
+        if touch:
+            cold = self.cold
+            for h in hashes:  # pages of this batch T1 holds: never the victims
+                slot = self.slot_of.get(h)
+                if slot is not None and slot not in cold:
+                    self.lru.move_to_end(slot)
+            for h in hashes:  # copies written through: the batch's now, kept like fresh victims
+                slot = self.slot_of.get(h)
+                if slot is not None and slot in cold:
+                    cold.discard(slot)
+                    self.lru.move_to_end(slot)
+                    self._renew.append(h)
         for h in hashes:
             if h in self.slot_of:
                 continue
-            if not self.free:
+            if not touch and h in self.staged:
+                continue
+            if self.capacity - len(self.slot_of) - len(out) <= 0:
                 if not evict or not self.lru:
                     break
-                victim, _ = self.lru.popitem(last=False)
-                if self.victim_listener is not None and self._valid_np[victim]:
-                    # T2: the page is still intact here; the listener copies it out
-                    self.victim_listener(self._hashes_np[victim].tobytes(), victim, int(self._tenant_np[victim]))
-                self._forget(victim)
-            slot = self.free.pop()
-            out.append((h, slot))
+                self._evict_lru()
+            slot = self.staged.pop(h, None) if touch else None
+            if slot is not None:  # written ahead: publish the slot as is
+                self.staged_used += 1
+                self._valid_np[slot] = 1
+                self.slot_of[h] = slot
+                self.lru[slot] = None
+            else:
+                slot = self.free.pop()
+                out.append((h, slot))
+            if touch:
+                self._renew.append(h)
         return out
 
-    def commit(self, pairs: list[tuple[bytes, int]], tenant: int = 0, *, cold: bool = False) -> None:
+    def _evict_lru(self) -> None:
+        victim, _ = self.lru.popitem(last=False)
+        if victim in self.cold:  # a copy of a page the device still holds: not a victim
+            self.cold.discard(victim)
+        elif self.victim_listener is not None and self._valid_np[victim]:
+            # T2: the page is still intact here; the listener copies it out
+            self.victim_listener(self._hashes_np[victim].tobytes(), victim, int(self._tenant_np[victim]))
+        self._forget(victim)
+
+    def reserve_staging(self, hashes: list[bytes]) -> list[tuple[bytes, int]]:
+        """Staging slots for write-ahead copies of pages T1 neither holds nor has staged; the
+        oldest staged pages make room when the staging area is full. Returns (hash, slot) pairs."""
+        out = []
+        self._renew = []
+        for h in hashes:
+            if h in self.slot_of or h in self.staged:
+                continue
+            while len(self.staged) + len(out) >= self.staging:
+                if not self.staged:
+                    return out
+                self._drop_staged(next(iter(self.staged)))
+            out.append((h, self.free.pop()))
+        return out
+
+    def _drop_staged(self, h: bytes) -> None:
+        slot = self.staged.pop(h)
+        self.staged_dropped += 1
+        self.free.append(slot)
+
+    def is_staged(self, h: bytes) -> bool:
+        return h in self.staged
+
+    def commit(self, pairs: list[tuple[bytes, int]], tenant: int = 0, *, cold: bool = False,
+               staged: bool = False) -> None:  # fmt: skip
         """Publish slots whose data has been written (hash and tenant first, valid byte last).
-        ``cold``: at the least recently used end (the first to make room), not the most recent."""
+        ``cold``: at the least recently used end (the first to make room), not the most recent.
+        ``staged``: into the staging area (not resident; ``reserve`` adopts them)."""
         for h, slot in pairs:
             self._hashes_np[slot] = np.frombuffer(h, dtype=np.uint8)
             self._tenant_np[slot] = tenant
+            if staged:
+                self.staged[h] = slot
+                continue
             self._valid_np[slot] = 1
             self.slot_of[h] = slot
             self.lru[slot] = None
             if cold:
                 self.lru.move_to_end(slot, last=False)
+                self.cold.add(slot)
+        for h in self._renew:  # the batch's pages T1 did not hold before, in the batch's order
+            slot = self.slot_of.get(h)
+            if slot is not None:
+                self.lru.move_to_end(slot)
+        self._renew = []
 
     def verify(self, hashes: list[bytes], slots: list[int]) -> bool:
         """True when every slot is valid and stores exactly the page hash asked for (checked
@@ -355,14 +439,20 @@ class HostPool:
         return bool(torch.equal(self.index_hashes[idx], want))
 
     def slots_of_tenant(self, tenant: int) -> list[int]:
-        resident = torch.tensor(list(self.lru), dtype=torch.int64)
-        if not len(resident):
+        """Slots of a tenant's pages: resident, then staged."""
+        held = torch.tensor(list(self.lru) + list(self.staged.values()), dtype=torch.int64)
+        if not len(held):
             return []
-        return resident[self.index_tenant[resident] == tenant].tolist()
+        return held[self.index_tenant[held] == tenant].tolist()
 
     def abort(self, pairs: list[tuple[bytes, int]]) -> None:
         for _, slot in pairs:
             self.free.append(slot)
+        for h in self._renew:  # pages adopted by the reserve stay resident, at the recent end
+            slot = self.slot_of.get(h)
+            if slot is not None:
+                self.lru.move_to_end(slot)
+        self._renew = []
 
     forget_listener = None  # fleet hint index: told each page hash T1 drops
     victim_listener = None  # T2: told (hash, slot, tenant) of each page ``reserve`` is about to reuse
@@ -372,20 +462,27 @@ class HostPool:
         if self.forget_listener is not None and self._valid_np[slot]:
             self.forget_listener(h)
         self._valid_np[slot] = 0
+        self.cold.discard(slot)
         if self.slot_of.get(h) == slot:
             del self.slot_of[h]
         self.free.append(slot)
 
     def drop_slots(self, slots) -> int:
+        """Drop resident or staged slots. Returns the resident pages dropped."""
         n = 0
         for slot in slots:
             if slot in self.lru:
                 del self.lru[slot]
                 self._forget(slot)
                 n += 1
+            else:
+                h = self._hashes_np[slot].tobytes()
+                if self.staged.get(h) == slot:
+                    self._drop_staged(h)
         return n
 
     def drop(self, hashes) -> int:
+        """Drop pages (resident or staged). Returns the resident pages dropped."""
         n = 0
         for h in list(hashes):
             slot = self.slot_of.get(h)
@@ -393,6 +490,8 @@ class HostPool:
                 self.lru.pop(slot, None)
                 self._forget(slot)
                 n += 1
+            elif h in self.staged:
+                self._drop_staged(h)
         return n
 
     def clear(self) -> int:
@@ -400,13 +499,20 @@ class HostPool:
         for slot in list(self.lru):
             self._forget(slot)
         self.lru.clear()
+        for h in list(self.staged):
+            self._drop_staged(h)
         return n
 
     def check_invariants(self) -> None:
-        assert len(self.free) + self.resident == self.capacity, (len(self.free), self.resident)
-        assert len(self.lru) == self.resident
+        P = self.layout.num_pages
+        assert len(self.free) + self.resident + len(self.staged) == P, (len(self.free), self.resident, len(self.staged))
+        assert self.resident <= self.capacity and len(self.staged) <= self.staging
+        assert len(self.lru) == self.resident and self.cold <= set(self.lru)
         assert len(set(self.free)) == len(self.free)
-        assert not set(self.free) & set(self.slot_of.values())
+        held = set(self.slot_of.values())
+        assert not set(self.free) & held
+        assert not set(self.staged.values()) & (held | set(self.free))
+        assert not set(self.staged) & set(self.slot_of)
 
     def close(self, unlink: bool = False) -> None:
         if unlink and self.path is not None:

@@ -59,11 +59,15 @@ class HostTier:
 
     @classmethod
     def build(cls, kvcache, *, page_size: int, total_kv_heads: int, tp_size: int, tp_rank: int,
-              capacity_pages: int, name: str | None, stream_fence=None, exclusive: bool = True) -> "HostTier":  # fmt: skip
+              capacity_pages: int, name: str | None, stream_fence=None, exclusive: bool = True,
+              staging_pages: int = 0) -> "HostTier":  # fmt: skip
+        """``staging_pages``: slots beyond ``capacity_pages`` for the store queue's write-ahead
+        copies (``HostPool.reserve_staging``)."""
         k0 = kvcache.k_buffer[0]
         dtype = str(k0.dtype).replace("torch.", "")
-        layout = PoolLayout(capacity_pages, len(kvcache.k_buffer), total_kv_heads, page_size, k0.shape[2], dtype)
-        pool = HostPool(layout, name=name, pin_memory=k0.is_cuda, exclusive=exclusive)
+        layout = PoolLayout(capacity_pages + staging_pages, len(kvcache.k_buffer), total_kv_heads, page_size,
+                            k0.shape[2], dtype)  # fmt: skip
+        pool = HostPool(layout, name=name, pin_memory=k0.is_cuda, exclusive=exclusive, staging=staging_pages)
         if k0.is_cuda and not pool.raw.is_pinned():  # a named (shared-memory) T1: register it
             from sglang_tiered.kernels.kv_pages import pin_host_memory, unpin_host_memory
 
@@ -82,36 +86,52 @@ class HostTier:
             self.stream_fence()
 
     def demote(self, device_pages: torch.Tensor, hashes: list[bytes], tenant: int = 0, ready=None,
-               cold: bool = False) -> int:  # fmt: skip
-        """Copy device pages to T1 (skipping pages already there). Returns pages written.
+               cold: bool = False, stage: bool = False) -> int:  # fmt: skip
+        """Copy device pages to T1 (skipping pages already there). Returns pages copied.
         ``ready``: a CUDA event the copy waits for (the forward pass that wrote the pages).
-        ``cold``: a copy of pages still on the device (write-through): only into free slots, and
+        A victim (neither flag) adopts the batch's copies written earlier (``HostPool.reserve``).
+        ``cold``: a copy of pages still on the device (write-through): only into free room, and
         at the least recently used end, so it never pushes out a page only T1 holds and is the
-        first to go when one needs room (the device's eviction then marks it used, ``touch``)."""
+        first to go when one needs room (the device's eviction then adopts it).
+        ``stage``: a copy of pages the device is about to evict (write-ahead), into the staging
+        slots outside T1's capacity; the eviction adopts it. So T1's pages, and their order, are
+        those of a store that copies every victim at eviction (``tests/test_tier.py``)."""
         with self.lock:
-            return self._demote(device_pages, hashes, tenant, ready, cold)
+            return self._demote(device_pages, hashes, tenant, ready, cold, stage)
 
     def touch(self, hashes: list[bytes]) -> bool:
-        """Mark resident pages as just used (a device eviction of pages already written through).
-        True when every page is resident."""
+        """A device eviction of pages T1 already holds or has copies of (written through or
+        ahead): mark them used, as ``demote`` would, without copying. True when every page is
+        then resident; False leaves the pages that are not for ``demote``."""
         with self.lock:
             pool = self.pool
-            if not all(pool.contains(h) for h in hashes):
+            if not all(pool.contains(h) or pool.is_staged(h) for h in hashes):
                 return False
-            pool.slots_for(hashes, touch=True)
-            return True
+            pairs = pool.reserve(hashes, evict=self.replace_when_full)
+            assert not pairs  # every page was resident or staged
+            pool.commit(pairs)
+            if self.t2 is not None:
+                self.t2.flush()  # (adopting may have pushed victims out)
+            return all(pool.contains(h) for h in hashes)
 
     def clear(self) -> int:
         with self.lock:
             return self.pool.clear()
 
-    def _demote(self, device_pages, hashes, tenant, ready, cold=False) -> int:
+    def _demote(self, device_pages, hashes, tenant, ready, cold=False, stage=False) -> int:
         t0 = time.perf_counter()
-        pairs = self.pool.reserve(hashes, evict=self.replace_when_full and not cold, touch=not cold)
-        if not cold:  # (a cold copy that finds no free slot is not a lost victim)
-            wanted = sum(1 for h in hashes if not self.pool.contains(h))
+        pool = self.pool
+        if stage:
+            pairs = pool.reserve_staging(hashes)
+        else:
+            pairs = pool.reserve(hashes, evict=self.replace_when_full and not cold, touch=not cold)
+        if not cold and not stage:  # (a copy of a page still on the device is not a lost victim)
+            wanted = sum(1 for h in hashes if not pool.contains(h))
             self.stats.demote_skipped_pages += max(0, wanted - len(pairs))
         if not pairs:
+            pool.commit(pairs)  # (orders the pages reserve adopted)
+            if self.t2 is not None:
+                self.t2.flush()  # (adopting may have pushed victims out)
             return 0
         pos = {h: i for i, h in enumerate(hashes)}
         src = device_pages[[pos[h] for h, _ in pairs]].to(torch.int64)
@@ -128,16 +148,17 @@ class HostTier:
             if kb.is_cuda:
                 torch.cuda.current_stream(kb.device).synchronize()
         except Exception:  # noqa: BLE001 - a failed transfer is a skipped demotion, never partial
-            self.pool.abort(pairs)
+            pool.abort(pairs)
             if self.t2 is not None:
                 self.t2.flush()
             self.stats.failed_demotions += len(pairs)
             logger.exception("sglang-tiered: demotion of %d pages failed; skipped", len(pairs))
             return 0
-        self.pool.commit(pairs, tenant, cold=cold)
+        pool.commit(pairs, tenant, cold=cold, staged=stage)
         if self.t2 is not None:
             self.t2.flush()  # the victims reserve() copied out go to T2's store queue
-        self.stats.demoted_pages += len(pairs)
+        if not stage:  # (staged pages count when an eviction adopts them)
+            self.stats.demoted_pages += len(pairs)
         self.stats.demote_seconds += time.perf_counter() - t0
         return len(pairs)
 
@@ -210,9 +231,13 @@ class HostTier:
             "enabled": True,
             "capacity_pages": p.capacity,
             "resident_pages": p.resident,
+            "staging_pages": p.staging,
+            "staged_pages": len(p.staged),
+            "staged_used_pages": p.staged_used,
+            "staged_dropped_pages": p.staged_dropped,
             "capacity_bytes": p.layout.data_bytes,
             "resident_bytes": p.resident * p.layout.page_bytes,
-            "demotions": self.stats.demoted_pages,
+            "demotions": self.stats.demoted_pages + p.staged_used,
             "promotions": self.stats.promoted_pages,
             "demote_skipped_pages": self.stats.demote_skipped_pages,
             "failed_promotions": self.stats.failed_promotions,
