@@ -157,6 +157,8 @@ class T2Machine(RuleBasedStateMachine):
         hashes = [H(first + i) for i in range(n)]
         if any(self.pool.contains(h) for h in hashes):
             return
+        for h in self.pool.slot_of:  # T1's victims of the fetch are offered to T2 too (for their
+            self.given.add((self.tenant_of[h], h))  # tenant, also after that tenant's invalidation)
         self.t2._missed.clear()
         got = self.t2.fetch(hashes, tenant)
         assert 0 <= got <= n
