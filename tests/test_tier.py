@@ -353,3 +353,16 @@ def test_threaded_store_queue_serves_only_recomputed_kv(seed):
     snap = cache.t1.snapshot()
     assert hits > 0 and snap["stored_pages"] > 0 and snap["staged_used_pages"] > 0
     cache.check_invariants()
+
+
+def test_staging_size():
+    """Staging slots: none with the synchronous store; with the queue a sixteenth of T1 (at least
+    64 pages), at most the queue's bound and a quarter of T1."""
+    from sglang_tiered.integration.host_setup import staging_pages
+
+    cfg = lambda store="async", q=None: SimpleNamespace(store=store, store_queue_pages=q)  # noqa: E731
+    assert staging_pages(cfg("sync"), 1000, 8000) == 0
+    assert staging_pages(cfg(), 1000, 8000) == 500  # T1 / 16
+    assert staging_pages(cfg(), 1000, 800) == 64  # at least 64 pages
+    assert staging_pages(cfg(q=32), 1000, 8000) == 32  # the queue's bound
+    assert staging_pages(cfg(), 1000, 100) == 25  # a quarter of a small T1

@@ -109,11 +109,12 @@ def store_queue_pages(cfg, device_pages: int) -> int:
 
 def staging_pages(cfg, device_pages: int, t1_pages: int) -> int:
     """Slots beyond T1's capacity for write-ahead copies (``HostPool.reserve_staging``): with the
-    store queue, the queue's bound or a sixteenth of T1 (at least 64 pages), whichever is less;
-    none with the synchronous store."""
+    store queue, the queue's bound or a sixteenth of T1 (at least 64 pages), whichever is less,
+    and never more than a quarter of T1 (a small ``SGLANG_TIERED_HOST_GB`` budget keeps most of
+    its pages for T1); none with the synchronous store."""
     if cfg.store != "async":
         return 0
-    return min(store_queue_pages(cfg, device_pages), max(64, t1_pages // 16))
+    return min(store_queue_pages(cfg, device_pages), max(64, t1_pages // 16), t1_pages // 4)
 
 
 def build_host_tier(cache, ctx, cfg):
