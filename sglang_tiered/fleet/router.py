@@ -546,4 +546,16 @@ def serve(workers, redis_url=None, *, host="127.0.0.1", port=30100, **kw) -> Non
     router = Router(workers, redis_url, **kw)
     # shutdown_timeout: aiohttp's default waits up to 60 s for open connections on SIGTERM; a
     # router behind 6 keep-alive clients took 13-20+ s to exit (the live bench's 20 s wait ran out)
-    web.run_app(router.app(), host=host, port=port, print=None, access_log=None, shutdown_timeout=2.0)
+    web.run_app(router.app(), host=host, port=port, print=None, access_log=None, shutdown_timeout=2.0,
+                loop=event_loop())
+
+
+def event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (SGLang depends on it), else asyncio's. The
+    router's CPU goes mostly to the event loop and its sockets, not to routing (bench/router_cpu.py
+    --profile): uvloop does that part in C."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
