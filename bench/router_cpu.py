@@ -21,6 +21,7 @@ prints its top functions. Everything listens on 127.0.0.1; nothing is downloaded
 from __future__ import annotations
 
 import argparse
+import contextlib
 import concurrent.futures as cf
 import json
 import os
@@ -206,6 +207,28 @@ def run_round(tree, work, args, redis_url, workers, model, profile_out) -> dict:
             "decisions": len(decisions)}  # fmt: skip
 
 
+@contextlib.contextmanager
+def fleet(model: str, first_token_ms: float):
+    """A fresh redis-server and three stub workers; yields (redis URL, worker URLs)."""
+    procs = []
+    try:
+        rport = free_port()
+        redis_url = f"redis://127.0.0.1:{rport}/0"
+        procs.append(subprocess.Popen([shutil.which("redis-server"), "--port", str(rport), "--bind", "127.0.0.1",
+                                       "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL))  # fmt: skip
+        ports = [free_port() for _ in range(3)]
+        stub = subprocess.Popen([sys.executable, "-c", STUB, model, redis_url, str(first_token_ms / 1e3),
+                                 *map(str, ports)], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                stdout=subprocess.PIPE)  # fmt: skip
+        procs.append(stub)
+        assert stub.stdout.readline().strip() == b"ready", "stub workers did not start"
+        yield redis_url, [f"http://127.0.0.1:{p}" for p in ports]
+    finally:
+        for p in procs[::-1]:
+            p.terminate()
+            p.wait(timeout=30)
+
+
 def print_profile(path: str, top: int) -> None:
     import pstats
 
@@ -242,34 +265,17 @@ def main(argv=None) -> int:
     trees = {"this": ROOT}
     if args.baseline:
         trees = {args.baseline: export_tree(args.baseline, tmp / "baseline"), "this": ROOT}
-    procs = []
     rows = []
-    try:
-        rport = free_port()
-        redis_url = f"redis://127.0.0.1:{rport}/0"
-        procs.append(subprocess.Popen([shutil.which("redis-server"), "--port", str(rport), "--bind", "127.0.0.1",
-                                       "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL))  # fmt: skip
-        ports = [free_port() for _ in range(3)]
-        workers = [f"http://127.0.0.1:{p}" for p in ports]
-        stub = subprocess.Popen([sys.executable, "-c", STUB, model, redis_url, str(args.first_token_ms / 1e3),
-                                 *map(str, ports)],
-                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE)  # fmt: skip
-        procs.append(stub)
-        assert stub.stdout.readline().strip() == b"ready"
-        for rnd in range(args.rounds):
-            names = list(trees) if rnd % 2 == 0 else list(trees)[::-1]
-            for name in names:
-                prof = str(tmp / f"{name.replace('/', '_')}-{rnd}.prof") if args.profile else None
+    for rnd in range(args.rounds):
+        names = list(trees) if rnd % 2 == 0 else list(trees)[::-1]
+        for name in names:
+            prof = str(tmp / f"{name.replace('/', '_')}-{rnd}.prof") if args.profile else None
+            with fleet(model, args.first_token_ms) as (redis_url, workers):  # fresh caches and index
                 row = {"round": rnd, "tree": name, **run_round(trees[name], work, args, redis_url, workers, model,
                                                                prof)}  # fmt: skip
-                row["profile"] = prof
-                rows.append(row)
-                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
-                      flush=True)  # fmt: skip
-    finally:
-        for p in procs[::-1]:
-            p.terminate()
-            p.wait(timeout=30)
+            row["profile"] = prof
+            rows.append(row)
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     for name in trees:
         xs = [r["cpu_ms_per_req"] for r in rows if r["tree"] == name]
         print(f"{name}: router CPU ms/request mean {statistics.mean(xs):.3f} over {len(xs)} rounds "

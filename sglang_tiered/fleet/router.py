@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes
-from sglang_tiered.fleet.index import LOOKUP_LUA, alive_key, ckey_key, matched_from_lookup, page_key
+from sglang_tiered.fleet.index import LOOKUP_LUA, LookupConnection, alive_key, ckey_key, matched_from_lookup, page_key
 from sglang_tiered.fleet.routing import AffinityCachePolicy, FleetView, RouteRequest, token_affinity_key
 
 logger = logging.getLogger("sglang_tiered.router")
@@ -162,7 +162,8 @@ class Router:
         self._redis = None
         self._redis_down_until = 0.0
         self._slow_lookups = 0  # timeouts in a row
-        self._lookup = None  # the registered LOOKUP_LUA script
+        self._lookup = None  # the registered LOOKUP_LUA script (redis-py: URLs other than redis://)
+        self._lookup_conn: Optional[LookupConnection] = None  # the lookups' own connection (redis://)
         self._session = None
 
     # ------------------------------------------------------------------ setup
@@ -183,6 +184,8 @@ class Router:
             self._redis = aredis.Redis.from_url(self.redis_url, socket_timeout=self.index_timeout_s * 4,
                                                 socket_connect_timeout=self.index_timeout_s * 4)  # fmt: skip
             self._lookup = self._redis.register_script(LOOKUP_LUA)
+            if LookupConnection.supports(self.redis_url):
+                self._lookup_conn = LookupConnection(self.redis_url, LOOKUP_LUA, self.index_timeout_s * 4)
             self._ckey_task = asyncio.create_task(self._cache_key_loop())
         self._health_task = asyncio.create_task(self._health_loop())
         if self.load_poll_s:
@@ -197,6 +200,8 @@ class Router:
             await self._session.close()
         if self._redis is not None:
             await self._redis.aclose()
+        if self._lookup_conn is not None:
+            self._lookup_conn.close()
 
     async def _model_path_from_workers(self) -> Optional[str]:
         for w in self.workers:
@@ -334,7 +339,10 @@ class Router:
 
         async def lookup():
             keys = [alive_key(w) for w in workers] + [page_key(h) for h in hashes]
-            return await self._lookup(keys=keys, args=[len(workers), time.time(), self.index_ttl_s, *workers])
+            args = [len(workers), time.time(), self.index_ttl_s, *workers]
+            if self._lookup_conn is not None:
+                return await self._lookup_conn.evalsha(keys, args)
+            return await self._lookup(keys=keys, args=args)
 
         try:
             reply = await asyncio.wait_for(lookup(), self.index_timeout_s)
@@ -357,6 +365,8 @@ class Router:
                            if isinstance(why, BaseException) else why)  # fmt: skip
         self.stats.index_errors += 1
         self._slow_lookups = 0
+        if self._lookup_conn is not None:  # a connection that stopped answering: the next lookup reconnects
+            self._lookup_conn.reset()
         self._redis_down_until = time.monotonic() + 1.0
 
     async def choose(self, tokens, tenant, exclude=(), explain: Optional[dict] = None):
