@@ -592,6 +592,7 @@ def test_policy_replay_decisions_unchanged(name, kw):
 
 def _router_replay(with_index: bool) -> str:
     import asyncio
+    from array import array
 
     from sglang_tiered.core.keys import CacheKey
     from sglang_tiered.fleet.router import Router
@@ -617,7 +618,8 @@ def _router_replay(with_index: bool) -> str:
 
             router.matched = matched
             explain: dict = {}
-            d = await router.choose(tokens, tenant or None, explain=explain)
+            ids = array("q", tokens) if len(rows) % 2 else tokens  # handle() passes an array
+            d = await router.choose(ids, tenant or None, explain=explain)
             rows.append([d.worker, d.reason, d.spill, d.home, d.matched, explain["memory"], explain["index"]])
 
     asyncio.run(run())

@@ -52,6 +52,7 @@ import asyncio
 import json
 import logging
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
@@ -170,7 +171,9 @@ class Router:
     async def start(self):
         import aiohttp
 
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=2))
+        # DummyCookieJar: a proxy keeps no cookies (aiohttp's jar filtered and stored them per request)
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=2),
+                                              cookie_jar=aiohttp.DummyCookieJar())  # fmt: skip
         if self.model_path is None:
             self.model_path = await self._model_path_from_workers()
         if self.model_path:
@@ -385,10 +388,11 @@ class Router:
         key = token_affinity_key(tenant, tokens, self.page_size, pol.affinity_pages, pol.per_prefix)
         req = RouteRequest(len(tokens), hashes, tenant, self.page_size, key=key,
                            memory_hashes=self.memory_hashes_of(tokens, tenant))  # fmt: skip
-        if explain is not None:  # before route(): the memory as the policy sees it
-            explain.update(index=matched, memory=pol.remembered(req, live), load=view.load,
+        remembered = pol.remembered(req, live)  # before route(): the memory as the policy sees it
+        if explain is not None:
+            explain.update(index=matched, memory=remembered, load=view.load,
                            queue_ms={w: round(q * 1e3, 2) for w, q in view.queue_s.items()})  # fmt: skip
-        return pol.route(req, view)
+        return pol.route(req, view, remembered)
 
     # ------------------------------------------------------------------ HTTP
     def _tenant(self, request, body) -> Optional[str]:
@@ -411,9 +415,9 @@ class Router:
         path = request.path
         tenant = self._tenant(request, body)
         try:  # the prompt only steers locality: anything odd routes by affinity + load instead
-            tokens = [int(t) for t in self.tokens_of(path, body)] if isinstance(body, dict) else []
+            tokens = token_array(self.tokens_of(path, body)) if isinstance(body, dict) else array("q")
         except Exception:  # noqa: BLE001
-            tokens = []
+            tokens = array("q")
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in ("host", "content-length", "transfer-encoding", "connection")}  # fmt: skip
         tried: list[str] = []
@@ -535,6 +539,17 @@ class Router:
         app.on_startup.append(on_startup)
         app.on_cleanup.append(on_cleanup)
         return app
+
+
+def token_array(ids) -> array:
+    """Token ids as ``array('q')``: one conversion that checks them (as ``int(t)`` for each did)
+    and that the page hashes and the affinity key then hash without converting again."""
+    if isinstance(ids, array) and ids.typecode == "q":
+        return ids
+    try:
+        return array("q", ids)
+    except TypeError:  # ids that int() accepts but array does not (e.g. numpy ints, "5")
+        return array("q", [int(t) for t in ids])
 
 
 def fast_encode(tok):
