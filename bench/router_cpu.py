@@ -184,6 +184,9 @@ def run_round(tree, work, args, redis_url, workers, model, profile_out) -> dict:
         for i in range(args.warmup):  # tokenizer, connections, the index's CacheKey read
             one(len(work) - 1 - i)
         time.sleep(0.5)
+        i0 = cpu_s(proc.pid)
+        time.sleep(args.idle_s)  # no requests: the health checks and /v1/loads polls alone
+        idle_cpu_ms_per_s = 1e3 * (cpu_s(proc.pid) - i0) / args.idle_s
         if profile_out:
             proc.send_signal(signal.SIGUSR1)
             time.sleep(0.2)
@@ -202,6 +205,8 @@ def run_round(tree, work, args, redis_url, workers, model, profile_out) -> dict:
         proc.wait(timeout=30)
     hit = sum(r["cached_tokens"] for r in res) / max(1, sum(r["prompt_tokens"] for r in res))
     return {"cpu_ms_per_req": 1e3 * cpu / len(work), "wall_s": wall, "req_per_s": len(work) / wall,
+            "idle_cpu_ms_per_s": idle_cpu_ms_per_s,
+            "cpu_ms_per_req_less_idle": (1e3 * cpu - idle_cpu_ms_per_s * wall) / len(work),
             "hit_rate": hit, "mean_route_ms": stats["mean_route_ms"], "reasons": stats["reasons"],
             "index_lookups": stats["index_lookups"], "index_unavailable": stats["index_unavailable"],
             "decisions": len(decisions)}  # fmt: skip
@@ -249,6 +254,7 @@ def main(argv=None) -> int:
                     help="stub time to first token: 100 ms gives the live bench's ~40 requests/s at 6 clients, "
                          "so the router's background polls weigh per request as they did there")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--idle-s", type=float, default=4.0, help="CPU of the idle router (polls only) over this long")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--baseline", help="also run the router from this git revision, interleaved")
     ap.add_argument("--profile", action="store_true", help="cProfile each router; print its top functions")
@@ -278,8 +284,11 @@ def main(argv=None) -> int:
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     for name in trees:
         xs = [r["cpu_ms_per_req"] for r in rows if r["tree"] == name]
+        ys = [r["cpu_ms_per_req_less_idle"] for r in rows if r["tree"] == name]
+        zs = [r["idle_cpu_ms_per_s"] for r in rows if r["tree"] == name]
         print(f"{name}: router CPU ms/request mean {statistics.mean(xs):.3f} over {len(xs)} rounds "
-              f"({', '.join(f'{x:.3f}' for x in xs)})")
+              f"({', '.join(f'{x:.3f}' for x in xs)}); less the idle router's {statistics.mean(zs):.1f} ms/s "
+              f"(polls): {statistics.mean(ys):.3f}")
     if args.profile:
         for name in trees:
             last = [r for r in rows if r["tree"] == name][-1]
