@@ -294,7 +294,11 @@ def main(argv=None) -> int:
             last = [r for r in rows if r["tree"] == name][-1]
             print_profile(last["profile"], args.top)
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True).stdout.strip()  # fmt: skip
+        meta = {"git_sha": sha, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                "machine": f"{os.uname().machine} {os.cpu_count()} cores", "python": sys.version.split()[0]}
+        pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "args": vars(args), "rows": rows}, indent=1))
     return 0
 
 

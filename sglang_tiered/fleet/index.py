@@ -112,10 +112,10 @@ class LookupConnection:
     """The router's read path: ``LOOKUP_LUA`` by ``EVALSHA`` over one pipelined RESP connection.
 
     Why not redis-py's asyncio client: per lookup it took a pooled connection, encoded every
-    argument in Python and parsed through an asyncio StreamReader; with one lookup per routed
-    request that was about 0.35 of the router's ~2 ms CPU per request (bench/router_cpu.py
-    --profile). Here a lookup is one ``hiredis.pack_command``, one write, and a reply parsed by
-    ``hiredis.Reader`` in ``data_received``.
+    argument in Python and parsed through an asyncio StreamReader: 0.31 of the router's 3.75 ms
+    per request under cProfile (bench/router_cpu.py --profile, before issue #13's CPU work). Here a
+    lookup is one ``hiredis.pack_command``, one write, and a reply parsed by ``hiredis.Reader`` in
+    ``data_received``.
 
     I1 Redis answers a connection's commands in order: ``_pending`` holds one future per command
        sent, in order, and each reply resolves the oldest. A caller that stopped waiting (a

@@ -41,6 +41,15 @@ holds, each worker's load and queue estimate, the chosen worker, the policy's re
 time), to explain a run after the fact (bench/fleet_live.py joins them with what the servers
 reported as cached).
 
+CPU per request (``bench/router_cpu.py``: stub workers, a real Redis index, the live bench's
+workload; bench/results/router_cpu.json): 2.26 -> 1.79 ms, interleaved over 6 rounds against the
+router before this work, lower in every round, with the same decisions (tests/test_fleet.py
+replays). It runs on uvloop, reads the index over its own pipelined connection
+(``index.LookupConnection``), hashes the token ids from one ``array('q')``, and asks the routing
+memory once per request. What is left is the proxy itself (aiohttp: HTTP parsing, one write and
+its syscall per streamed chunk, new client connections) and the tokenizer (about 0.1 ms CPU per
+prompt); the policy takes about 0.02 ms.
+
 A worker that fails health checks or a connection leaves the routing set (its tenants rehome by
 rendezvous, about 1/n of them) until it answers again; a request whose connection fails before
 any byte reached the client is retried once on the next choice.
