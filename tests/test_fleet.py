@@ -699,3 +699,45 @@ def test_lookup_connection_matches_redis_py_and_survives_cancel_reset_and_redis_
     finally:
         p.kill()
         p.wait(timeout=10)
+
+
+class WindowSumsMachine(RuleBasedStateMachine):
+    """WindowSums (the hatch's work share and the cache inflow) against a plain list of entries."""
+
+    def __init__(self):
+        super().__init__()
+        from sglang_tiered.fleet.routing import WindowSums
+
+        self.with_full = None
+        self.sums = WindowSums(0)
+        self.model: list = []  # (worker, value, full) in order, the last `limit` of them
+
+    @rule(w=st.sampled_from(["w0", "w1", "w2"]), value=st.integers(0, 500), full=st.integers(0, 500),
+          limit=st.integers(1, 6), with_full=st.booleans())  # fmt: skip
+    def add(self, w, value, full, limit, with_full):
+        if self.with_full is None:
+            self.with_full = with_full  # a window sums full values for all its entries or none
+        self.sums.add(w, value, limit, full if self.with_full else None)
+        self.model = (self.model + [(w, value, full if self.with_full else 0)])[-limit:]
+
+    @invariant()
+    def sums_are_the_window_sums(self):
+        check_window_sums(self.sums)
+        assert [e[0] for e in self.sums.window] == [w for w, _, _ in self.model]
+        for w in ("w0", "w1", "w2"):
+            assert self.sums.by_worker.get(w, 0) == sum(v for x, v, _ in self.model if x == w)
+        assert self.sums.full == sum(f for _, _, f in self.model)
+
+
+def check_window_sums(sums) -> None:
+    """WindowSums' I1 from its own window."""
+    by: dict = {}
+    for e in sums.window:
+        by[e[0]] = by.get(e[0], 0) + e[1]
+    assert all(sums.by_worker.get(w, 0) == v for w, v in by.items()), f"I1 violated: {sums.by_worker=} {by=}"
+    assert all(v == 0 for w, v in sums.by_worker.items() if w not in by), f"I1 violated: {sums.by_worker=}"
+    assert sums.full == sum(e[2] for e in sums.window if len(e) > 2), f"I1 violated: {sums.full=}"
+
+
+TestWindowSums = WindowSumsMachine.TestCase
+TestWindowSums.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
