@@ -520,3 +520,224 @@ def test_index_lookup_script_matches_the_python_rule():
     finally:
         p.terminate()
         p.wait(timeout=10)
+
+
+# ---------------------------------------------------------------------------- decision replay
+# Digests of the decisions below, recorded from the policy and router before the CPU work of issue
+# #13 (git fd05ab0): the router's per-request CPU may change, its decisions may not.
+REPLAY_DIGESTS = {
+    "policy:default": "a6ffab4ac4f33356",
+    "policy:view": "668f1294adc66413",
+    "policy:share": "563d08258f8738b4",
+    "policy:nofresh": "af3d53e7ebc8ad25",
+    "policy:tenant": "301748c0c5828a04",
+    "policy:warm_over_hatch": "b92bea2690cc3414",
+    "router:index": "9621cf153ec719cf",
+    "router:noindex": "7ed9b2f3373be67d",
+}
+
+
+def _replay_requests(seed: int, n: int):
+    """A seeded request sequence: tenants (and none) with prompt families that share prefixes,
+    the workers (membership changes), their loads and queues, and what each holds of the prompt."""
+    import random
+
+    rng = random.Random(seed)
+    fams = [[rng.randrange(50_000) for _ in range(rng.randrange(16, 400))] for _ in range(24)]
+    pool = [f"http://127.0.0.1:{6000 + i}" for i in range(9)]
+    out = []
+    for i in range(n):
+        ws = pool[: 3 + (i // 100) % 6] if i % 37 else pool[1 : 4 + (i // 100) % 6]
+        tenant = rng.choice(["acme", "beta", "gamma", "delta", None, ""])
+        fam = fams[rng.randrange(len(fams))]
+        tokens = fam[: rng.randrange(1, len(fam) + 1)] + [rng.randrange(50_000) for _ in range(rng.randrange(0, 60))]
+        load = {w: float(rng.choice([0, 0, 1, 2, 3, 5, 9])) for w in ws}
+        queue = {w: rng.random() * 0.05 for w in ws}
+        held = {w: 16 * rng.randrange(0, len(tokens) // 16 + 1) for w in ws if rng.random() < 0.4}
+        out.append((ws, tenant, tokens, load, queue, held, rng.random() < 0.15))
+    return out
+
+
+def _digest(rows) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _policy_replay(kw: dict) -> str:
+    from sglang_tiered.core.keys import chain_page_hashes
+    from sglang_tiered.fleet.routing import token_affinity_key
+
+    pol = AffinityCachePolicy(**kw)
+    rows = []
+    for ws, tenant, tokens, load, queue, held, no_index in _replay_requests(1, 600):
+        hashes = chain_page_hashes((tenant or "-").encode(), tokens, 16)
+        key = token_affinity_key(tenant, tokens, 16, pol.affinity_pages, pol.per_prefix) if len(rows) % 2 else None
+        req = RouteRequest(len(tokens), hashes, tenant or None, 16, key=key)
+        d = pol.route(req, FleetView(ws, load, queue, None if no_index else held))
+        rows.append([d.worker, d.reason, d.spill, d.home, d.matched])
+    return _digest(rows)
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("policy:default", {}), ("policy:view", {"hatch_load": "view"}), ("policy:share", {"hatch_load": "share"}),
+    ("policy:nofresh", {"fresh": False}), ("policy:tenant", {"per_prefix": False}),
+    ("policy:warm_over_hatch", {"warm_over_hatch": True, "memory_pages": 64})])  # fmt: skip
+def test_policy_replay_decisions_unchanged(name, kw):
+    """600 seeded requests (tenants, families, membership changes, loads, index matches, index down)
+    through the policy: the same decisions, in order, as before the router's CPU work."""
+    assert _policy_replay(kw) == REPLAY_DIGESTS[name], name
+
+
+def _router_replay(with_index: bool) -> str:
+    import asyncio
+    from array import array
+
+    from sglang_tiered.core.keys import CacheKey
+    from sglang_tiered.fleet.router import Router
+
+    reqs = _replay_requests(2, 400)
+    pool = sorted({w for r in reqs for w in r[0]})
+    router = Router(pool, redis_url=None, load_poll_s=0)
+    router.cache_key = CacheKey(model_id="replay")
+    rows = []
+
+    async def run():
+        for ws, tenant, tokens, load, _, held, no_index in reqs:
+            for w, s in router.workers.items():
+                s.healthy = w in ws
+                s.inflight = int(load.get(w, 0))
+                s.inflight_tokens = int(100 * load.get(w, 0))
+
+            async def matched(hashes, workers, held=held, no_index=no_index):
+                if not with_index or no_index:
+                    return None
+                assert len(hashes) == min(len(tokens), 512 * 16) // 16
+                return {w: m for w, m in held.items() if w in workers}
+
+            router.matched = matched
+            explain: dict = {}
+            ids = array("q", tokens) if len(rows) % 2 else tokens  # handle() passes an array
+            d = await router.choose(ids, tenant or None, explain=explain)
+            rows.append([d.worker, d.reason, d.spill, d.home, d.matched, explain["memory"], explain["index"]])
+
+    asyncio.run(run())
+    return _digest(rows)
+
+
+@pytest.mark.parametrize("with_index", [True, False])
+def test_router_replay_decisions_unchanged(with_index):
+    """400 seeded requests through Router.choose (token ids -> page hashes, routing memory, affinity
+    key, load): the same decisions and explanations as before the router's CPU work."""
+    name = "router:index" if with_index else "router:noindex"
+    assert _router_replay(with_index) == REPLAY_DIGESTS[name], name
+
+
+def test_lookup_connection_matches_redis_py_and_survives_cancel_reset_and_redis_down():
+    """The router's pipelined EVALSHA connection: the same replies as redis-py's registered script,
+    under 50 concurrent lookups, a cancelled one (its late reply is dropped, the next still gets its
+    own, I1), a flushed script cache (NOSCRIPT: loaded again), a reset, and Redis gone (I2)."""
+    import asyncio
+    import shutil
+    import socket
+    import subprocess
+
+    redis = pytest.importorskip("redis")
+    pytest.importorskip("hiredis")
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed")
+    from sglang_tiered.fleet.index import LOOKUP_LUA, LookupConnection, alive_key, page_key
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                         stdout=subprocess.DEVNULL)  # fmt: skip
+    try:
+        r = redis.Redis(port=port, db=2)
+        for _ in range(100):
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        ref = r.register_script(LOOKUP_LUA)
+        now = time.time()
+        r.set(alive_key("a"), 1)
+        r.set(alive_key("b"), 1)
+        hashes = [bytes([i]) * 16 for i in range(5)]
+        for i, h in enumerate(hashes):
+            r.hset(page_key(h), "a", int(now))
+            if i < 2:
+                r.hset(page_key(h), "b", int(now))
+        keys = [alive_key("a"), alive_key("b")] + [page_key(h) for h in hashes]
+
+        async def run():
+            conn = LookupConnection(f"redis://127.0.0.1:{port}/2", LOOKUP_LUA)
+            args = [2, time.time(), 30.0, "a", "b"]
+            want = ref(keys=keys, args=args)
+            assert await conn.evalsha(keys, args) == want == [b"a", 5, b"b", 2]
+            assert await asyncio.gather(*(conn.evalsha(keys, args) for _ in range(50))) == [want] * 50
+            late = asyncio.ensure_future(conn.evalsha(keys[:3], args))
+            await asyncio.sleep(0)
+            late.cancel()
+            assert await conn.evalsha(keys, args) == want
+            r.script_flush()
+            assert await conn.evalsha(keys, args) == want
+            conn.reset()
+            assert await conn.evalsha(keys, args) == want
+            p.kill()
+            p.wait()
+            for _ in range(2):  # the connection lost, then refused
+                with pytest.raises(OSError):
+                    await conn.evalsha(keys, args)
+            conn.close()
+
+        asyncio.run(run())
+    finally:
+        p.kill()
+        p.wait(timeout=10)
+
+
+class WindowSumsMachine(RuleBasedStateMachine):
+    """WindowSums (the hatch's work share and the cache inflow) against a plain list of entries."""
+
+    def __init__(self):
+        super().__init__()
+        from sglang_tiered.fleet.routing import WindowSums
+
+        self.with_full = None
+        self.sums = WindowSums(0)
+        self.model: list = []  # (worker, value, full) in order, the last `limit` of them
+
+    @rule(w=st.sampled_from(["w0", "w1", "w2"]), value=st.integers(0, 500), full=st.integers(0, 500),
+          limit=st.integers(1, 6), with_full=st.booleans())  # fmt: skip
+    def add(self, w, value, full, limit, with_full):
+        if self.with_full is None:
+            self.with_full = with_full  # a window sums full values for all its entries or none
+        self.sums.add(w, value, limit, full if self.with_full else None)
+        self.model = (self.model + [(w, value, full if self.with_full else 0)])[-limit:]
+
+    @invariant()
+    def sums_are_the_window_sums(self):
+        check_window_sums(self.sums)
+        assert [e[0] for e in self.sums.window] == [w for w, _, _ in self.model]
+        for w in ("w0", "w1", "w2"):
+            assert self.sums.by_worker.get(w, 0) == sum(v for x, v, _ in self.model if x == w)
+        assert self.sums.full == sum(f for _, _, f in self.model)
+
+
+def check_window_sums(sums) -> None:
+    """WindowSums' I1 from its own window."""
+    by: dict = {}
+    for e in sums.window:
+        by[e[0]] = by.get(e[0], 0) + e[1]
+    assert all(sums.by_worker.get(w, 0) == v for w, v in by.items()), f"I1 violated: {sums.by_worker=} {by=}"
+    assert all(v == 0 for w, v in sums.by_worker.items() if w not in by), f"I1 violated: {sums.by_worker=}"
+    assert sums.full == sum(e[2] for e in sums.window if len(e) > 2), f"I1 violated: {sums.full=}"
+
+
+TestWindowSums = WindowSumsMachine.TestCase
+TestWindowSums.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)

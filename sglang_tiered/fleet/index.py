@@ -23,6 +23,7 @@ live worker still matching holds, so a long prompt with a short cached head cost
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Sequence
 
 PREFIX = b"st:"
@@ -105,3 +106,167 @@ def matched_from_lookup(reply, page_size: int) -> dict[str, int]:
         sid = reply[i].decode() if isinstance(reply[i], bytes) else str(reply[i])
         out[sid] = int(reply[i + 1]) * page_size
     return out
+
+
+class LookupConnection:
+    """The router's read path: ``LOOKUP_LUA`` by ``EVALSHA`` over one pipelined RESP connection.
+
+    Why not redis-py's asyncio client: per lookup it took a pooled connection, encoded every
+    argument in Python and parsed through an asyncio StreamReader: 0.31 of the router's 3.75 ms
+    per request under cProfile (bench/router_cpu.py --profile, before issue #13's CPU work). Here a
+    lookup is one ``hiredis.pack_command``, one write, and a reply parsed by ``hiredis.Reader`` in
+    ``data_received``.
+
+    I1 Redis answers a connection's commands in order: ``_pending`` holds one future per command
+       sent, in order, and each reply resolves the oldest. A caller that stopped waiting (a
+       timeout cancels its future) leaves its future there, so its late reply is read and dropped
+       and the next reply still goes to the next command.
+    I2 A lost connection fails every pending future with ``ConnectionError`` and the next lookup
+       reconnects (``reset()`` drops a connection that stopped answering).
+    Only ``redis://[:password@]host[:port][/db]`` URLs; the router keeps redis-py for the others.
+    """
+
+    def __init__(self, url: str, script: str, connect_timeout_s: float = 1.0):
+        import hashlib
+        from urllib.parse import unquote, urlsplit
+
+        u = urlsplit(url)
+        if u.scheme != "redis":
+            raise ValueError(f"LookupConnection takes redis://host:port/db URLs, got {url!r}")
+        self.host, self.port = u.hostname or "127.0.0.1", u.port or 6379
+        self.password = unquote(u.password) if u.password else None
+        self.username = unquote(u.username) if u.username else None
+        self.db = int(u.path.lstrip("/") or 0)
+        self.script = script
+        self.sha = hashlib.sha1(script.encode()).hexdigest()
+        self.connect_timeout_s = connect_timeout_s
+        self._transport = None
+        self._proto = None  # the current connection's protocol (a closed one's events are ignored)
+        self._pending: deque = deque()
+        self._lock = None  # asyncio.Lock, made on first use (inside the running loop)
+
+    @classmethod
+    def supports(cls, url: str) -> bool:
+        try:
+            import hiredis  # noqa: F401
+        except ImportError:
+            return False
+        return url.startswith("redis://")
+
+    async def evalsha(self, keys: Sequence[bytes], args: Sequence) -> object:
+        """``EVALSHA`` of the script (loaded on every connection; NOSCRIPT: loaded, sent once more)."""
+        reply = await self._call(("EVALSHA", self.sha, len(keys), *keys, *args))
+        if isinstance(reply, Exception):
+            if not str(reply).startswith("NOSCRIPT"):
+                raise reply
+            await self._call(("SCRIPT", "LOAD", self.script))
+            reply = await self._call(("EVALSHA", self.sha, len(keys), *keys, *args))
+            if isinstance(reply, Exception):
+                raise reply
+        return reply
+
+    def reset(self) -> None:
+        """Drop the connection (the next call reconnects)."""
+        transport = self._transport
+        self._lost(ConnectionError("connection reset"))
+        if transport is not None:
+            transport.close()
+
+    close = reset
+
+    # ---------------------------------------------------------------- the connection
+    async def _call(self, command: tuple):
+        import hiredis
+
+        if self._transport is None:
+            await self._connect()
+        return await self._send(hiredis.pack_command(_resp_args(command)))
+
+    def _send(self, packed: bytes):
+        import asyncio
+
+        if self._transport is None:
+            raise ConnectionError(f"redis {self.host}:{self.port}: not connected")
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append(fut)
+        self._transport.write(packed)
+        return fut
+
+    async def _connect(self) -> None:
+        import asyncio
+
+        import hiredis
+
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._transport is not None:
+                return
+            loop = asyncio.get_running_loop()
+            self._transport, self._proto = await asyncio.wait_for(
+                loop.create_connection(lambda: _LookupProtocol(self), self.host, self.port),
+                self.connect_timeout_s)  # fmt: skip
+            hello = []
+            if self.password is not None:
+                hello.append(("AUTH", self.username, self.password) if self.username else ("AUTH", self.password))
+            if self.db:
+                hello.append(("SELECT", self.db))
+            hello.append(("SCRIPT", "LOAD", self.script))
+            futs = [self._send(hiredis.pack_command(_resp_args(c))) for c in hello]
+            for r in await asyncio.wait_for(asyncio.gather(*futs), self.connect_timeout_s):
+                if isinstance(r, Exception):
+                    self.reset()
+                    raise ConnectionError(f"redis {self.host}:{self.port}: {r}")
+
+    def _replies(self, replies: list) -> None:
+        for r in replies:
+            fut = self._pending.popleft()  # I1
+            if not fut.done():
+                fut.set_result(r)
+
+    def _lost(self, exc: BaseException) -> None:
+        self._transport = self._proto = None
+        pending, self._pending = self._pending, deque()
+        for fut in pending:  # I2
+            if not fut.done():
+                fut.set_exception(ConnectionError(f"redis {self.host}:{self.port}: {exc}"))
+
+
+def _resp_args(command: tuple) -> tuple:
+    # floats as repr (what redis-py sends); the script reads them with tonumber()
+    return tuple(repr(a) if isinstance(a, float) else a for a in command)
+
+
+class _LookupProtocol:
+    """asyncio.Protocol of a LookupConnection: RESP replies parsed by hiredis as they arrive."""
+
+    def __init__(self, conn: LookupConnection):
+        import hiredis
+
+        self.conn = conn
+        self.reader = hiredis.Reader()
+
+    def connection_made(self, transport) -> None:
+        pass
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn._proto is not self:  # a connection reset() dropped: its futures have failed
+            return
+        self.reader.feed(data)
+        out = []
+        while (r := self.reader.gets()) is not False:
+            out.append(r)
+        self.conn._replies(out)
+
+    def eof_received(self):
+        return False
+
+    def connection_lost(self, exc) -> None:
+        if self.conn._proto is self:
+            self.conn._lost(exc or ConnectionError("closed by the server"))
+
+    def pause_writing(self) -> None:
+        pass
+
+    def resume_writing(self) -> None:
+        pass

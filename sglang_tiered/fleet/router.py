@@ -41,6 +41,15 @@ holds, each worker's load and queue estimate, the chosen worker, the policy's re
 time), to explain a run after the fact (bench/fleet_live.py joins them with what the servers
 reported as cached).
 
+CPU per request (``bench/router_cpu.py``: stub workers, a real Redis index, the live bench's
+workload; bench/results/router_cpu.json): 2.26 -> 1.79 ms, interleaved over 6 rounds against the
+router before this work, lower in every round, with the same decisions (tests/test_fleet.py
+replays). It runs on uvloop, reads the index over its own pipelined connection
+(``index.LookupConnection``), hashes the token ids from one ``array('q')``, and asks the routing
+memory once per request. What is left is the proxy itself (aiohttp: HTTP parsing, one write and
+its syscall per streamed chunk, new client connections) and the tokenizer (about 0.1 ms CPU per
+prompt); the policy takes about 0.02 ms.
+
 A worker that fails health checks or a connection leaves the routing set (its tenants rehome by
 rendezvous, about 1/n of them) until it answers again; a request whose connection fails before
 any byte reached the client is retried once on the next choice.
@@ -52,12 +61,13 @@ import asyncio
 import json
 import logging
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes
-from sglang_tiered.fleet.index import LOOKUP_LUA, alive_key, ckey_key, matched_from_lookup, page_key
+from sglang_tiered.fleet.index import LOOKUP_LUA, LookupConnection, alive_key, ckey_key, matched_from_lookup, page_key
 from sglang_tiered.fleet.routing import AffinityCachePolicy, FleetView, RouteRequest, token_affinity_key
 
 logger = logging.getLogger("sglang_tiered.router")
@@ -162,14 +172,17 @@ class Router:
         self._redis = None
         self._redis_down_until = 0.0
         self._slow_lookups = 0  # timeouts in a row
-        self._lookup = None  # the registered LOOKUP_LUA script
+        self._lookup = None  # the registered LOOKUP_LUA script (redis-py: URLs other than redis://)
+        self._lookup_conn: Optional[LookupConnection] = None  # the lookups' own connection (redis://)
         self._session = None
 
     # ------------------------------------------------------------------ setup
     async def start(self):
         import aiohttp
 
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=2))
+        # DummyCookieJar: a proxy keeps no cookies (aiohttp's jar filtered and stored them per request)
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=2),
+                                              cookie_jar=aiohttp.DummyCookieJar())  # fmt: skip
         if self.model_path is None:
             self.model_path = await self._model_path_from_workers()
         if self.model_path:
@@ -183,6 +196,8 @@ class Router:
             self._redis = aredis.Redis.from_url(self.redis_url, socket_timeout=self.index_timeout_s * 4,
                                                 socket_connect_timeout=self.index_timeout_s * 4)  # fmt: skip
             self._lookup = self._redis.register_script(LOOKUP_LUA)
+            if LookupConnection.supports(self.redis_url):
+                self._lookup_conn = LookupConnection(self.redis_url, LOOKUP_LUA, self.index_timeout_s * 4)
             self._ckey_task = asyncio.create_task(self._cache_key_loop())
         self._health_task = asyncio.create_task(self._health_loop())
         if self.load_poll_s:
@@ -197,6 +212,8 @@ class Router:
             await self._session.close()
         if self._redis is not None:
             await self._redis.aclose()
+        if self._lookup_conn is not None:
+            self._lookup_conn.close()
 
     async def _model_path_from_workers(self) -> Optional[str]:
         for w in self.workers:
@@ -334,7 +351,10 @@ class Router:
 
         async def lookup():
             keys = [alive_key(w) for w in workers] + [page_key(h) for h in hashes]
-            return await self._lookup(keys=keys, args=[len(workers), time.time(), self.index_ttl_s, *workers])
+            args = [len(workers), time.time(), self.index_ttl_s, *workers]
+            if self._lookup_conn is not None:
+                return await self._lookup_conn.evalsha(keys, args)
+            return await self._lookup(keys=keys, args=args)
 
         try:
             reply = await asyncio.wait_for(lookup(), self.index_timeout_s)
@@ -357,6 +377,8 @@ class Router:
                            if isinstance(why, BaseException) else why)  # fmt: skip
         self.stats.index_errors += 1
         self._slow_lookups = 0
+        if self._lookup_conn is not None:  # a connection that stopped answering: the next lookup reconnects
+            self._lookup_conn.reset()
         self._redis_down_until = time.monotonic() + 1.0
 
     async def choose(self, tokens, tenant, exclude=(), explain: Optional[dict] = None):
@@ -375,10 +397,11 @@ class Router:
         key = token_affinity_key(tenant, tokens, self.page_size, pol.affinity_pages, pol.per_prefix)
         req = RouteRequest(len(tokens), hashes, tenant, self.page_size, key=key,
                            memory_hashes=self.memory_hashes_of(tokens, tenant))  # fmt: skip
-        if explain is not None:  # before route(): the memory as the policy sees it
-            explain.update(index=matched, memory=pol.remembered(req, live), load=view.load,
+        remembered = pol.remembered(req, live)  # before route(): the memory as the policy sees it
+        if explain is not None:
+            explain.update(index=matched, memory=remembered, load=view.load,
                            queue_ms={w: round(q * 1e3, 2) for w, q in view.queue_s.items()})  # fmt: skip
-        return pol.route(req, view)
+        return pol.route(req, view, remembered)
 
     # ------------------------------------------------------------------ HTTP
     def _tenant(self, request, body) -> Optional[str]:
@@ -401,9 +424,9 @@ class Router:
         path = request.path
         tenant = self._tenant(request, body)
         try:  # the prompt only steers locality: anything odd routes by affinity + load instead
-            tokens = [int(t) for t in self.tokens_of(path, body)] if isinstance(body, dict) else []
+            tokens = token_array(self.tokens_of(path, body)) if isinstance(body, dict) else array("q")
         except Exception:  # noqa: BLE001
-            tokens = []
+            tokens = array("q")
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() not in ("host", "content-length", "transfer-encoding", "connection")}  # fmt: skip
         tried: list[str] = []
@@ -527,6 +550,17 @@ class Router:
         return app
 
 
+def token_array(ids) -> array:
+    """Token ids as ``array('q')``: one conversion that checks them (as ``int(t)`` for each did)
+    and that the page hashes and the affinity key then hash without converting again."""
+    if isinstance(ids, array) and ids.typecode == "q":
+        return ids
+    try:
+        return array("q", ids)
+    except TypeError:  # ids that int() accepts but array does not (e.g. numpy ints, "5")
+        return array("q", [int(t) for t in ids])
+
+
 def fast_encode(tok):
     """``tok.encode`` through the Rust tokenizer directly when that gives the same ids (0.29 vs
     0.45 ms per live-bench prompt here: the Python wrapper's share), else ``tok.encode``."""
@@ -534,6 +568,11 @@ def fast_encode(tok):
     probe = "Hello, world!  A probe: 123 \u00e9\u4e2d <s> </s>\n\tend"
     try:
         if backend is not None and backend.encode(probe).ids == list(tok.encode(probe)):
+            # encode_batch_fast (tokenizers >= 0.20) skips the offsets the router never reads: 0.082
+            # vs 0.112 ms CPU per live-bench prompt here (bench/router_cpu.py's workload), same ids
+            fast = getattr(backend, "encode_batch_fast", None)
+            if fast is not None and fast([probe])[0].ids == backend.encode(probe).ids:
+                return lambda text: fast([text])[0].ids
             return lambda text: backend.encode(text).ids
     except Exception:  # noqa: BLE001
         pass
@@ -546,4 +585,16 @@ def serve(workers, redis_url=None, *, host="127.0.0.1", port=30100, **kw) -> Non
     router = Router(workers, redis_url, **kw)
     # shutdown_timeout: aiohttp's default waits up to 60 s for open connections on SIGTERM; a
     # router behind 6 keep-alive clients took 13-20+ s to exit (the live bench's 20 s wait ran out)
-    web.run_app(router.app(), host=host, port=port, print=None, access_log=None, shutdown_timeout=2.0)
+    web.run_app(router.app(), host=host, port=port, print=None, access_log=None, shutdown_timeout=2.0,
+                loop=event_loop())
+
+
+def event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (SGLang depends on it), else asyncio's. The
+    router's CPU goes mostly to the event loop and its sockets, not to routing (bench/router_cpu.py
+    --profile): uvloop does that part in C."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()

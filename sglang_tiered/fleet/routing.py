@@ -82,9 +82,14 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+import sys
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def _h64(data: bytes) -> int:
@@ -124,6 +129,8 @@ def token_affinity_key(tenant: Optional[str], tokens: Sequence[int], page_size: 
 
     def digest(n_pages: int) -> bytes:
         head = tokens[: n_pages * page_size]
+        if isinstance(head, array) and head.typecode == "q" and _LITTLE_ENDIAN:  # the router's tokens
+            return hashlib.blake2b(head.tobytes(), digest_size=16).digest()  # the same bytes as below
         return hashlib.blake2b(struct.pack(f"<{len(head)}q", *head), digest_size=16).digest()
 
     full = len(tokens) // page_size
@@ -235,24 +242,47 @@ class AffinityCachePolicy:
     hatch_load: str = "both"
     decode_tokens: int = 32
     name: str = "ours"
-    _share: dict = field(default_factory=dict, repr=False)
-    _share_window: deque = field(default_factory=deque, repr=False)
-    _share_full: float = field(default=0.0, repr=False)
-    _inflow: dict = field(default_factory=dict, repr=False)
-    _inflow_window: deque = field(default_factory=deque, repr=False)
+    # the hatch's work share and the cache inflow, per worker, each over its own window of requests
+    _shares: "WindowSums" = field(default_factory=lambda: WindowSums(0.0), repr=False)
+    _inflows: "WindowSums" = field(default_factory=lambda: WindowSums(0), repr=False)
     _window: deque = field(default_factory=deque, repr=False)
     _count: dict = field(default_factory=dict, repr=False)
     _sent: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
+    # the windows' state under the names the tests read
+    _share = property(lambda self: self._shares.by_worker)
+    _share_window = property(lambda self: self._shares.window)
+    _share_full = property(lambda self: self._shares.full)
+    _inflow = property(lambda self: self._inflows.by_worker)
+    _inflow_window = property(lambda self: self._inflows.window)
+
     def over(self, view: FleetView, w: str) -> bool:
         """Over the hatch: load above ``overload`` x the fleet mean + ``slack`` (mean requests)."""
-        by_view = view.load.get(w, 0.0) > self.overload * _mean_load(view) + self.slack
-        if self.hatch_load == "view" or not self._share_window or not (by_view or self.hatch_load == "share"):
-            return by_view
-        share, ws = self._share, view.workers
-        mean_request = self._share_full / len(self._share_window)  # prompt + decode tokens: slack's unit
-        mean = sum(share.get(x, 0.0) for x in ws) / max(1, len(ws))
-        return share.get(w, 0.0) > self.overload * mean + self.slack * mean_request
+        return self._hatch(view)(w)
+
+    def _hatch(self, view: FleetView) -> Callable[[str], bool]:
+        """``over`` for one view: the fleet means computed once, not per worker asked about (a
+        route asks for its cold choice, each warm worker and each fresh candidate: O(N^2) at N =
+        44 in the simulator)."""
+        view_limit = self.overload * _mean_load(view) + self.slack
+        load = view.load
+        if self.hatch_load == "view" or not self._shares.window:
+            return lambda w: load.get(w, 0.0) > view_limit
+        share_limit = None
+
+        def over(w: str) -> bool:
+            nonlocal share_limit
+            by_view = load.get(w, 0.0) > view_limit
+            if not (by_view or self.hatch_load == "share"):
+                return by_view
+            if share_limit is None:
+                shares, ws = self._shares, view.workers
+                mean_request = shares.full / len(shares.window)  # prompt + decode tokens: slack's unit
+                mean = sum(shares.by_worker.get(x, 0.0) for x in ws) / max(1, len(ws))
+                share_limit = self.overload * mean + self.slack * mean_request
+            return self._shares.by_worker.get(w, 0.0) > share_limit
+
+        return over
 
     def homes(self, key: bytes, workers: Sequence[str]) -> list[str]:
         """The key's homes: ``new_choices`` for a key not seen in the window, else k adapted to
@@ -277,15 +307,16 @@ class AffinityCachePolicy:
             else:
                 del self._count[old]
 
-    def route(self, req: RouteRequest, view: FleetView) -> Decision:
-        mview = self._with_memory(req, view)
+    def route(self, req: RouteRequest, view: FleetView, remembered: Optional[dict] = None) -> Decision:
+        """Route ``req``; ``remembered``: ``self.remembered(req, view.workers)`` if the caller has it."""
+        mview = self._with_memory(req, view, remembered)
         # fresh placement needs the index (to know that nobody holds the prompt) and the prompt's
         # page hashes (a router that has not learnt the servers' CacheKey yet has none)
         d = self._route(req, mview, fresh=self.fresh and view.matched is not None and bool(req.page_hashes))
         new_tokens = max(0, req.prompt_tokens - (mview.matched or {}).get(d.worker, 0))
-        self._count_inflow(d.worker, new_tokens, len(view.workers))
-        self._count_share(d.worker, new_tokens + self.decode_tokens, req.prompt_tokens + self.decode_tokens,
-                          len(view.workers))  # fmt: skip
+        n = len(view.workers)
+        self._count_inflow(d.worker, new_tokens, n)
+        self._count_share(d.worker, new_tokens + self.decode_tokens, req.prompt_tokens + self.decode_tokens, n)
         if self.memory_pages:
             sent = self._sent
             for h in req.memory_keys:
@@ -298,36 +329,34 @@ class AffinityCachePolicy:
     def _count_share(self, worker: str, work: float, full: float, n: int) -> None:
         """The hatch's load: work routed to ``worker`` over the last ``horizon`` x N requests
         (``full``: the request's size with nothing cached, for the mean request)."""
-        self._share[worker] = self._share.get(worker, 0.0) + work
-        self._share_full += full
-        self._share_window.append((worker, work, full))
-        while len(self._share_window) > self.horizon * max(1, n):
-            ow, ot, of = self._share_window.popleft()
-            self._share[ow] -= ot
-            self._share_full -= of
+        self._shares.add(worker, work, self.horizon * max(1, n), full)
 
     def _count_inflow(self, worker: str, new_tokens: int, n: int) -> None:
         """Cache inflow: tokens sent to ``worker`` that it did not hold (by index + memory), over
         the last ``inflow_horizon`` x N requests (bounded memory)."""
-        new_tokens = max(0, new_tokens)
-        self._inflow[worker] = self._inflow.get(worker, 0) + new_tokens
-        self._inflow_window.append((worker, new_tokens))
-        while len(self._inflow_window) > self.inflow_horizon * max(1, n):
-            ow, ot = self._inflow_window.popleft()
-            self._inflow[ow] -= ot
+        self._inflows.add(worker, max(0, new_tokens), self.inflow_horizon * max(1, n))
 
     def remembered(self, req: RouteRequest, workers: Sequence[str]) -> dict[str, int]:
         """The routing memory's matches: per worker, the prompt's prefix (tokens) last sent there."""
         if not self.memory_pages or not self.use_index:
             return {}
-        sent, empty, keys = self._sent, set(), req.memory_keys
-        return longest_match(keys, [{sent[h]} if h in sent else empty for h in keys], req.page_size, workers)
+        # longest_match with one holder per page: the first page's worker, for as long as the
+        # following pages were last sent there too
+        sent, keys = self._sent, req.memory_keys
+        w = sent.get(keys[0]) if len(keys) else None
+        if w is None or w not in workers:
+            return {}
+        i = 1
+        while i < len(keys) and sent.get(keys[i]) == w:
+            i += 1
+        return {w: i * req.page_size}
 
-    def _with_memory(self, req: RouteRequest, view: FleetView) -> FleetView:
+    def _with_memory(self, req: RouteRequest, view: FleetView, remembered: Optional[dict] = None) -> FleetView:
         """The index's matches, each raised to the prefix this router last sent to that worker.
         The memory is the router's own: with Redis down it still keeps each family where it was
         sent (a Redis outage must not move families that fresh placement put off their homes)."""
-        remembered = self.remembered(req, view.workers)
+        if remembered is None:
+            remembered = self.remembered(req, view.workers)
         if not remembered:
             return view
         matched = dict(view.matched or {})
@@ -345,10 +374,11 @@ class AffinityCachePolicy:
         order = {w: i for i, w in enumerate(homes)}
         load = lambda w: view.load.get(w, 0.0)  # noqa: E731
         rank = lambda w: (load(w), order.get(w, n), w)  # noqa: E731
+        over = self._hatch(view)
         # 1. the cold choice: the least loaded home; above cold_over x the mean (or over the
         #    hatch: a spill) the least loaded worker
         choice, reason = min(homes, key=rank), "home"
-        spill = self.over(view, choice)
+        spill = over(choice)
         if spill or load(choice) > self.cold_over * _mean_load(view):
             choice, reason = min(workers, key=rank), ("spill" if spill else "cold")
         # 2. locality (section 9.3): the worker the index says holds the longest prefix, under the
@@ -356,13 +386,14 @@ class AffinityCachePolicy:
         matched = (view.matched or {}) if self.use_index else {}
         floor = max(1, self.warm_frac * req.prompt_tokens)
         warm = [w for w, m in matched.items()
-                if m >= floor and w in view.load and (self.warm_over_hatch or not self.over(view, w))]  # fmt: skip
+                if m >= floor and w in view.load and (self.warm_over_hatch or not over(w))]  # fmt: skip
         if fresh and self.use_index and not any(m >= floor for m in matched.values()):
             # 2'. new content (no worker holds warm_frac of it): to the worker whose cache takes the
             #     least inflow, under the hatch, so that every server's cache is under the same
             #     pressure (placing by work or by home left some servers' caches thrashing)
-            pool = [w for w in workers if not self.over(view, w)] or workers
-            w = min(pool, key=lambda x: (self._inflow.get(x, 0), load(x), order.get(x, n), x))
+            pool = [w for w in workers if not over(w)] or workers
+            inflow = self._inflows.by_worker
+            w = min(pool, key=lambda x: (inflow.get(x, 0), load(x), order.get(x, n), x))
             return Decision(w, home=w in order, reason="fresh", matched=matched.get(w, 0))
         if warm:
             best = max(warm, key=lambda w: (matched[w], -order.get(w, n), -load(w), w))
@@ -372,6 +403,36 @@ class AffinityCachePolicy:
                 return Decision(best, home=best in order, reason="warm", matched=matched[best])
         return Decision(choice, spill=spill and reason == "spill", home=choice in order, reason=reason,
                         matched=matched.get(choice, 0))  # fmt: skip
+
+
+class WindowSums:
+    """Per-worker sums of a value over the last ``limit`` entries (a sliding window of requests),
+    and the window's total of a second value (``full``) where one is given.
+
+    I1 ``by_worker[w] == sum of the values of w's entries in window`` and
+       ``full == sum of the entries' full values``; ``len(window) <= limit`` after every add.
+    """
+
+    __slots__ = ("by_worker", "window", "full", "zero")
+
+    def __init__(self, zero=0):
+        self.by_worker: dict = {}
+        self.window: deque = deque()
+        self.full = zero
+        self.zero = zero
+
+    def add(self, worker: str, value, limit: int, full=None) -> None:
+        self.by_worker[worker] = self.by_worker.get(worker, self.zero) + value
+        if full is None:
+            self.window.append((worker, value))
+        else:
+            self.full += full
+            self.window.append((worker, value, full))
+        while len(self.window) > limit:
+            old = self.window.popleft()
+            self.by_worker[old[0]] -= old[1]
+            if len(old) > 2:
+                self.full -= old[2]
 
 
 def _mean_load(view: FleetView) -> float:
