@@ -44,6 +44,9 @@ VARIANTS: dict = {
     "ours-view": {"hatch_load": "view"},  # the hatch on requests in flight (before 2026-12-02)
     "ours-tenant": {"per_prefix": False},  # affinity unit = the tenant (prefix_hash's unit), not its prompt family
     "ours-calm": {"cold_over": 1e9},  # no "cold" moves off a home on in-flight counts (the hatch stays)
+    "ours-noindex": {},  # no Redis: the routing memory only (what the index's round trips cost live)
+    # strict homes, no balancing at all (what concentrating load does to TTFT on a shared-CPU host)
+    "ours-nobalance": {"cold_over": 1e9, "overload": 1e9, "fresh": False, "new_choices": 1, "k_max": 1},
 }
 
 
@@ -290,7 +293,9 @@ def main(argv=None) -> int:
                           policy_kw=VARIANTS[name])  # fmt: skip
                 code = ("import json, sys; from sglang_tiered.fleet.router import serve; "
                         "serve(json.loads(sys.argv[1]), sys.argv[2], **json.loads(sys.argv[3]))")  # fmt: skip
-                argv = [sys.executable, "-c", code, json.dumps(urls), redis_url, json.dumps(kw)]
+                code = code.replace("sys.argv[2]", "(sys.argv[2] or None)")
+                argv = [sys.executable, "-c", code, json.dumps(urls), "" if name == "ours-noindex" else redis_url,
+                        json.dumps(kw)]  # fmt: skip
             else:
                 pol = name.split("-", 1)[1]
                 smg = shutil.which("smg") or str(pathlib.Path(sys.executable).parent / "smg")
