@@ -42,8 +42,6 @@ def setup_host_tier(cache, ctx, cfg) -> None:
         return
     store = None
     if cfg.store == "async":
-        # default: the device pool (a pending page is a device page, so this never binds
-        # unless half the pool waits for T1: then one-shots are filtered and value-drop runs)
         pages = store_queue_pages(cfg, cache.capacity_tokens // cache.page_size)
         # TP ranks share one T1 and must make identical slot and drop decisions, so with TP > 1
         # the queue drains at the end of every batch in the scheduler thread (same point on

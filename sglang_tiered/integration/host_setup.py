@@ -102,8 +102,9 @@ def _auto_decision(ctx, kv, k0) -> tuple[bool, str]:
 
 
 def store_queue_pages(cfg, device_pages: int) -> int:
-    """The store queue's bound (``SGLANG_TIERED_STORE_QUEUE_PAGES``; default: the device pool,
-    so that it binds only when half the pool waits for T1)."""
+    """The store queue's bound (``SGLANG_TIERED_STORE_QUEUE_PAGES``; default: the device pool: a
+    pending page is a device page, so it binds only when half the pool waits for T1, and then
+    one-shots are filtered and value-drop runs)."""
     return cfg.store_queue_pages or max(64, device_pages)
 
 

@@ -33,13 +33,13 @@ from sglang_tiered.core.eviction import is_reused
 from sglang_tiered.core.keys import chain_page_hashes
 from sglang_tiered.core.tenants import name_hash, tenant_of
 from sglang_tiered.integration.node_state import node_tenant
+from sglang_tiered.tier.host_tier import AHEAD, THROUGH
 
 PENDING_HOST_MAX = 4096  # T1 probes of requests still waiting for admission (aborted ones age out)
 # Write-ahead (store queue): at each batch end, the pages the eviction order takes next, about
 # this many batches' worth at the recent eviction rate, are queued for T1 (see ``write_ahead``).
 AHEAD_BATCHES = 3
 EVICT_RATE_DECAY = 0.8  # the rate is a decaying maximum of the pages evicted per batch
-THROUGH, AHEAD = "through", "ahead"  # store queue jobs: write-through (admitted), write-ahead (victims-to-be)
 
 
 class PendingLoad(NamedTuple):
@@ -79,12 +79,11 @@ def make_store_queue(host, capacity_pages: int, threaded: bool = True):
     def write(job) -> None:
         pages = torch.tensor(job.pages, dtype=torch.int64)
         ready, kind = job.ctx  # (CUDA event or None, THROUGH or AHEAD: see HostTier.demote)
-        cold, stage = kind == THROUGH, kind == AHEAD
         if side is None:
-            host.demote(pages, job.hashes, job.tenant, cold=cold, stage=stage)
+            host.demote(pages, job.hashes, job.tenant, kind=kind)
             return
         with torch.cuda.stream(side):
-            host.demote(pages, job.hashes, job.tenant, ready=ready, cold=cold, stage=stage)
+            host.demote(pages, job.hashes, job.tenant, ready=ready, kind=kind)
 
     return StoreQueue(capacity_pages, write, threaded=threaded)
 
@@ -119,11 +118,6 @@ class T1Tier:
     def holds(self, page_hash) -> bool:
         return self.host.pool.contains(page_hash)
 
-    def has_copy(self, page_hash) -> bool:
-        """T1 holds the page or has it staged (written ahead)."""
-        pool = self.host.pool
-        return pool.contains(page_hash) or pool.is_staged(page_hash)
-
     # ------------------------------------------------------------------ stores
     def _ready_event(self):
         """On CUDA, an event after the forward passes that wrote the pages being offered."""
@@ -146,7 +140,7 @@ class T1Tier:
     def on_admitted(self, anchor, last) -> None:
         """Write-through of the runs of pages a request just added to the tree (``anchor``..``last``),
         one job per node, *into free T1 room only*: the copy goes to free slots at T1's least
-        recently used end (``HostTier.demote(cold=True)``), so it never pushes out a page only T1
+        recently used end (``HostTier.demote``, THROUGH), so it never pushes out a page only T1
         holds, and it is the first to make room for one later; when the device evicts the page,
         the copy is adopted like a fresh victim. Once T1 is full nothing is written through:
         ``write_ahead`` writes what the device is about to evict, outside T1's capacity."""
@@ -184,7 +178,7 @@ class T1Tier:
         target = min(self.store.capacity_pages, self.host.pool.staging, math.ceil(AHEAD_BATCHES * self.evict_rate))
         if target <= 0:
             return 0
-        store, has_copy = self.store, self.has_copy
+        store, has_copy = self.store, self.host.pool.has_copy
         walked = offered = 0
         ready = None
         for node in self.cache.eviction.ordered():
@@ -217,7 +211,7 @@ class T1Tier:
 
     def on_evict(self, x) -> None:
         """T1 gets an evicted leaf's pages: with the store queue they are usually written already
-        (a pending write is finished inline; then the copies are adopted, ``HostTier.touch``); a
+        (a pending write is finished inline; then ``HostTier.demote`` adopts the copies); a
         leaf that is not (T1 replaced its write-through copy, staging dropped it, or the queue
         refused it) is copied now, like the synchronous store does, except a one-shot so far
         while the queue is under pressure (what the queue itself refuses, rule 2); without the
@@ -232,9 +226,8 @@ class T1Tier:
         self.evicted_since_batch += len(x.tiered_hashes)
         if self.store is not None:
             self.fence(x, run=True)
-            if self.host.touch(x.tiered_hashes):
-                return  # the usual case with the queue: already in T1
-            if not is_reused(x.hit_count) and not self.flushing and self.store.under_pressure:
+            if (not is_reused(x.hit_count) and not self.flushing and self.store.under_pressure
+                    and not all(map(self.host.pool.has_copy, x.tiered_hashes))):  # fmt: skip
                 return  # a one-shot so far, while the queue is under pressure: not worth a copy
         ps = self.cache.page_size
         n = self.host.demote(x.value[::ps] // ps, x.tiered_hashes, name_hash(node_tenant(x)))

@@ -401,8 +401,9 @@ class HostPool:
         self.staged_dropped += 1
         self.free.append(slot)
 
-    def is_staged(self, h: bytes) -> bool:
-        return h in self.staged
+    def has_copy(self, h: bytes) -> bool:
+        """T1 holds the page, or has it staged (a write-ahead copy an eviction would adopt)."""
+        return h in self.slot_of or h in self.staged
 
     def commit(self, pairs: list[tuple[bytes, int]], tenant: int = 0, *, cold: bool = False,
                staged: bool = False) -> None:  # fmt: skip

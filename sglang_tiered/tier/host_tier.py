@@ -21,6 +21,10 @@ from sglang_tiered.tier.host_pool import HostPool, PoolLayout, heads_for_rank
 
 logger = logging.getLogger("sglang_tiered")
 
+# What a demotion copies (``HostTier.demote``): a device victim, a write-through copy of pages
+# still on the device (admitted), or a write-ahead copy of pages the device is about to evict.
+VICTIM, THROUGH, AHEAD = "victim", "through", "ahead"
+
 
 @dataclass
 class HostTierStats:
@@ -86,46 +90,43 @@ class HostTier:
             self.stream_fence()
 
     def demote(self, device_pages: torch.Tensor, hashes: list[bytes], tenant: int = 0, ready=None,
-               cold: bool = False, stage: bool = False) -> int:  # fmt: skip
+               kind: str = VICTIM) -> int:  # fmt: skip
         """Copy device pages to T1 (skipping pages already there). Returns pages copied.
         ``ready``: a CUDA event the copy waits for (the forward pass that wrote the pages).
-        A victim (neither flag) adopts the batch's copies written earlier (``HostPool.reserve``).
-        ``cold``: a copy of pages still on the device (write-through): only into free room, and
-        at the least recently used end, so it never pushes out a page only T1 holds and is the
-        first to go when one needs room (the device's eviction then adopts it).
-        ``stage``: a copy of pages the device is about to evict (write-ahead), into the staging
-        slots outside T1's capacity; the eviction adopts it. So T1's pages, and their order, are
-        those of a store that copies every victim at eviction (``tests/test_tier.py``)."""
+        ``kind``:
+        - VICTIM: pages the device evicts; copies of them written earlier (THROUGH, AHEAD) are
+          adopted, not copied again (``HostPool.reserve``).
+        - THROUGH: a copy of pages still on the device: only into free room, and at the least
+          recently used end, so it never pushes out a page only T1 holds and is the first to go
+          when one needs room.
+        - AHEAD: a copy of pages the device is about to evict, into the staging slots outside
+          T1's capacity.
+        So T1's pages, and their order, are those of a store that copies every victim at eviction
+        (``tests/test_tier.py``)."""
         with self.lock:
-            return self._demote(device_pages, hashes, tenant, ready, cold, stage)
+            return self._demote(device_pages, hashes, tenant, ready, kind)
 
     def touch(self, hashes: list[bytes]) -> bool:
-        """A device eviction of pages T1 already holds or has copies of (written through or
-        ahead): mark them used, as ``demote`` would, without copying. True when every page is
-        then resident; False leaves the pages that are not for ``demote``."""
+        """Mark resident pages as just used. True when every page is resident."""
         with self.lock:
             pool = self.pool
-            if not all(pool.contains(h) or pool.is_staged(h) for h in hashes):
+            if not all(pool.contains(h) for h in hashes):
                 return False
-            pairs = pool.reserve(hashes, evict=self.replace_when_full)
-            assert not pairs  # every page was resident or staged
-            pool.commit(pairs)
-            if self.t2 is not None:
-                self.t2.flush()  # (adopting may have pushed victims out)
-            return all(pool.contains(h) for h in hashes)
+            pool.slots_for(hashes, touch=True)
+            return True
 
     def clear(self) -> int:
         with self.lock:
             return self.pool.clear()
 
-    def _demote(self, device_pages, hashes, tenant, ready, cold=False, stage=False) -> int:
+    def _demote(self, device_pages, hashes, tenant, ready, kind=VICTIM) -> int:
         t0 = time.perf_counter()
         pool = self.pool
-        if stage:
+        if kind == AHEAD:
             pairs = pool.reserve_staging(hashes)
         else:
-            pairs = pool.reserve(hashes, evict=self.replace_when_full and not cold, touch=not cold)
-        if not cold and not stage:  # (a copy of a page still on the device is not a lost victim)
+            pairs = pool.reserve(hashes, evict=self.replace_when_full and kind == VICTIM, touch=kind == VICTIM)
+        if kind == VICTIM:  # (a copy of a page still on the device is not a lost victim)
             wanted = sum(1 for h in hashes if not pool.contains(h))
             self.stats.demote_skipped_pages += max(0, wanted - len(pairs))
         if not pairs:
@@ -154,10 +155,10 @@ class HostTier:
             self.stats.failed_demotions += len(pairs)
             logger.exception("sglang-tiered: demotion of %d pages failed; skipped", len(pairs))
             return 0
-        pool.commit(pairs, tenant, cold=cold, staged=stage)
+        pool.commit(pairs, tenant, cold=kind == THROUGH, staged=kind == AHEAD)
         if self.t2 is not None:
             self.t2.flush()  # the victims reserve() copied out go to T2's store queue
-        if not stage:  # (staged pages count when an eviction adopts them)
+        if kind != AHEAD:  # (staged pages count when an eviction adopts them)
             self.stats.demoted_pages += len(pairs)
         self.stats.demote_seconds += time.perf_counter() - t0
         return len(pairs)
