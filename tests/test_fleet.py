@@ -3,6 +3,7 @@ failure behaviour and its configuration."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -149,10 +150,10 @@ class KeyWindowMachine(RuleBasedStateMachine):
 
     @invariant()
     def inflow_is_the_window_sum_bounded(self):
-        win = list(self.pol._inflow_window)
+        win = list(self.pol._inflows.window)
         assert [w for w, _ in win] == self.routed
         assert all(0 <= t <= 32 for _, t in win)
-        for w, total in self.pol._inflow.items():
+        for w, total in self.pol._inflows.by_worker.items():
             assert total == sum(t for x, t in win if x == w)
 
 
@@ -185,14 +186,14 @@ def test_routing_memory_returns_a_family_where_it_was_sent():
 def test_fresh_content_goes_to_the_least_inflow_worker():
     ws = [f"w{i}" for i in range(4)]
     pol = AffinityCachePolicy(per_prefix=False, memory_pages=0, hatch_load="view")
-    pol._inflow.update({"w0": 500, "w1": 100, "w2": 300, "w3": 900})
+    pol._inflows.by_worker.update({"w0": 500, "w1": 100, "w2": 300, "w3": 900})
     fresh = RouteRequest(160, [bytes([i]) * 16 for i in range(10)], tenant="acme")
     # nobody holds warm_frac (10 %) of it: new content -> least inflow (w1), whatever the homes
     d = pol.route(fresh, _view(ws, matched={"w0": 8}))
     assert d.worker == "w1" and d.reason == "fresh"
-    assert pol._inflow["w1"] == 100 + 160  # it now holds the prompt: counted as inflow
+    assert pol._inflows.by_worker["w1"] == 100 + 160  # it now holds the prompt: counted as inflow
     # ... unless that worker is over the hatch
-    pol._inflow.update({"w0": 500, "w1": 100, "w2": 300, "w3": 900})
+    pol._inflows.by_worker.update({"w0": 500, "w1": 100, "w2": 300, "w3": 900})
     load = {w: 1.0 for w in ws}
     load["w1"] = 50.0
     assert pol.route(fresh, _view(ws, load, matched={})).worker == "w2"
@@ -205,7 +206,7 @@ def test_fresh_content_goes_to_the_least_inflow_worker():
     assert pol.route(RouteRequest(160, [], tenant="acme"), _view(ws, matched={})).worker in homes
     # off: the cold rule (homes)
     off = AffinityCachePolicy(per_prefix=False, memory_pages=0, fresh=False)
-    off._inflow.update({"w0": 500, "w1": 100, "w2": 300, "w3": 900})
+    off._inflows.by_worker.update({"w0": 500, "w1": 100, "w2": 300, "w3": 900})
     assert off.route(fresh, _view(ws, matched={})).worker in homes
 
 
@@ -235,8 +236,9 @@ def test_hatch_reads_the_sustained_work_share_not_in_flight_counts():
         d = pol.route(req, _view(ws, load, matched={"w0": 160}))
         assert d.worker != "w0"
     assert not pol.over(_view(ws), "w0")  # "both": a sustained share with nothing in flight is not over
-    assert len(pol._share_window) == 12 and abs(sum(pol._share.values()) - sum(x for _, x, _ in pol._share_window)) < 1e-6
-    assert abs(pol._share_full - sum(f for _, _, f in pol._share_window)) < 1e-6
+    shares = pol._shares
+    assert len(shares.window) == 12 and abs(sum(shares.by_worker.values()) - sum(x for _, x, _ in shares.window)) < 1e-6
+    assert abs(shares.full - sum(f for _, _, f in shares.window)) < 1e-6
 
 
 def test_longest_match():
@@ -461,10 +463,10 @@ def test_publisher_batch_last_event_wins():
     assert list(pub._held) == [a]
 
 
-def test_index_lookup_script_matches_the_python_rule():
-    """LOOKUP_LUA (one EVALSHA per routed request) against holders_from_replies + longest_match on a
-    real redis-server: random holders, stale entries, a worker whose heartbeat expired, odd values."""
-    import random
+@contextlib.contextmanager
+def _redis_server():
+    """A throwaway redis-server on 127.0.0.1 (skips the test when none is installed), answering
+    pings: yields (process, port); killed at exit."""
     import shutil
     import socket
     import subprocess
@@ -473,9 +475,6 @@ def test_index_lookup_script_matches_the_python_rule():
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.skip("redis-server is not installed")
-    from sglang_tiered.fleet.index import (LOOKUP_LUA, alive_key, holders_from_replies, matched_from_lookup,
-                                           page_key)  # fmt: skip
-
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
@@ -489,6 +488,23 @@ def test_index_lookup_script_matches_the_python_rule():
                 break
             except redis.ConnectionError:
                 time.sleep(0.05)
+        yield p, port
+    finally:
+        p.kill()
+        p.wait(timeout=10)
+
+
+def test_index_lookup_script_matches_the_python_rule():
+    """LOOKUP_LUA (one EVALSHA per routed request) against holders_from_replies + longest_match on a
+    real redis-server: random holders, stale entries, a worker whose heartbeat expired, odd values."""
+    import random
+
+    redis = pytest.importorskip("redis")
+    from sglang_tiered.fleet.index import (LOOKUP_LUA, alive_key, holders_from_replies, matched_from_lookup,
+                                           page_key)  # fmt: skip
+
+    with _redis_server() as (_, port):
+        r = redis.Redis(port=port)
         lookup = r.register_script(LOOKUP_LUA)
         rng = random.Random(0)
         workers = ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3", "w4"]
@@ -517,9 +533,6 @@ def test_index_lookup_script_matches_the_python_rule():
             assert got == want, (case, got, want)
             deep += any(m >= 48 for m in want.values())
         assert deep >= 10  # the cases reach past the first pages
-    finally:
-        p.terminate()
-        p.wait(timeout=10)
 
 
 # ---------------------------------------------------------------------------- decision replay
@@ -639,30 +652,13 @@ def test_lookup_connection_matches_redis_py_and_survives_cancel_reset_and_redis_
     under 50 concurrent lookups, a cancelled one (its late reply is dropped, the next still gets its
     own, I1), a flushed script cache (NOSCRIPT: loaded again), a reset, and Redis gone (I2)."""
     import asyncio
-    import shutil
-    import socket
-    import subprocess
 
     redis = pytest.importorskip("redis")
     pytest.importorskip("hiredis")
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed")
     from sglang_tiered.fleet.index import LOOKUP_LUA, LookupConnection, alive_key, page_key
 
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                         stdout=subprocess.DEVNULL)  # fmt: skip
-    try:
+    with _redis_server() as (p, port):
         r = redis.Redis(port=port, db=2)
-        for _ in range(100):
-            try:
-                r.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
         ref = r.register_script(LOOKUP_LUA)
         now = time.time()
         r.set(alive_key("a"), 1)
@@ -696,9 +692,6 @@ def test_lookup_connection_matches_redis_py_and_survives_cancel_reset_and_redis_
             conn.close()
 
         asyncio.run(run())
-    finally:
-        p.kill()
-        p.wait(timeout=10)
 
 
 class WindowSumsMachine(RuleBasedStateMachine):

@@ -316,7 +316,7 @@ class Router:
         while self.cache_key is None:
             try:
                 await asyncio.wait_for(self._ensure_cache_key(), 2.0)
-                if self.cache_key is not None:
+                if self.cache_key is not None and self._lookup_conn is None:  # (it loads its own)
                     await asyncio.wait_for(self._redis.script_load(LOOKUP_LUA), 2.0)
             except Exception:  # noqa: BLE001 - Redis down or slow: try again
                 pass

@@ -249,13 +249,6 @@ class AffinityCachePolicy:
     _count: dict = field(default_factory=dict, repr=False)
     _sent: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
-    # the windows' state under the names the tests read
-    _share = property(lambda self: self._shares.by_worker)
-    _share_window = property(lambda self: self._shares.window)
-    _share_full = property(lambda self: self._shares.full)
-    _inflow = property(lambda self: self._inflows.by_worker)
-    _inflow_window = property(lambda self: self._inflows.window)
-
     def over(self, view: FleetView, w: str) -> bool:
         """Over the hatch: load above ``overload`` x the fleet mean + ``slack`` (mean requests)."""
         return self._hatch(view)(w)
