@@ -122,21 +122,3 @@ def test_adversarial_workloads_end_within_the_budget_bound_of_lru():
         assert tiered >= lru - bound, (build.__name__, tiered, lru, bound)
         assert pol._budget() >= -cap_pages, (build.__name__, pol._budget())
         pol.check_invariants()
-
-
-def test_books_hold_still_while_the_cache_is_lru_itself():
-    """While lru is followed (settled), the real cache *is* SGLang's lru: it cannot lose to it, so
-    the shadow's disagreement is model error and must not spend (or earn) budget; references
-    still count. During the turnover after a switch back the books run again (that is real loss)."""
-    pol = AdaptivePolicy(capacity_pages=64)
-    _mixed(pol, 400, True)
-    assert pol.following == "lru" and pol._settle <= 0 and pol._switch_mark is None
-    refs = pol._refs
-    _mixed(pol, 200, False)  # the real tree misses the loop the page model says lru hits
-    assert pol._margin == 0.0 and pol._refs == refs + 200
-    pol.following = "adaptive"
-    pol._follow("lru")  # a switch back: its turnover is real loss
-    before = pol._margin
-    _mixed(pol, 40, False)
-    assert pol._margin < before
-    pol.check_invariants()

@@ -43,16 +43,10 @@ hits on the same sampled pages are counted too. The real cache then follows one 
   cache's content converges to lru's: up to a cache's worth of pages). On the family's short
   traces those costs were the lru-bar failures (bench/results/workload_family_a038739.csv: the
   worst cells lost 0.3-0.9 capacities of hits in an episode plus 0-0.3 in the turnover after it).
-  So the duel also keeps ``N``, every sampled reference since the shadows filled, and ``M`` =
-  real hits - lru shadow hits (corrected by the lru shadow's measured bias once that was
-  measured over a turnover of references; never by one from a few requests, which took a
-  transition's loss for model error on family-130 at 20 %) over the references where the real
-  cache can lose to lru: away from lru, and in the two turnovers after a switch back. While lru
-  itself is followed and settled the real cache *is* SGLang's lru (tests/test_guarantee.py), so
-  the shadow's disagreement there is the page model's error, not loss; counting it drove the
-  books to -424 sampled hits on family-006 at 2 % while the cache was lru, which locked out slru
-  8.9 points ahead (and, with the opposite sign elsewhere, would let an unearned episode in).
-  The budget left is ``B = beta x N + M - S``: ``beta = guard_budget`` (0.1
+  So the duel also keeps, over every sampled reference since the shadows filled and whatever is
+  followed, ``M`` = real hits - lru shadow hits (corrected by the lru shadow's measured bias once
+  that was measured over a turnover of references; never by one from a few requests, which took
+  a transition's loss for model error on family-130 at 20 %) and ``N`` the references. The budget left is ``B = beta x N + M - S``: ``beta = guard_budget`` (0.1
   point), ``S`` the switch reserve (the largest loss measured over the turnover after a switch
   back to lru: until the lru shadow has taken in a cache's worth of pages, LRU's convergence
   argument). An episode away from lru starts only while ``B >= guard_entry_room x T`` (0: any

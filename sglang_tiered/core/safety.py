@@ -99,16 +99,9 @@ class SafetyDuel:
             # at 2 %, where uncorrected books never allowed an episode), once it was measured over
             # a turnover of references: a bias from a few requests passed a transition's loss off
             # as model error (family-130 at 20 %)
-            if self.following != "lru" or self._settle > 0 or self._switch_mark is not None:
-                b = self._bias["lru"]
-                bias = self._bias_rate("lru") if b[1] >= self._shadow.cap else 0.0
-                self._account(real - hits["lru"] + bias * n, n, n - hits["lru"])
-            else:
-                # the real cache is SGLang's lru now, settled: it neither loses nor wins against
-                # lru, so what the shadow disagrees is model error, not margin (on family-006
-                # at 2 % it drove the books to -424 sampled hits while the cache was lru itself,
-                # and locked out slru, 8.9 points ahead)
-                self._refs += n
+            b = self._bias["lru"]
+            bias = self._bias_rate("lru") if b[1] >= self._shadow.cap else 0.0
+            self._account(real - hits["lru"] + bias * n, n, n - hits["lru"])
         # the leading fixed order: lru unless another beats it clearly (ties and noise: lru)
         lead = max(2 * self._threshold, 0.01 * sh[0])  # hysteresis: switching orders costs hits
         best = "lru"
