@@ -6,6 +6,7 @@ concept (see ARCHITECTURE.md):
 | SGLang call | delegates to |
 |---|---|
 | ``checkpoint`` | ``admission.Admission`` (plan -> SGLang's insert -> adopted) |
+| ``_match_prefix_helper``, ``_insert_helper``, checkpoint's insert | ``tree_ops`` (SGLang's walks on key offsets) |
 | ``match_prefix`` | ``clock`` (stamp), ``invalidation`` (cut), ``t1.T1Tier.probe`` |
 | ``init_load_back`` | ``t1.T1Tier.load_back`` |
 | ``evict`` | ``evict.Eviction`` (order: ``core/eviction.py``) |
@@ -25,13 +26,14 @@ import time
 from typing import Optional
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
-from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, InsertParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+from sglang.srt.utils.common import ceil_align
 
 from sglang_tiered.core.keys import CacheKey
 from sglang_tiered.core.policy import AdaptivePolicy, PolicyConfig
 from sglang_tiered.core.tenants import TenantCounters, TenantTable, tenant_of
-from sglang_tiered.integration import build
+from sglang_tiered.integration import build, tree_ops
 from sglang_tiered.integration.admission import Admission
 from sglang_tiered.integration.clock import LogicalClock
 from sglang_tiered.integration.evict import Eviction
@@ -164,9 +166,60 @@ class TieredRadixCache(RadixCache):
         plan = self.admission.plan(req, up_to)
         if plan is None:
             return
-        super().checkpoint(req, up_to=plan.admit_len)
+        self._checkpoint_insert(req, plan.admit_len)
         self.admission.adopted(req, plan)
         self.after_op()
+
+    def _checkpoint_insert(self, req, up_to: int) -> None:
+        """SGLang's ``RadixCache.checkpoint`` (radix_cache.py:510-543), less its second walk: SGLang
+        matches the key it has just inserted to find the path's last node and indices; the insert
+        returned that node already (tree_ops.py). The match's side effects are kept: this
+        adapter's clock stamp, and ``last_access_time`` along the path."""
+        if self.is_eagle or self.invalidation.count:
+            super().checkpoint(req, up_to=up_to)  # bigram keys; invalidated entries to cut
+            return
+        ps = self.page_size
+        token_ids = req.full_untruncated_fill_ids[:up_to]
+        floor = req.kv.swa_evict_floor
+        # --- SGLang's _insert_cache, keeping the insert's last node ---
+        kv_indices = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(token_ids)]
+        key = RadixKey(token_ids, req.extra_key, cache_salt=req.cache_salt).page_aligned(ps)
+        if floor > 0:
+            key = key[: ceil_align(floor, ps)]
+        key_len = len(key)
+        values = kv_indices[:key_len].to(dtype=torch.int64, copy=True)
+        priority = req.priority or 0
+        result = self.insert(InsertParams(key=key, value=values, inserted_len=req.kv.cache_inserted_len,
+                                          priority=priority))  # fmt: skip
+        req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, key_len)
+        prompt_key = RadixKey(token_ids[: len(req.origin_input_ids)], req.extra_key,
+                              cache_salt=req.cache_salt).page_aligned(ps)  # fmt: skip
+        if 0 < len(prompt_key) < key_len:  # split at the prompt boundary (the deepest node stays)
+            self.insert(InsertParams(key=prompt_key, value=values[: len(prompt_key)],
+                                     inserted_len=len(prompt_key),
+                                     priority=min(priority + 1, torch.iinfo(torch.int64).max)))  # fmt: skip
+        cpl = req.kv.cache_protected_len
+        self.token_to_kv_pool_allocator.free_segment(kv_indices[cpl : result.prefix_len], start_pos=cpl)
+        # --- what SGLang's match of the inserted key did: our stamp, the path's access time ---
+        last = result.last_device_node
+        self.clock.now()
+        depth = tree_ops.touch_path(self, last)
+        self.clock.stamp(last, self.root_node)
+        assert depth == key_len, f"{depth=}, {key_len=}"
+        # --- the tree's indices of [cpl, key_len) into the request's row ---
+        parts, end, node = [], key_len, last
+        while end > cpl:
+            v = node.value
+            start = end - len(v)
+            parts.append(v if start >= cpl else v[cpl - start :])
+            end, node = start, node.parent
+        if parts:
+            tail = parts[0] if len(parts) == 1 else torch.cat(parts[::-1])
+            self.req_to_token_pool.write((req.kv.req_pool_idx, slice(cpl, key_len)), tail)
+        req.kv.cache_protected_len = key_len
+        self.unlock(req.lock)
+        req.lock = self.lock(last)
+        req.last_node = last
 
     def match_prefix(self, params):
         self.clock.now()
@@ -219,6 +272,16 @@ class TieredRadixCache(RadixCache):
             self.t1.after_batch()
         if self.metrics is not None:
             self.metrics.publish(self)
+
+    def _match_prefix_helper(self, node, key):
+        if key.is_bigram:
+            return super()._match_prefix_helper(node, key)
+        return tree_ops.match(self, node, key)
+
+    def _insert_helper(self, node, key, value, priority: int = 0, inserted_len: int = 0):
+        if key.is_bigram:
+            return super()._insert_helper(node, key, value, priority, inserted_len)
+        return tree_ops.insert(self, node, key, value, priority, inserted_len)
 
     def _split_node(self, key, child, split_len: int):
         new_node = super()._split_node(key, child, split_len)
