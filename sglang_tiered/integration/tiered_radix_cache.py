@@ -26,7 +26,7 @@ import time
 from typing import Optional
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, InsertParams
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, IncLockRefResult, InsertParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from sglang.srt.utils.common import ceil_align
 
@@ -247,6 +247,24 @@ class TieredRadixCache(RadixCache):
         self.after_op()
         return EvictResult(num_tokens_evicted=num_evicted)
 
+    def inc_lock_ref(self, node):
+        """SGLang's ``inc_lock_ref`` with its per-node ``_update_leaf_status`` inlined: a locked
+        node is never an evictable leaf, so each one on the path is just taken out of the set."""
+        if self.disable:
+            return IncLockRefResult(delta=0)
+        delta = 0
+        root, leaves = self.root_node, self.evictable_leaves
+        while node is not root:
+            if node.lock_ref == 0:
+                n = len(node.key)
+                self.evictable_size_ -= n
+                self.protected_size_ += n
+                delta -= n
+            node.lock_ref += 1
+            leaves.discard(node)
+            node = node.parent
+        return IncLockRefResult(delta=delta)
+
     def dec_lock_ref(self, node, params=None):
         result = super().dec_lock_ref(node, params)
         self.invalidation.on_unlock(node)
@@ -294,8 +312,21 @@ class TieredRadixCache(RadixCache):
         return new_node
 
     def _update_leaf_status(self, node):
-        super()._update_leaf_status(node)
-        self.eviction.offer(node)
+        # SGLang's (radix_cache.py:790-803), then the victim queue offered the node if it is an
+        # evictable leaf now (evict.Eviction.offer, inlined: this runs on every node of every
+        # lock, unlock and insert)
+        leaves = self.evictable_leaves
+        if node.value is None or node.lock_ref > 0:  # evicted or locked
+            leaves.discard(node)
+            return
+        for child in node.children.values():
+            if child.value is not None:
+                leaves.discard(node)
+                return
+        leaves.add(node)
+        queue = self.eviction.queue
+        if queue is not None:
+            queue.offer(node)
 
     # ------------------------------------------------------------------ invalidation
     def invalidate(self, *, tenant_hash: Optional[int] = None, version_hash: Optional[int] = None,
