@@ -189,19 +189,19 @@ class TieredRadixCache(RadixCache):
         key_len = len(key)
         values = kv_indices[:key_len].to(dtype=torch.int64, copy=True)
         priority = req.priority or 0
-        result = self.insert(InsertParams(key=key, value=values, inserted_len=req.kv.cache_inserted_len,
-                                          priority=priority))  # fmt: skip
+        # RadixCache.insert would re-align (copy) the aligned key and cut the values to its length
+        prefix_len, last = tree_ops.insert(self, self.root_node, key, values, priority, req.kv.cache_inserted_len)
         req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, key_len)
-        prompt_key = RadixKey(token_ids[: len(req.origin_input_ids)], req.extra_key,
-                              cache_salt=req.cache_salt).page_aligned(ps)  # fmt: skip
-        if 0 < len(prompt_key) < key_len:  # split at the prompt boundary (the deepest node stays)
-            self.insert(InsertParams(key=prompt_key, value=values[: len(prompt_key)],
-                                     inserted_len=len(prompt_key),
-                                     priority=min(priority + 1, torch.iinfo(torch.int64).max)))  # fmt: skip
+        if len(req.origin_input_ids) < len(token_ids):  # else the prompt key is the whole key
+            prompt_key = RadixKey(token_ids[: len(req.origin_input_ids)], req.extra_key,
+                                  cache_salt=req.cache_salt).page_aligned(ps)  # fmt: skip
+            if 0 < len(prompt_key) < key_len:  # split at the prompt boundary (the deepest node stays)
+                self.insert(InsertParams(key=prompt_key, value=values[: len(prompt_key)],
+                                         inserted_len=len(prompt_key),
+                                         priority=min(priority + 1, torch.iinfo(torch.int64).max)))  # fmt: skip
         cpl = req.kv.cache_protected_len
-        self.token_to_kv_pool_allocator.free_segment(kv_indices[cpl : result.prefix_len], start_pos=cpl)
+        self.token_to_kv_pool_allocator.free_segment(kv_indices[cpl:prefix_len], start_pos=cpl)
         # --- what SGLang's match of the inserted key did: our stamp, the path's access time ---
-        last = result.last_device_node
         self.clock.now()
         depth = tree_ops.touch_path(self, last)
         self.clock.stamp(last, self.root_node)
