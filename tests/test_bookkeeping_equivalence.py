@@ -253,3 +253,39 @@ def test_sketch_increment_all_same_as_increment(reqs):
         for h in pages:
             b.increment(h)
         assert (a.rows, a.door, a.additions, a.resets) == (b.rows, b.door, b.additions, b.resets)
+
+
+def _admit_reference(new_hashes, victim_freq, est, m) -> int:
+    """AdmissionDuel.admit_pages's filter at dae6791: every estimate first, then the leading run."""
+    n = len(new_hashes)
+    ests = [0] * n
+    nxt = est(new_hashes[-1])
+    for j in range(n - 1, -1, -1):
+        h = new_hashes[j]
+        if not h[0] & m:
+            nxt = est(h)
+        ests[j] = nxt
+    admitted = 0
+    for e in ests:
+        if e > victim_freq:
+            admitted += 1
+        else:
+            break
+    return admitted
+
+
+@settings(max_examples=200, deadline=None)
+@given(reqs=requests_st, victim_freq=st.integers(0, 4), mask=st.sampled_from([0, 3]))
+def test_admit_pages_same_as_reference(reqs, victim_freq, mask):
+    from sglang_tiered.core.policy import AdaptivePolicy
+
+    pol = AdaptivePolicy(256 if mask else 64)
+    assert pol._sketch_mask == mask
+    pol.following, pol.mode_index = "adaptive", 1  # filtering (TinyLFU admission)
+    assert pol.filtering
+    for req in reqs:
+        pages = _pages(req)
+        pol.sketch.increment_all(pages)
+        if pages:
+            want = _admit_reference(pages, victim_freq, pol.sketch.estimate, mask)
+            assert pol.admit_pages(pages, victim_freq) == want

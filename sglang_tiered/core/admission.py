@@ -66,16 +66,17 @@ class AdmissionDuel:
             # Pages are counted 1 in 4 (plus each request's last page); an uncounted page takes
             # the estimate of the next counted page after it, a lower bound of its own frequency
             # since frequency never grows with depth along a prefix chain.
+            # (estimates are looked up lazily, front to back: most refusals stop at the first page)
             est, m = self.sketch.estimate, self._sketch_mask
-            ests = [0] * n
-            nxt = est(new_hashes[-1])
-            for j in range(n - 1, -1, -1):
-                h = new_hashes[j]
-                if not h[0] & m:
-                    nxt = est(h)
-                ests[j] = nxt
             admitted = 0
-            for e in ests:
+            counted_at = -1  # index of the counted page whose estimate ``e`` is
+            e = 0
+            for j in range(n):
+                if j > counted_at:
+                    counted_at = j
+                    while counted_at < n - 1 and new_hashes[counted_at][0] & m:
+                        counted_at += 1
+                    e = est(new_hashes[counted_at])
                 if e > victim_freq:
                     admitted += 1
                 else:
