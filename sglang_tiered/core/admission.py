@@ -31,28 +31,11 @@ class AdmissionDuel:
         all_, lfu, lru = self._minis
         # Like the real tree: a miniature that refuses a page of this request refuses the rest of
         # it too (admission is prefix-consistent), and only the leading run of hits counts (a
-        # page past a miss cannot be reused by a radix prefix match).
-        hits_a = hits_f = hits_l = 0
-        run_a = run_f = run_l = True  # still in the leading run of hits
-        refused = False
-        for h in sampled:
-            r = lru.access(h, tick, 0.0, est)
-            if run_l and r > 0:
-                hits_l += 1
-            else:
-                run_l = False
-            r = all_.access(h, tick, k, est)
-            if run_a and r > 0:
-                hits_a += 1
-            else:
-                run_a = False
-            r = lfu.access(h, tick, k, est, refused)
-            if r < 0:
-                refused = True
-            if run_f and r > 0:
-                hits_f += 1
-            else:
-                run_f = False
+        # page past a miss cannot be reused by a radix prefix match). The miniatures share no
+        # state (the sketch is not written here), so each takes the request's pages in one call.
+        hits_l = lru.run(sampled, tick, 0.0, est)
+        hits_a = all_.run(sampled, tick, k, est)
+        hits_f = lfu.run(sampled, tick, k, est)
         d = self.cfg.duel_decay ** len(sampled)
         scores = self.scores
         scores[0] = scores[0] * d + hits_a
@@ -83,16 +66,17 @@ class AdmissionDuel:
             # Pages are counted 1 in 4 (plus each request's last page); an uncounted page takes
             # the estimate of the next counted page after it, a lower bound of its own frequency
             # since frequency never grows with depth along a prefix chain.
+            # (estimates are looked up lazily, front to back: most refusals stop at the first page)
             est, m = self.sketch.estimate, self._sketch_mask
-            ests = [0] * n
-            nxt = est(new_hashes[-1])
-            for j in range(n - 1, -1, -1):
-                h = new_hashes[j]
-                if not h[0] & m:
-                    nxt = est(h)
-                ests[j] = nxt
             admitted = 0
-            for e in ests:
+            counted_at = -1  # index of the counted page whose estimate ``e`` is
+            e = 0
+            for j in range(n):
+                if j > counted_at:
+                    counted_at = j
+                    while counted_at < n - 1 and new_hashes[counted_at][0] & m:
+                        counted_at += 1
+                    e = est(new_hashes[counted_at])
                 if e > victim_freq:
                     admitted += 1
                 else:

@@ -56,3 +56,41 @@ class MiniCache:
             self.age += 0.01 * (tick - where.pop(victim) - self.age)
         prob[h] = tick
         return 0.0
+
+    def run(self, pages: list, tick: int, k: float, est) -> int:
+        """``access`` of a request's sampled pages in turn, refusing the rest of the request after
+        a refusal (prefix-consistent, like the real tree). Returns the hits in the leading run (a
+        page past a miss cannot be reused by a radix prefix match)."""
+        prob, prot, cap, tinylfu = self.prob, self.prot, self.cap, self.tinylfu
+        age = self.age
+        hits = 0
+        leading = True
+        refusing = False
+        for h in pages:
+            if h in prot:
+                prot.move_to_end(h)
+                prot[h] = tick
+                hits += leading
+                continue
+            if h in prob:
+                del prob[h]
+                prot[h] = tick
+                hits += leading
+                continue
+            leading = False
+            if len(prob) + len(prot) >= cap:
+                # _victim, inlined (this runs on every full miss)
+                if prob:
+                    victim = next(iter(prob))
+                    where = prob
+                    if prot and not prob[victim] <= prot[next(iter(prot))] + k * age:
+                        where, victim = prot, next(iter(prot))
+                else:
+                    where, victim = prot, next(iter(prot))
+                if tinylfu and (refusing or est(h) <= est(victim)):
+                    refusing = True
+                    continue
+                age += 0.01 * (tick - where.pop(victim) - age)
+            prob[h] = tick
+        self.age = age
+        return hits

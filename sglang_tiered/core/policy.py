@@ -293,29 +293,28 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
         self.stats.requests += 1
         self._win_pages += len(page_hashes)
         self._win_hits += device_hit_pages
-        inc = self.sketch.increment
+        # (hot path: a few list comprehensions per request, no per-page calls; a mask of 0 means
+        # every page, and the list is passed on as it is: nothing below writes to it)
         m = self._sketch_mask
-        counted = [h for h in page_hashes if not h[0] & m]
-        for h in counted:
-            inc(h)
-        if page_hashes and page_hashes[-1][0] & m:
-            inc(page_hashes[-1])  # the request's last page is always counted
+        counted = [h for h in page_hashes if not h[0] & m] if m else page_hashes
+        self.sketch.increment_all(counted)
+        if m and page_hashes and page_hashes[-1][0] & m:
+            self.sketch.increment(page_hashes[-1])  # the request's last page is always counted
         if self._adapt:
             dm = self._duel_mask  # a subset of the counted pages
-            self._duel([h for h in counted if not h[0] & dm])
+            self._duel([h for h in counted if not h[0] & dm] if dm else counted)
         if self._guard:
             t = self._shard_t
             if t >= 65536:
                 self._safety(page_hashes, device_hit_pages, len(page_hashes))
             else:
-                idx = [i for i, h in enumerate(page_hashes) if (h[2] << 8 | h[3]) < t]
-                if idx:
-                    real = 0
-                    for i in idx:
-                        if i >= device_hit_pages:
-                            break
-                        real += 1
-                    self._safety([page_hashes[i] for i in idx], real, len(idx))
+                # SHARDS: a page is sampled when bytes 2-3 of its hash (big-endian) are below t;
+                # the real cache hit the sampled pages among its first device_hit_pages
+                tb = self._shard_tb
+                hit = [h for h in page_hashes[:device_hit_pages] if h[2:4] < tb]
+                sampled = hit + [h for h in page_hashes[device_hit_pages:] if h[2:4] < tb]
+                if sampled:
+                    self._safety(sampled, len(hit), len(sampled))
 
     @property
     def mode(self) -> "Mode":

@@ -26,6 +26,7 @@ class SafetyDuel:
         self._budgeted = cfg.guard_budget is not None
         t = min(65536, max(1, round(65536 * cfg.shadow_pages / self.capacity_pages)))
         self._shard_t = t
+        self._shard_tb = t.to_bytes(2, "big") if t < 65536 else b""  # (h[2] << 8 | h[3]) < t as bytes
         self.shard_rate = t / 65536
         cap = round(self.capacity_pages * self.shard_rate)
         self._shadow = LruShadow(cap)

@@ -35,23 +35,25 @@ class LruShadow:
 
     def run(self, sampled: list) -> int:
         d = self.d
-        hit = [h for h in sampled if h in d]
-        new = len(sampled) - len(hit)
-        for h in reversed(hit):
-            d.move_to_end(h)
-        over = len(d) + new - self.cap
-        while over > 0 and len(d) > len(hit):
-            d.popitem(last=False)
-            over -= 1
-        if new:
+        hit, fresh = [], []  # cached and new pages, shallowest first
+        for h in sampled:
+            (hit if h in d else fresh).append(h)
+        nh = len(hit)
+        for h in hit:  # used (locked): out of the way of the eviction below
+            del d[h]
+        over = len(d) + nh + len(fresh) - self.cap
+        if over > 0:
+            pop = d.popitem
+            for _ in range(min(over, len(d))):
+                pop(False)
+        if fresh:
             # a request bigger than the shadow keeps only its shallowest new pages (as a tree
             # cannot hold a page whose parent is gone)
-            fresh = [h for h in sampled if h not in d][: max(0, self.cap - len(d))]
-            for h in reversed(fresh):
-                d[h] = None
-            for h in reversed(hit):  # ancestors more recent than the new pages below them
-                d.move_to_end(h)
-        return len(hit)
+            room = self.cap - len(d) - nh
+            d.update(dict.fromkeys(reversed(fresh[: max(0, room)] if room < len(fresh) else fresh)))
+        if hit:  # ancestors more recent than the new pages below them
+            d.update(dict.fromkeys(reversed(hit)))
+        return nh
 
 
 class SlruShadow:
@@ -68,22 +70,28 @@ class SlruShadow:
 
     def run(self, sampled: list) -> int:
         prob, prot = self.prob, self.prot
-        hit = [h for h in sampled if h in prot or h in prob]
-        new = len(sampled) - len(hit)
-        for h in reversed(hit):
-            if h in prob:
-                del prob[h]
-            prot[h] = None
-            prot.move_to_end(h)
-        over = len(prob) + len(prot) + new - self.cap
-        while over > 0 and (prob or len(prot) > len(hit)):
-            (prob if prob else prot).popitem(last=False)
-            over -= 1
-        if new:
-            fresh = [h for h in sampled if h not in prot and h not in prob]
-            for h in reversed(fresh[: max(0, self.cap - len(prob) - len(prot))]):
-                prob[h] = None
-        return len(hit)
+        hit, fresh = [], []
+        for h in sampled:
+            (hit if h in prot or h in prob else fresh).append(h)
+        nh = len(hit)
+        if hit:  # used: protected now, most recent, deepest first
+            for h in hit:
+                if prob.pop(h, 0) == 0:
+                    del prot[h]
+            prot.update(dict.fromkeys(reversed(hit)))
+        over = len(prob) + len(prot) + len(fresh) - self.cap
+        if over > 0:  # probationary pages first, then protected ones other than this request's
+            k = min(over, len(prob))
+            pop = prob.popitem
+            for _ in range(k):
+                pop(False)
+            pop = prot.popitem
+            for _ in range(min(over - k, len(prot) - nh)):
+                pop(False)
+        if fresh:
+            room = self.cap - len(prob) - len(prot)
+            prob.update(dict.fromkeys(reversed(fresh[: max(0, room)] if room < len(fresh) else fresh)))
+        return nh
 
 
 class LfuShadow:
@@ -108,35 +116,50 @@ class LfuShadow:
 
     def run(self, sampled: list) -> int:
         cnt, buckets = self.cnt, self.buckets
-        hit = [h for h in sampled if h in cnt]
-        new = len(sampled) - len(hit)
-        for h in reversed(hit):
+        hit, fresh = [], []
+        for h in sampled:
+            (hit if h in cnt else fresh).append(h)
+        for h in reversed(hit):  # one more request each, most recent in its new bucket
             c = cnt[h]
             b = buckets[c]
             del b[h]
             if not b:
                 del buckets[c]
-            self._put(h, c + 1)
-        over = self.n + new - self.cap
+            c += 1
+            cnt[h] = c
+            b = buckets.get(c)
+            if b is None:
+                b = buckets[c] = OrderedDict()
+            b[h] = None
+        over = self.n + len(fresh) - self.cap
         if over > 0:
             mine = set(hit)  # the request's own cached pages are locked
             skipped = []
             while over > 0 and buckets:
                 c = 1 if 1 in buckets else min(buckets)
                 b = buckets[c]
-                h = b.popitem(last=False)[0]
+                pop = b.popitem
+                while over > 0 and b:  # fewest requests first, least recent first
+                    h = pop(False)[0]
+                    if h in mine:
+                        skipped.append((h, c))
+                        continue
+                    del cnt[h]
+                    self.n -= 1
+                    over -= 1
                 if not b:
                     del buckets[c]
-                if h in mine:
-                    skipped.append((h, c))
-                    continue
-                del cnt[h]
-                self.n -= 1
-                over -= 1
             for h, c in skipped:
                 self._put(h, c)
-        fresh = [h for h in sampled if h not in cnt][: max(0, self.cap - self.n)]
-        for h in reversed(fresh):
-            self._put(h, 1)
-            self.n += 1
+        if fresh:
+            room = self.cap - self.n
+            if room < len(fresh):
+                fresh = fresh[: max(0, room)]
+            b = buckets.get(1)
+            if b is None and fresh:
+                b = buckets[1] = OrderedDict()
+            for h in reversed(fresh):
+                cnt[h] = 1
+                b[h] = None
+            self.n += len(fresh)
         return len(hit)

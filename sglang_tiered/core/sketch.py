@@ -69,6 +69,41 @@ class FrequencySketch:
         if self.additions >= self.sample_size:
             self.age()
 
+    def increment_all(self, keys) -> None:
+        """``increment`` of each key in turn (one call for a request's pages; aging at the same
+        points)."""
+        n, m, size = self.door_bits, self.mask, self.sample_size
+        door = self.door
+        r0, r1, r2, r3 = self.rows
+        adds = self.additions
+        for key in keys:
+            adds += 1
+            v = int.from_bytes(key, "little")
+            a, b = (v >> 16) % n, (v >> 80) % n
+            if not (door[a >> 3] & (1 << (a & 7)) and door[b >> 3] & (1 << (b & 7))):
+                door[a >> 3] |= 1 << (a & 7)
+                door[b >> 3] |= 1 << (b & 7)
+            else:
+                i0, i1, i2, i3 = v & m, (v >> 32) & m, (v >> 64) & m, (v >> 96) & m
+                c0, c1, c2, c3 = r0[i0], r1[i1], r2[i2], r3[i3]
+                low = min(c0, c1, c2, c3)
+                if low < MAX_COUNT:  # conservative update: raise only the minimum counters
+                    if c0 == low:
+                        r0[i0] = low + 1
+                    if c1 == low:
+                        r1[i1] = low + 1
+                    if c2 == low:
+                        r2[i2] = low + 1
+                    if c3 == low:
+                        r3[i3] = low + 1
+            if adds >= size:
+                self.additions = adds
+                self.age()
+                adds = self.additions
+                door = self.door
+                r0, r1, r2, r3 = self.rows
+        self.additions = adds
+
     def age(self) -> None:
         half = bytes(v >> 1 for v in range(256))
         self.rows = [row.translate(half) for row in self.rows]

@@ -115,12 +115,12 @@ class Eviction:
             cache.index.notify("on_remove", x.tiered_hashes)
         cache.token_to_kv_pool_allocator.free_segment(x.value, start_pos=0)
         n = len(x.value)
-        cache.policy.on_evict(node_pages(x, ps), pinned=was_pinned,
-                              first_hash=x.tiered_hashes[0] if x.tiered_hashes else None,
+        pages = node_pages(x, ps)
+        cache.policy.on_evict(pages, pinned=was_pinned, first_hash=x.tiered_hashes[0] if x.tiered_hashes else None,
                               kind=node_kind(x), last_tick=x.tiered_tick)  # fmt: skip
         tc = cache.tenant(x.key.cache_salt)
-        tc.evicted_pages += node_pages(x, ps)
-        tc.resident_pages -= node_pages(x, ps)
+        tc.evicted_pages += pages
+        tc.resident_pages -= pages
         parent = x.parent
         cache._delete_leaf(x)
         if parent is not cache.root_node and len(parent.children) == 0 and parent.lock_ref == 0:

@@ -1,0 +1,117 @@
+"""Bookkeeping benchmark and decision digests: cache work per request of ``TieredRadixCache``
+against SGLang's own ``RadixCache`` with lru (same process, interleaved, mean over one replay),
+and a digest of every request's hit length (plus the policy's end snapshot) that proves a
+speed-up changed no decision.
+
+    .venv/bin/python bench/bookkeeping.py --digests            # print the digest of every cell
+    .venv/bin/python bench/bookkeeping.py --time               # us/request, lru vs tiered, ratio
+    .venv/bin/python bench/bookkeeping.py --time --cells mooncake:0.01 family-21:0.2
+
+The timed region is ``CacheDriver.run``'s (match_prefix, init_load_back, lock, evict, alloc, then
+checkpoint, free, unlock; not the forward pass), for both caches alike.
+tests/test_bookkeeping_digest.py holds the recorded digests (``DIGEST_CELLS``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from trace_replay import PAGE, page_ids, replay_sglang, replay_tiered  # noqa: E402
+
+# (workload, capacity fraction): Mooncake, multi-tenant, and generated-family workloads at small
+# and large capacities, including caches of <= 128 pages (full sampling) and tiny requests
+DIGEST_CELLS = [("mooncake", 0.005), ("mooncake", 0.02), ("multitenant", 0.01), ("multitenant", 0.1)] + [
+    (f"family-{s}", f) for s in (8, 14, 19, 21, 25, 28) for f in (0.005, 0.05, 0.2)
+]
+# the timing cells: Mooncake at four capacities and ten family workloads, small caches and
+# small requests (the worst ratios) among them
+TIME_CELLS = [("mooncake", f) for f in (0.005, 0.01, 0.02, 0.1)] + [
+    (f"family-{s}", f) for s, f in [(21, 0.005), (21, 0.2), (28, 0.005), (28, 0.05), (32, 0.01),
+                                    (8, 0.005), (8, 0.2), (4, 0.05), (14, 0.02), (25, 0.01)]
+]  # fmt: skip
+
+
+@functools.lru_cache(maxsize=None)
+def load(name: str):
+    """The requests of a named workload and their (unique pages, longest request in tokens)."""
+    from sglang_tiered.dev import workload_family as wf
+    from sglang_tiered.dev.workloads import load_mooncake, multi_tenant
+
+    if name == "mooncake":
+        reqs = load_mooncake(ROOT / "bench" / "data" / "mooncake_conversation_trace.jsonl.gz")
+    elif name == "multitenant":
+        reqs = multi_tenant(n_requests=4000, seed=0)
+    elif name.startswith("family-"):
+        reqs = wf.generate(wf.draw(int(name.split("-")[1])))
+    else:
+        raise ValueError(f"unknown workload {name!r}: use mooncake, multitenant or family-<seed>")
+    _, unique = page_ids(reqs)
+    return reqs, unique, max(len(r.tokens) for r in reqs)
+
+
+def capacity_tokens(name: str, frac: float) -> int:
+    """The capacity of a cell, as bench/workload_family.py sizes it."""
+    _, unique, max_req = load(name)
+    return max(int(unique * frac), -(-max_req // PAGE) + 1) * PAGE
+
+
+def digest(name: str, frac: float) -> dict:
+    """sha256 (first 16 hex digits) of every request's cached length, and of the end snapshot."""
+    reqs = load(name)[0]
+    r = replay_tiered(reqs, capacity_tokens(name, frac))
+    hits = hashlib.sha256(json.dumps(r["per_request"]).encode()).hexdigest()[:16]
+    snap = hashlib.sha256(json.dumps(r["policy_state"], sort_keys=True).encode()).hexdigest()[:16]
+    return {"hits": hits, "snapshot": snap, "hit_tokens": r["hit_tokens"]}
+
+
+def time_cell(name: str, frac: float, runs: int) -> tuple[list, list]:
+    """us/request (mean over one replay) of SGLang lru and tiered, ``runs`` interleaved pairs."""
+    reqs = load(name)[0]
+    cap = capacity_tokens(name, frac)
+    lru, tiered = [], []
+    for _ in range(runs):
+        lru.append(replay_sglang(reqs, cap, "lru")["us_per_req"])
+        tiered.append(replay_tiered(reqs, cap)["us_per_req"])
+    return lru, tiered
+
+
+def _cell(s: str):
+    name, frac = s.rsplit(":", 1)
+    return name, float(frac)
+
+
+def main(argv=None) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--digests", action="store_true", help="print the decision digest of every cell")
+    ap.add_argument("--time", action="store_true", help="time lru vs tiered per cell")
+    ap.add_argument("--cells", nargs="+", type=_cell, default=None, help="NAME:FRACTION, e.g. mooncake:0.01")
+    ap.add_argument("--runs", type=int, default=2, help="interleaved lru/tiered pairs per cell")
+    args = ap.parse_args(argv)
+    if args.digests:
+        for c in args.cells or DIGEST_CELLS:
+            print(json.dumps([c[0], c[1], digest(*c)]), flush=True)
+    if args.time:
+        print(f"{'cell':24s} {'pages':>7s} {'lru us':>8s} {'tiered us':>9s} {'ratio':>6s}  (each pair; mean over one replay)")
+        for c in args.cells or TIME_CELLS:
+            lru, tiered = time_cell(*c, args.runs)
+            pairs = "  ".join(f"{a:.0f}/{b:.0f}={b / a:.2f}" for a, b in zip(lru, tiered))
+            ratio = sum(tiered) / sum(lru)
+            print(f"{c[0] + ':' + str(c[1]):24s} {capacity_tokens(*c) // PAGE:7d} {sum(lru) / len(lru):8.1f} "
+                  f"{sum(tiered) / len(tiered):9.1f} {ratio:6.2f}  [{pairs}]", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""SGLang's radix-tree walks, without the per-step ``RadixKey`` slices (the bookkeeping of issue
+#11, item 4): ``match`` and ``insert`` are ``RadixCache._match_prefix_helper`` and
+``_insert_helper`` on offsets into the key, and ``checkpoint`` is ``RadixCache.checkpoint``
+without its second walk of the path it has just inserted.
+
+Semantically identical to SGLang 0.5.23's code (radix_cache.py:510-543, 651-760): the same
+nodes, the same splits (through the cache's own ``_split_node``), the same ``hit_count``,
+``priority`` and ``last_access_time`` updates (one ``time.monotonic()`` per walk, set in the
+same order), the same KV events, leaf status and sizes. Only the way there is cheaper: SGLang
+slices the key after every node (a new ``RadixKey`` and an array copy of the rest of the prompt)
+and calls ``len(key)`` through ``_raw_len`` several times per node; here a node whose whole key
+matches is recognised by one C-level array compare, and anything else goes through SGLang's own
+``RadixKey.match_at``. Bigram keys (EAGLE) take SGLang's code unchanged.
+tests/test_tree_ops.py checks the equivalence against a plain ``RadixCache`` (Hypothesis).
+"""
+
+from __future__ import annotations
+
+import time
+
+from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+
+
+def _match_len(node_key: RadixKey, key: RadixKey, off: int, n: int, ps: int) -> int:
+    """``node_key.match(key[off:], page_size=ps)`` for a plain (non-bigram) ``key`` of length
+    ``n``: a whole-node match by one array compare, else SGLang's own ``match_at``."""
+    t0 = node_key.token_ids
+    m = len(t0)
+    if (node_key.limit is None and not node_key.is_bigram and off + m <= n and m % ps == 0
+            and key.token_ids[off : off + m] == t0 and node_key.extra_key == key.extra_key
+            and node_key.cache_salt == key.cache_salt):  # fmt: skip
+        return m
+    return node_key.match_at(key, off, page_size=ps)
+
+
+def match(cache, node: TreeNode, key: RadixKey):
+    """``RadixCache._match_prefix_helper(node, key)``: (values on the matched path, last node)."""
+    access_time = time.monotonic()
+    node.last_access_time = access_time
+    ps = cache.page_size
+    n = len(key)
+    child_key = key.child_key_at(0, ps)
+    value = []
+    off = 0
+    while off < n and child_key in node.children:
+        child = node.children[child_key]
+        child.last_access_time = access_time
+        prefix_len = _match_len(child.key, key, off, n, ps)
+        if prefix_len < len(child.key):
+            new_node = cache._split_node(child.key, child, prefix_len)
+            value.append(new_node.value)
+            node = new_node
+            break
+        value.append(child.value)
+        node = child
+        off += prefix_len
+        if off < n:
+            child_key = key.child_key_at(off, ps)
+    return value, node
+
+
+def insert(cache, node: TreeNode, key: RadixKey, value, priority: int = 0, inserted_len: int = 0):
+    """``RadixCache._insert_helper``: (tokens already in the tree, last node of ``key``)."""
+    if priority is None:
+        priority = 0
+    access_time = time.monotonic()
+    node.last_access_time = access_time
+    node.priority = max(node.priority, priority)
+    n = len(key)
+    if n == 0:
+        return 0, node
+    ps = cache.page_size
+    child_key = key.child_key_at(0, ps)
+    off = 0  # SGLang's total_prefix_length
+    while off < n and child_key in node.children:
+        node = node.children[child_key]
+        node.last_access_time = access_time
+        prefix_len = _match_len(node.key, key, off, n, ps)
+        off += prefix_len
+        if prefix_len < len(node.key):
+            new_node = cache._split_node(node.key, node, prefix_len)
+            new_node.priority = max(new_node.priority, priority)
+            node = new_node
+        else:
+            node.priority = max(node.priority, priority)
+        if off > inserted_len:  # nodes this request already inserted were counted back then
+            cache._inc_hit_count(node)
+        if off < n:
+            child_key = key.child_key_at(off, ps)
+    if off < n:
+        new_node = TreeNode(priority=priority)
+        new_node.parent = node
+        new_node.key = key[off:] if off else key
+        new_node.value = (value[off:] if off else value).clone()
+        if n > inserted_len:
+            cache._inc_hit_count(new_node)
+        node.children[child_key] = new_node
+        cache.evictable_size_ += n - off
+        cache._update_leaf_status(node)
+        cache._update_leaf_status(new_node)
+        cache.kv_events.record_store(new_node)
+        node = new_node
+    return off, node
+
+
+def touch_path(cache, node: TreeNode) -> int:
+    """What SGLang's checkpoint gets from matching the key it has just inserted (whose end is a
+    node boundary, so the walk splits nothing): ``last_access_time`` of the root and every node
+    on the path set to one fresh ``time.monotonic()``. Returns the path's length in tokens."""
+    access_time = time.monotonic()
+    root = cache.root_node
+    depth = 0
+    while node is not root:
+        node.last_access_time = access_time
+        depth += len(node.value)
+        node = node.parent
+    root.last_access_time = access_time
+    return depth
