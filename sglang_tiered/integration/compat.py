@@ -29,6 +29,7 @@ REQUIRED_SYMBOLS: tuple[tuple[str, str], ...] = (
     ("sglang.srt.mem_cache.base_prefix_cache", "EvictParams"),
     ("sglang.srt.mem_cache.base_prefix_cache", "EvictResult"),
     ("sglang.srt.mem_cache.cache_init_params", "CacheInitParams"),
+    ("sglang.srt.utils.common", "ceil_align"),
 )
 
 # Methods of RadixCache that TieredRadixCache overrides or calls; a rename upstream must fail here.
@@ -44,7 +45,11 @@ REQUIRED_RADIX_METHODS = (
     "_update_leaf_status",
     "_insert_helper",
     "_split_node",
+    "_match_prefix_helper",  # integration/tree_ops.py re-implements these walks on key offsets
+    "_inc_hit_count",
 )
+# Methods of RadixKey that integration/tree_ops.py calls.
+REQUIRED_RADIX_KEY_METHODS = ("child_key_at", "match_at", "raw_token_ids")
 
 
 class SGLangCompatError(RuntimeError):
@@ -79,6 +84,9 @@ def missing_symbols(
         except Exception:  # noqa: BLE001 - already reported above
             return missing
         missing += [f"RadixCache.{m}" for m in methods if not hasattr(RadixCache, m)]
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        missing += [f"RadixKey.{m}" for m in REQUIRED_RADIX_KEY_METHODS if not hasattr(RadixKey, m)]
     return missing
 
 
