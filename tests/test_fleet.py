@@ -539,6 +539,19 @@ def test_index_lookup_script_matches_the_python_rule():
 # Digests of the decisions below, recorded from the policy and router before the CPU work of issue
 # #13 (git fd05ab0): the router's per-request CPU may change, its decisions may not.
 REPLAY_DIGESTS = {
+    # since the hatch's share counts the index's match, not the memory's (share_by_index): changed
+    # on purpose for every configuration whose hatch reads the share with an index
+    "policy:default": "32b0f73e628af567",
+    "policy:view": "668f1294adc66413",
+    "policy:share": "adceb8e052227b15",
+    "policy:nofresh": "bf877c2e497de694",
+    "policy:tenant": "5664cfed0b604487",
+    "policy:warm_over_hatch": "b92bea2690cc3414",
+    "router:index": "a75e2d9fb31eb176",
+    "router:noindex": "7ed9b2f3373be67d",
+}
+# Before share_by_index (git dae6791): with share_by_index=False the policy still decides exactly so.
+REPLAY_DIGESTS_MEMSHARE = {
     "policy:default": "a6ffab4ac4f33356",
     "policy:view": "668f1294adc66413",
     "policy:share": "563d08258f8738b4",
@@ -599,11 +612,13 @@ def _policy_replay(kw: dict) -> str:
     ("policy:warm_over_hatch", {"warm_over_hatch": True, "memory_pages": 64})])  # fmt: skip
 def test_policy_replay_decisions_unchanged(name, kw):
     """600 seeded requests (tenants, families, membership changes, loads, index matches, index down)
-    through the policy: the same decisions, in order, as before the router's CPU work."""
+    through the policy: the same decisions, in order, as recorded (and, with share_by_index off, as
+    before it)."""
     assert _policy_replay(kw) == REPLAY_DIGESTS[name], name
+    assert _policy_replay({**kw, "share_by_index": False}) == REPLAY_DIGESTS_MEMSHARE[name], name
 
 
-def _router_replay(with_index: bool) -> str:
+def _router_replay(with_index: bool, policy_kw: dict | None = None) -> str:
     import asyncio
     from array import array
 
@@ -612,7 +627,7 @@ def _router_replay(with_index: bool) -> str:
 
     reqs = _replay_requests(2, 400)
     pool = sorted({w for r in reqs for w in r[0]})
-    router = Router(pool, redis_url=None, load_poll_s=0)
+    router = Router(pool, redis_url=None, load_poll_s=0, policy_kw=policy_kw)
     router.cache_key = CacheKey(model_id="replay")
     rows = []
 
@@ -642,9 +657,11 @@ def _router_replay(with_index: bool) -> str:
 @pytest.mark.parametrize("with_index", [True, False])
 def test_router_replay_decisions_unchanged(with_index):
     """400 seeded requests through Router.choose (token ids -> page hashes, routing memory, affinity
-    key, load): the same decisions and explanations as before the router's CPU work."""
+    key, load): the same decisions and explanations as recorded (and, with share_by_index off, as
+    before it)."""
     name = "router:index" if with_index else "router:noindex"
     assert _router_replay(with_index) == REPLAY_DIGESTS[name], name
+    assert _router_replay(with_index, {"share_by_index": False}) == REPLAY_DIGESTS_MEMSHARE[name], name
 
 
 def test_lookup_connection_matches_redis_py_and_survives_cancel_reset_and_redis_down():

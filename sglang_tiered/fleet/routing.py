@@ -24,7 +24,8 @@ Ours (``AffinityCachePolicy``), seed R2 + section 9.3, per request:
   (``FleetView.load``: requests in flight, or the simulator's recent work) exceeds ``overload`` x
   the fleet mean + ``slack`` (1.25 and 2) and so does the work this policy routed to it over its
   last ``horizon`` x N requests (``hatch_load="both"``: a transient pile-up of requests in flight
-  is not a sustained occupancy, see the field's comment); when the chosen home is over it, the request *spills* to
+  is not a sustained occupancy, see the field's comment; the policy's own work counts what the
+  index says each worker held, not the routing memory's credit, ``share_by_index``); when the chosen home is over it, the request *spills* to
   the least loaded worker (R2's occupancy escape hatch, counted in ``spill``); when it is only above
   ``cold_over`` (1.3) x the mean it goes to the least loaded worker too (``reason="cold"``).
 * **Locality from the index, priced in seconds** (section 9.3: prefer a warmer replica when
@@ -240,6 +241,12 @@ class AffinityCachePolicy:
     # more (multi-tenant N = 44: 0.4184 -> 0.4145, work max/mean 1.24 -> 1.39); both together keep
     # the first gain and the second's numbers.
     hatch_load: str = "both"
+    # The share's believed work per request: the prompt less what the index says the worker holds
+    # (True), or less the index raised by the routing memory (False). The memory remembers what
+    # was sent, also pages the worker has since evicted, and so over-credits hot workers; in the
+    # share that hid work from the hatch (bench/fleet_sim.py --seeds 0 1 2 3 4, one run:
+    # multi-tenant N = 44 seed 3, work max/mean 1.36 -> 1.29). Without an index: the memory's.
+    share_by_index: bool = True
     decode_tokens: int = 32
     name: str = "ours"
     # the hatch's work share and the cache inflow, per worker, each over its own window of requests
@@ -309,7 +316,10 @@ class AffinityCachePolicy:
         new_tokens = max(0, req.prompt_tokens - (mview.matched or {}).get(d.worker, 0))
         n = len(view.workers)
         self._count_inflow(d.worker, new_tokens, n)
-        self._count_share(d.worker, new_tokens + self.decode_tokens, req.prompt_tokens + self.decode_tokens, n)
+        work = new_tokens
+        if self.share_by_index and view.matched is not None:
+            work = max(0, req.prompt_tokens - view.matched.get(d.worker, 0))
+        self._count_share(d.worker, work + self.decode_tokens, req.prompt_tokens + self.decode_tokens, n)
         if self.memory_pages:
             sent = self._sent
             for h in req.memory_keys:
