@@ -122,7 +122,7 @@ class Admission:
         tc.admitted_pages += stored
         tc.resident_pages += stored
         cache.hashes.attach(req.last_node, plan.hashes)
-        cache.index.notify("on_store", plan.admitted)
+        cache.index.device_stored(plan.admitted)
         cache.clock.stamp(req.last_node, cache.root_node)
         if cache.t1 is not None:
             cache.t1.on_admitted(plan.anchor, req.last_node)

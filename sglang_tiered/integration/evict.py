@@ -112,7 +112,7 @@ class Eviction:
         else:  # gone from this server
             if t1 is not None:
                 t1.fence(x, run=False)
-            cache.index.notify("on_remove", x.tiered_hashes)
+            cache.index.device_removed(x.tiered_hashes)
         cache.token_to_kv_pool_allocator.free_segment(x.value, start_pos=0)
         n = len(x.value)
         pages = node_pages(x, ps)

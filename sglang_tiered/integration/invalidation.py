@@ -101,7 +101,7 @@ class Invalidation:
         tc.resident_pages -= node_pages(node, cache.page_size)
         cache._delete_leaf(node)
         cache.kv_events.record_remove(node)
-        cache.index.notify("on_remove", node.tiered_hashes)
+        cache.index.device_removed(node.tiered_hashes)
         self.count -= 1
         return n
 

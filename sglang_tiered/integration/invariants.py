@@ -42,4 +42,19 @@ def check_cache(cache) -> None:
     cache.hashes.check(cache.root_node)
     cache.policy.check_invariants()  # shadows of the safety duel, learned quantities bounded
     cache.eviction.check_invariants()
+    check_index_device(cache)
     assert cache.invalidation.count >= 0, "V1 violated: negative invalidated-node count"
+
+
+def check_index_device(cache) -> None:
+    """I1 of index_hints.py: with a listener, the hint index's device set is the tree's pages."""
+    if cache.index.listener is None:
+        return
+    held = set()
+    stack = list(cache.root_node.children.values())
+    while stack:
+        n = stack.pop()
+        stack.extend(n.children.values())
+        if n.tiered_hashes:
+            held.update(n.tiered_hashes)
+    assert held == cache.index.device, ("I1 violated: index device set", len(held), len(cache.index.device))

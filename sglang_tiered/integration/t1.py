@@ -220,7 +220,7 @@ class T1Tier:
         self._demote_victim(x)
         index = self.cache.index
         if index.listener is not None:  # a demoted page stays held, in T1
-            index.notify("on_remove", [h for h in x.tiered_hashes if not self.holds(h)])
+            index.device_removed(x.tiered_hashes, kept=self.holds)
 
     def _demote_victim(self, x) -> None:
         self.evicted_since_batch += len(x.tiered_hashes)

@@ -106,7 +106,7 @@ class TieredRadixCache(RadixCache):
         page hashes this server holds, in device or T1 (index_hints.py)."""
         self.index.listener = listener
         if self.t1 is not None:
-            self.t1.host.pool.forget_listener = lambda h: listener.on_remove([h])
+            self.t1.host.pool.forget_listener = self.index.t1_forgot
 
     # ------------------------------------------------------------------ public accessors
     @property
@@ -356,7 +356,7 @@ class TieredRadixCache(RadixCache):
         self._update_leaf_status(parent)
         self._update_leaf_status(new)
         self.kv_events.record_store(new)
-        self.index.notify("on_store", hashes)
+        self.index.device_stored(hashes)
         return new
 
     # ------------------------------------------------------------------ invariants
