@@ -137,11 +137,19 @@ def test_skip_save_leaves_no_trace_but_retrieval_works(tiered_server):
 def test_metrics_expose_counters(tiered_server):
     greedy(tiered_server, make_prompt(56, 100), max_new_tokens=2, cache_salt="metrics")
     greedy(tiered_server, make_prompt(56, 100), max_new_tokens=2, cache_salt="metrics")
-    text = urllib.request.urlopen(tiered_server.url + "/metrics", timeout=30).read().decode()
+    want = 'sglang_tiered_requests_total{tenant="metrics"} 2.0'
+    # Metrics are published at the scheduler's batch end (flush_pending_backups); a request's
+    # release can land after its own batch's publish, so it shows from the next batch on: poll,
+    # and run an unrelated request to make one.
+    for attempt in range(6):
+        text = urllib.request.urlopen(tiered_server.url + "/metrics", timeout=30).read().decode()
+        if want in text:
+            break
+        greedy(tiered_server, make_prompt(200 + attempt, 20), max_new_tokens=1, cache_salt="metrics-tick")
     for name in ("sglang_tiered_requests_total", "sglang_tiered_cached_tokens_total",
                  "sglang_tiered_resident_pages", "sglang_tiered_admission_filtering"):  # fmt: skip
         assert name in text, name
-    assert 'sglang_tiered_requests_total{tenant="metrics"} 2.0' in text
+    assert want in text, [line for line in text.splitlines() if "requests_total" in line]
 
 
 def test_admin_auth_and_trusted_tenant_header(admin_server):
