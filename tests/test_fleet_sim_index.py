@@ -3,7 +3,6 @@ acceptance summary of bench/fleet_sim.py."""
 
 from __future__ import annotations
 
-import pytest
 
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes
 from sglang_tiered.dev.workloads import multi_tenant
