@@ -43,35 +43,12 @@ class FrequencySketch:
         return est
 
     def increment(self, key: bytes) -> None:
-        self.additions += 1
-        v = int.from_bytes(key, "little")  # rows and doorkeeper bits come from the key itself
-        n = self.door_bits
-        a, b = (v >> 16) % n, (v >> 80) % n
-        door = self.door
-        if not (door[a >> 3] & (1 << (a & 7)) and door[b >> 3] & (1 << (b & 7))):
-            door[a >> 3] |= 1 << (a & 7)
-            door[b >> 3] |= 1 << (b & 7)
-        else:
-            m = self.mask
-            i0, i1, i2, i3 = v & m, (v >> 32) & m, (v >> 64) & m, (v >> 96) & m
-            r0, r1, r2, r3 = self.rows
-            c0, c1, c2, c3 = r0[i0], r1[i1], r2[i2], r3[i3]
-            low = min(c0, c1, c2, c3)
-            if low < MAX_COUNT:  # conservative update: raise only the minimum counters
-                if c0 == low:
-                    r0[i0] = low + 1
-                if c1 == low:
-                    r1[i1] = low + 1
-                if c2 == low:
-                    r2[i2] = low + 1
-                if c3 == low:
-                    r3[i3] = low + 1
-        if self.additions >= self.sample_size:
-            self.age()
+        self.increment_all((key,))
 
     def increment_all(self, keys) -> None:
-        """``increment`` of each key in turn (one call for a request's pages; aging at the same
-        points)."""
+        """Count each key in turn (one call for a request's pages): the doorkeeper absorbs a key's
+        first sighting, later ones raise its minimum counters (conservative update); every
+        ``sample_size`` additions the sketch ages."""
         n, m, size = self.door_bits, self.mask, self.sample_size
         door = self.door
         r0, r1, r2, r3 = self.rows
