@@ -29,38 +29,12 @@ class MiniCache:
     def full(self) -> bool:
         return len(self.prob) + len(self.prot) >= 0.75 * self.cap
 
-    def _victim(self, k: float):
-        prob, prot = self.prob, self.prot
-        if prob:
-            h = next(iter(prob))
-            # eviction.unprotected_first with no ids, inlined: this runs on every full miss
-            if not prot or prob[h] <= prot[next(iter(prot))] + k * self.age:
-                return prob, h
-        return prot, next(iter(prot))
-
-    def access(self, h: bytes, tick: int, k: float, est, refusing: bool = False) -> float:
-        """1.0 on a hit, 0.0 on an admitted miss, -1.0 on a refused miss."""
-        prob, prot = self.prob, self.prot
-        if h in prot:
-            prot.move_to_end(h)
-            prot[h] = tick
-            return 1.0
-        if h in prob:
-            del prob[h]
-            prot[h] = tick
-            return 1.0
-        if len(prob) + len(prot) >= self.cap:
-            where, victim = self._victim(k)
-            if self.tinylfu and (refusing or est(h) <= est(victim)):
-                return -1.0
-            self.age += 0.01 * (tick - where.pop(victim) - self.age)
-        prob[h] = tick
-        return 0.0
-
     def run(self, pages: list, tick: int, k: float, est) -> int:
-        """``access`` of a request's sampled pages in turn, refusing the rest of the request after
-        a refusal (prefix-consistent, like the real tree). Returns the hits in the leading run (a
-        page past a miss cannot be reused by a radix prefix match)."""
+        """One request's sampled pages in turn: a hit moves the page to the protected segment; a
+        miss, once full, evicts the older head (protected heads shifted by ``k`` x the
+        miniature's LRU cycle), unless TinyLFU refuses the page (then the rest of the request
+        too: admission is prefix-consistent, like the real tree). Returns the hits in the
+        leading run (a page past a miss cannot be reused by a radix prefix match)."""
         prob, prot, cap, tinylfu = self.prob, self.prot, self.cap, self.tinylfu
         age = self.age
         hits = 0
@@ -79,7 +53,7 @@ class MiniCache:
                 continue
             leading = False
             if len(prob) + len(prot) >= cap:
-                # _victim, inlined (this runs on every full miss)
+                # the victim: eviction.unprotected_first with no ids (runs on every full miss)
                 if prob:
                     victim = next(iter(prob))
                     where = prob

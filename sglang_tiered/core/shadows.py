@@ -49,8 +49,8 @@ class LruShadow:
         if fresh:
             # a request bigger than the shadow keeps only its shallowest new pages (as a tree
             # cannot hold a page whose parent is gone)
-            room = self.cap - len(d) - nh
-            d.update(dict.fromkeys(reversed(fresh[: max(0, room)] if room < len(fresh) else fresh)))
+            del fresh[max(0, self.cap - len(d) - nh) :]
+            d.update(dict.fromkeys(reversed(fresh)))
         if hit:  # ancestors more recent than the new pages below them
             d.update(dict.fromkeys(reversed(hit)))
         return nh
@@ -89,8 +89,8 @@ class SlruShadow:
             for _ in range(min(over - k, len(prot) - nh)):
                 pop(False)
         if fresh:
-            room = self.cap - len(prob) - len(prot)
-            prob.update(dict.fromkeys(reversed(fresh[: max(0, room)] if room < len(fresh) else fresh)))
+            del fresh[max(0, self.cap - len(prob) - len(prot)) :]
+            prob.update(dict.fromkeys(reversed(fresh)))
         return nh
 
 
@@ -125,12 +125,7 @@ class LfuShadow:
             del b[h]
             if not b:
                 del buckets[c]
-            c += 1
-            cnt[h] = c
-            b = buckets.get(c)
-            if b is None:
-                b = buckets[c] = OrderedDict()
-            b[h] = None
+            self._put(h, c + 1)
         over = self.n + len(fresh) - self.cap
         if over > 0:
             mine = set(hit)  # the request's own cached pages are locked
@@ -151,12 +146,10 @@ class LfuShadow:
                     del buckets[c]
             for h, c in skipped:
                 self._put(h, c)
+        del fresh[max(0, self.cap - self.n) :]
         if fresh:
-            room = self.cap - self.n
-            if room < len(fresh):
-                fresh = fresh[: max(0, room)]
             b = buckets.get(1)
-            if b is None and fresh:
+            if b is None:
                 b = buckets[1] = OrderedDict()
             for h in reversed(fresh):
                 cnt[h] = 1
