@@ -66,21 +66,17 @@ class AdmissionDuel:
             # Pages are counted 1 in 4 (plus each request's last page); an uncounted page takes
             # the estimate of the next counted page after it, a lower bound of its own frequency
             # since frequency never grows with depth along a prefix chain.
-            # (estimates are looked up lazily, front to back: most refusals stop at the first page)
+            # Front to back, one estimate per run of pages that share it (most refusals stop at
+            # the first run).
             est, m = self.sketch.estimate, self._sketch_mask
             admitted = 0
-            counted_at = -1  # index of the counted page whose estimate ``e`` is
-            e = 0
-            for j in range(n):
-                if j > counted_at:
-                    counted_at = j
-                    while counted_at < n - 1 and new_hashes[counted_at][0] & m:
-                        counted_at += 1
-                    e = est(new_hashes[counted_at])
-                if e > victim_freq:
-                    admitted += 1
-                else:
+            while admitted < n:
+                c = admitted  # the counted page (or the last) whose estimate the run takes
+                while c < n - 1 and new_hashes[c][0] & m:
+                    c += 1
+                if est(new_hashes[c]) <= victim_freq:
                     break
+                admitted = c + 1
             if admitted < n:
                 self.stats.admissions_refused += 1
         self.stats.pages_admitted += admitted
