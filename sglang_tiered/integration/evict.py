@@ -34,11 +34,6 @@ class Eviction:
         adaptive = self.cache.policy.eviction_order == "adaptive"
         self.queue = VictimQueue(self.cache.evictable_leaves) if adaptive else None
 
-    def offer(self, node) -> None:
-        """``node``'s leaf status changed: queue it if it is an evictable leaf."""
-        if self.queue is not None and node in self.cache.evictable_leaves:
-            self.queue.offer(node)
-
     def victims(self):
         """The eviction order: the persistent queue (adaptive) or a heap built now (fixed)."""
         if self.queue is not None and self.cache.policy.followed_order in ("adaptive", "lru"):

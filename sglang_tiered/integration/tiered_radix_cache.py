@@ -6,7 +6,7 @@ concept (see ARCHITECTURE.md):
 | SGLang call | delegates to |
 |---|---|
 | ``checkpoint`` | ``admission.Admission`` (plan -> SGLang's insert -> adopted) |
-| ``_match_prefix_helper``, ``_insert_helper``, checkpoint's insert | ``tree_ops`` (SGLang's walks on key offsets) |
+| ``_match_prefix_helper``, ``_insert_helper``, checkpoint's insert | ``tree_ops`` (SGLang's walks on key offsets; ``tree_ops.checkpoint``) |
 | ``match_prefix`` | ``clock`` (stamp), ``invalidation`` (cut), ``t1.T1Tier.probe`` |
 | ``init_load_back`` | ``t1.T1Tier.load_back`` |
 | ``evict`` | ``evict.Eviction`` (order: ``core/eviction.py``) |
@@ -26,9 +26,8 @@ import time
 from typing import Optional
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, IncLockRefResult, InsertParams
-from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
-from sglang.srt.utils.common import ceil_align
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, IncLockRefResult
+from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 from sglang_tiered.core.keys import CacheKey
 from sglang_tiered.core.policy import AdaptivePolicy, PolicyConfig
@@ -166,60 +165,12 @@ class TieredRadixCache(RadixCache):
         plan = self.admission.plan(req, up_to)
         if plan is None:
             return
-        self._checkpoint_insert(req, plan.admit_len)
+        if self.is_eagle or self.invalidation.count:  # bigram keys; invalidated entries to cut
+            super().checkpoint(req, up_to=plan.admit_len)
+        else:
+            tree_ops.checkpoint(self, req, plan.admit_len)
         self.admission.adopted(req, plan)
         self.after_op()
-
-    def _checkpoint_insert(self, req, up_to: int) -> None:
-        """SGLang's ``RadixCache.checkpoint`` (radix_cache.py:510-543), less its second walk: SGLang
-        matches the key it has just inserted to find the path's last node and indices; the insert
-        returned that node already (tree_ops.py). The match's side effects are kept: this
-        adapter's clock stamp, and ``last_access_time`` along the path."""
-        if self.is_eagle or self.invalidation.count:
-            super().checkpoint(req, up_to=up_to)  # bigram keys; invalidated entries to cut
-            return
-        ps = self.page_size
-        token_ids = req.full_untruncated_fill_ids[:up_to]
-        floor = req.kv.swa_evict_floor
-        # --- SGLang's _insert_cache, keeping the insert's last node ---
-        kv_indices = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(token_ids)]
-        key = RadixKey(token_ids, req.extra_key, cache_salt=req.cache_salt).page_aligned(ps)
-        if floor > 0:
-            key = key[: ceil_align(floor, ps)]
-        key_len = len(key)
-        values = kv_indices[:key_len].to(dtype=torch.int64, copy=True)
-        priority = req.priority or 0
-        # RadixCache.insert would re-align (copy) the aligned key and cut the values to its length
-        prefix_len, last = tree_ops.insert(self, self.root_node, key, values, priority, req.kv.cache_inserted_len)
-        req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, key_len)
-        if len(req.origin_input_ids) < len(token_ids):  # else the prompt key is the whole key
-            prompt_key = RadixKey(token_ids[: len(req.origin_input_ids)], req.extra_key,
-                                  cache_salt=req.cache_salt).page_aligned(ps)  # fmt: skip
-            if 0 < len(prompt_key) < key_len:  # split at the prompt boundary (the deepest node stays)
-                self.insert(InsertParams(key=prompt_key, value=values[: len(prompt_key)],
-                                         inserted_len=len(prompt_key),
-                                         priority=min(priority + 1, torch.iinfo(torch.int64).max)))  # fmt: skip
-        cpl = req.kv.cache_protected_len
-        self.token_to_kv_pool_allocator.free_segment(kv_indices[cpl:prefix_len], start_pos=cpl)
-        # --- what SGLang's match of the inserted key did: our stamp, the path's access time ---
-        self.clock.now()
-        depth = tree_ops.touch_path(self, last)
-        self.clock.stamp(last, self.root_node)
-        assert depth == key_len, f"{depth=}, {key_len=}"
-        # --- the tree's indices of [cpl, key_len) into the request's row ---
-        parts, end, node = [], key_len, last
-        while end > cpl:
-            v = node.value
-            start = end - len(v)
-            parts.append(v if start >= cpl else v[cpl - start :])
-            end, node = start, node.parent
-        if parts:
-            tail = parts[0] if len(parts) == 1 else torch.cat(parts[::-1])
-            self.req_to_token_pool.write((req.kv.req_pool_idx, slice(cpl, key_len)), tail)
-        req.kv.cache_protected_len = key_len
-        self.unlock(req.lock)
-        req.lock = self.lock(last)
-        req.last_node = last
 
     def match_prefix(self, params):
         self.clock.now()
@@ -313,8 +264,7 @@ class TieredRadixCache(RadixCache):
 
     def _update_leaf_status(self, node):
         # SGLang's (radix_cache.py:790-803), then the victim queue offered the node if it is an
-        # evictable leaf now (evict.Eviction.offer, inlined: this runs on every node of every
-        # lock, unlock and insert)
+        # evictable leaf now (inlined: this runs on every node of every lock, unlock and insert)
         leaves = self.evictable_leaves
         if node.value is None or node.lock_ref > 0:  # evicted or locked
             leaves.discard(node)

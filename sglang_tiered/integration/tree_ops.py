@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import time
 
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+from sglang.srt.utils.common import ceil_align
 
 
 def _match_len(node_key: RadixKey, key: RadixKey, off: int, n: int, ps: int) -> int:
@@ -116,3 +119,52 @@ def touch_path(cache, node: TreeNode) -> int:
         node = node.parent
     root.last_access_time = access_time
     return depth
+
+
+def checkpoint(cache, req, up_to: int) -> None:
+    """SGLang's ``RadixCache.checkpoint`` (radix_cache.py:510-543) for plain keys, less its second
+    walk: SGLang matches the key it has just inserted to find the path's last node and indices;
+    ``insert`` returned that node already. The match's side effects are kept: the adapter's clock
+    stamp, and ``last_access_time`` along the path."""
+    ps = cache.page_size
+    token_ids = req.full_untruncated_fill_ids[:up_to]
+    floor = req.kv.swa_evict_floor
+    # --- SGLang's _insert_cache, keeping the insert's last node ---
+    kv_indices = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(token_ids)]
+    key = RadixKey(token_ids, req.extra_key, cache_salt=req.cache_salt).page_aligned(ps)
+    if floor > 0:
+        key = key[: ceil_align(floor, ps)]
+    key_len = len(key)
+    values = kv_indices[:key_len].to(dtype=torch.int64, copy=True)
+    priority = req.priority or 0
+    # RadixCache.insert would re-align (copy) the aligned key and cut the values to its length
+    prefix_len, last = insert(cache, cache.root_node, key, values, priority, req.kv.cache_inserted_len)
+    req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, key_len)
+    if len(req.origin_input_ids) < len(token_ids):  # else the prompt key is the whole key
+        prompt_key = RadixKey(token_ids[: len(req.origin_input_ids)], req.extra_key,
+                              cache_salt=req.cache_salt).page_aligned(ps)  # fmt: skip
+        if 0 < len(prompt_key) < key_len:  # split at the prompt boundary (the deepest node stays)
+            cache.insert(InsertParams(key=prompt_key, value=values[: len(prompt_key)],
+                                      inserted_len=len(prompt_key),
+                                      priority=min(priority + 1, torch.iinfo(torch.int64).max)))  # fmt: skip
+    cpl = req.kv.cache_protected_len
+    cache.token_to_kv_pool_allocator.free_segment(kv_indices[cpl:prefix_len], start_pos=cpl)
+    # --- what SGLang's match of the inserted key did: our stamp, the path's access time ---
+    cache.clock.now()
+    depth = touch_path(cache, last)
+    cache.clock.stamp(last, cache.root_node)
+    assert depth == key_len, f"{depth=}, {key_len=}"
+    # --- the tree's indices of [cpl, key_len) into the request's row ---
+    parts, end, node = [], key_len, last
+    while end > cpl:
+        v = node.value
+        start = end - len(v)
+        parts.append(v if start >= cpl else v[cpl - start :])
+        end, node = start, node.parent
+    if parts:
+        tail = parts[0] if len(parts) == 1 else torch.cat(parts[::-1])
+        cache.req_to_token_pool.write((req.kv.req_pool_idx, slice(cpl, key_len)), tail)
+    req.kv.cache_protected_len = key_len
+    cache.unlock(req.lock)
+    req.lock = cache.lock(last)
+    req.last_node = last
