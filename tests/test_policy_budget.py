@@ -64,7 +64,9 @@ def _mixed(pol: AdaptivePolicy, n: int, real_hits_loop: bool) -> None:
     for _ in range(n):
         i = pol.begin_request() - 1
         h = _mixed_page(i)
-        hit = h in pol._shadow.d and (real_hits_loop or i % 2)  # the real cache as lru, or losing the loop
+        # (one-page requests: the tree shadow holds each as a child of its root)
+        held = h in pol._shadow.root.children if pol._tree else h in pol._shadow.d
+        hit = held and (real_hits_loop or i % 2)  # the real cache as lru, or losing the loop
         pol.observe([h], int(hit))
 
 

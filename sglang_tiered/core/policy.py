@@ -235,6 +235,10 @@ class PolicyConfig:
     guard_switch_reserve: float = 0.0
     # x CUSUM threshold: budget left needed to start an episode away from lru
     guard_entry_room: float = 0.0
+    # where the shadows would sample every page (capacity <= shadow_pages), replay SGLang's
+    # RadixCache itself for each fixed order (``TreeShadow``: exact, whole-node eviction) instead
+    # of the page-level model; False: the page shadows everywhere (as before)
+    tree_shadows: bool = True
 
 
 @dataclass
@@ -288,8 +292,12 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
         self.tick += 1
         return self.tick
 
-    def observe(self, page_hashes: list[bytes], device_hit_pages: int) -> None:
-        """Count the request's pages in the sketch (once per request) and feed the duel."""
+    def observe(self, page_hashes: list[bytes], device_hit_pages: int, *, whole: list | None = None,
+                start: int = 0, tail: int = 0) -> None:
+        """Count the request's pages in the sketch (once per request) and feed the duel.
+        ``whole``: all the request's page hashes when ``page_hashes`` is its part from ``start``
+        on (a later chunk); ``tail``: 1 when a partial last page also took a slot (the tree
+        shadows replay SGLang's allocation exactly)."""
         self.stats.requests += 1
         self._win_pages += len(page_hashes)
         self._win_hits += device_hit_pages
@@ -305,7 +313,10 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
             self._duel([h for h in counted if not h[0] & dm] if dm else counted)
         if self._guard:
             t = self._shard_t
-            if t >= 65536:
+            if self._tree:
+                self._safety_tree(page_hashes if whole is None else whole, start, tail, device_hit_pages,
+                                  len(page_hashes))  # fmt: skip
+            elif t >= 65536:
                 self._safety(page_hashes, device_hit_pages, len(page_hashes))
             else:
                 # SHARDS: a page is sampled when bytes 2-3 of its hash (big-endian) are below t;
@@ -383,12 +394,16 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
     def check_invariants(self) -> None:
         """The safety duel's structures and the learned quantities are consistent and bounded."""
         lru, slru, lfu = self._shadows["lru"], self._shadows["slru"], self._shadows["lfu"]
-        assert len(lru.d) <= lru.cap, "lru shadow over capacity"
-        assert len(slru.prob) + len(slru.prot) <= slru.cap, "slru shadow over capacity"
-        assert not (slru.prob.keys() & slru.prot.keys()), "slru shadow segments overlap"
-        assert lfu.n == len(lfu.cnt) <= lfu.cap, "lfu shadow count"
-        assert sum(len(b) for b in lfu.buckets.values()) == lfu.n and all(lfu.buckets.values()), "lfu buckets"
-        assert all(lfu.cnt[h] == c for c, b in lfu.buckets.items() for h in b), "lfu bucket of a page"
+        if self._tree:
+            for sh in (lru, slru, lfu):
+                sh.check()
+        else:
+            assert len(lru.d) <= lru.cap, "lru shadow over capacity"
+            assert len(slru.prob) + len(slru.prot) <= slru.cap, "slru shadow over capacity"
+            assert not (slru.prob.keys() & slru.prot.keys()), "slru shadow segments overlap"
+            assert lfu.n == len(lfu.cnt) <= lfu.cap, "lfu shadow count"
+            assert sum(len(b) for b in lfu.buckets.values()) == lfu.n and all(lfu.buckets.values()), "lfu buckets"
+            assert all(lfu.cnt[h] == c for c, b in lfu.buckets.items() for h in b), "lfu bucket of a page"
         assert self.following in ("adaptive",) + FIXED_ORDERS, self.following
         assert not self._banned or self.following != "adaptive", "banned orders outlive their hold"
         assert self._credit == self._credit and self._credit <= 1e12, "credit not finite"
@@ -409,7 +424,7 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
         assert self._refs >= 0.0 and abs(self._margin) <= slack * self._refs + 1e-6, "budget books"
         assert self._switch_reserve >= 0.0 and self._switch_reserve == self._switch_reserve, "switch reserve"
         assert self._switch_mark is None or (len(self._switch_mark) == 2 and self._switch_mark[1] > 0), "switch mark"
-        if self._budgeted and len(self._shadow.d) >= self._shadow.cap and self.following != "lru":
+        if self._budgeted and self._shadows_full() and self.following != "lru":
             assert self._budget() >= 0.0, f"away from lru with the budget spent: {self._budget()}"
         assert self._sketch_mask & self._duel_mask == self._sketch_mask, "duel sample not within the counted one"
         gp = self._ghost_pages

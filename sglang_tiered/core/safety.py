@@ -13,7 +13,7 @@ are full the cache is away from lru only with budget left (``_budget() >= 0``).
 
 from __future__ import annotations
 
-from sglang_tiered.core.shadows import FIXED_ORDERS, LfuShadow, LruShadow, SlruShadow
+from sglang_tiered.core.shadows import FIXED_ORDERS, LfuShadow, LruShadow, SlruShadow, TreeShadow
 
 
 class SafetyDuel:
@@ -29,8 +29,13 @@ class SafetyDuel:
         self._shard_tb = t.to_bytes(2, "big") if t < 65536 else b""  # (h[2] << 8 | h[3]) < t as bytes
         self.shard_rate = t / 65536
         cap = round(self.capacity_pages * self.shard_rate)
-        self._shadow = LruShadow(cap)
-        self._shadows = {"lru": self._shadow, "slru": SlruShadow(cap // 2), "lfu": LfuShadow(cap // 2)}
+        self._tree = t >= 65536 and cfg.tree_shadows
+        if self._tree:  # every page sampled: SGLang's own tree for each order, exactly
+            self._shadows = {o: TreeShadow(self.capacity_pages, o) for o in FIXED_ORDERS}
+            self._shadow = self._shadows["lru"]
+        else:
+            self._shadow = LruShadow(cap)
+            self._shadows = {"lru": self._shadow, "slru": SlruShadow(cap // 2), "lfu": LfuShadow(cap // 2)}
         self._sh_hits = {o: 0.0 for o in FIXED_ORDERS}  # decayed hits of each shadow
         self._banned: set = set()  # fixed orders that fell behind lru during the current hold
         self._credit = 0.0  # CUSUM of (real - lru shadow + allowance) sampled hits
@@ -74,6 +79,16 @@ class SafetyDuel:
             self.following = "lru"
             self._hold = cfg.guard_start_hold * self._shadow.cap
 
+    def _shadows_full(self) -> bool:
+        sh = self._shadow
+        return sh.full if self._tree else len(sh.d) >= sh.cap
+
+    def _safety_tree(self, pages: list, start: int, tail: int, real: int, n: int) -> None:
+        """The duel's per-request step with the tree shadows: ``pages`` the request's page hashes
+        from its first, ``pages[start:]`` (``n`` of them) this step's references."""
+        sh = self._shadows
+        self._duel_step({o: sh[o].run(pages, tail, start) for o in FIXED_ORDERS}, real, n)
+
     def _safety(self, sampled: list, real: int, n: int) -> None:
         """The safety duel, once per request: ``n`` sampled page references of which the real
         cache hit ``real`` (a prefix of them); each fixed-order shadow hits some."""
@@ -83,6 +98,11 @@ class SafetyDuel:
         hits = {"lru": self._shadow.run(sampled)}
         hits["slru"] = 2 * self._shadows["slru"].run(half)
         hits["lfu"] = 2 * self._shadows["lfu"].run(half)
+        self._duel_step(hits, real, n)
+
+    def _duel_step(self, hits: dict, real: int, n: int) -> None:
+        """Per request: each fixed-order shadow hit ``hits[order]`` of the ``n`` references the
+        real cache hit ``real`` of."""
         d = self._decay**n
         acc = self._sh_hits
         var = self._order_var
@@ -93,7 +113,7 @@ class SafetyDuel:
         sh[0] = sh[0] * d + n
         sh[1] = sh[1] * d + hits["lru"]
         sh[2] = sh[2] * d + real
-        if len(self._shadow.d) < self._shadow.cap:
+        if not self._shadows_full():
             return  # the shadows are not full yet: nothing evicted, nothing to compare
         if self._budgeted:
             # corrected by the lru shadow's measured bias (SHARDS sampling: +1 point on Mooncake

@@ -156,3 +156,165 @@ class LfuShadow:
                 b[h] = None
             self.n += len(fresh)
         return len(hit)
+
+
+class _Node:
+    __slots__ = ("key", "children", "parent", "last", "hits", "lock", "seq")
+
+    def __init__(self, key, parent, last: int, hits: int, seq: int):
+        self.key = key  # page hashes (a run of the tree's pages)
+        self.children: dict = {}  # first page hash -> child
+        self.parent = parent
+        self.last = last  # access clock (SGLang: time.monotonic() of the last touch)
+        self.hits = hits  # SGLang's hit_count
+        self.lock = 0
+        self.seq = seq  # creation order: breaks exact priority ties deterministically
+
+
+class TreeShadow:
+    """SGLang's ``RadixCache`` (0.5.23) with eviction policy ``order`` (lru, slru or lfu), kept as
+    metadata only, at page granularity and at full size: nodes hold runs of pages and split where
+    requests diverge; eviction removes whole leaf nodes (so it frees more than it needs, as
+    SGLang's does), in the order of SGLang's strategy over ``(hit_count, last_access_time)``.
+    Per request the steps are the scheduler's (``dev/simulate.py``'s ``CacheDriver``): match
+    (touches the path, splits a partly matched node), lock the matched path, evict what the new
+    pages (and a partial last page) need beyond the free pages, insert (touches the path, counts
+    a hit on each node of it, as ``_insert_helper`` does for a new request), match again
+    (checkpoint's re-match touches the path), unlock. Used by the safety duel in place of the
+    page-level shadows when they would sample every page (capacity <= ``shadow_pages``): there
+    the page model's error against the real tree (whole-node eviction, splits) reached 15 points
+    on the workload family (family-072 at 0.5 %: lru's page shadow over real lru; slru's real
+    lead of 18 points showed as 1), while this replica's hits are SGLang's own
+    (``tests/test_shadows_tree.py``: per request, against ``RadixCache`` itself).
+
+    Invariants (``check``): the pages held equal the tree's; within capacity; every evictable
+    leaf is an unlocked node without children; nothing is locked between requests."""
+
+    __slots__ = ("cap", "order", "root", "used", "leaves", "clock", "seq", "full")
+
+    def __init__(self, capacity: int, order: str = "lru"):
+        if order not in FIXED_ORDERS:
+            raise ValueError(f"order must be one of {FIXED_ORDERS}, got {order!r}")
+        self.cap = max(1, capacity)
+        self.order = order
+        self.root = _Node([], None, 0, 0, 0)
+        self.root.lock = 1  # as SGLang's root: never evictable
+        self.used = 0
+        self.leaves: set = set()
+        self.clock = 0
+        self.seq = 0
+        self.full = False  # True once it held its capacity or had to evict (as full as SGLang's gets)
+
+    def __len__(self) -> int:
+        return self.used
+
+    def _priority(self, n: _Node):
+        o = self.order
+        if o == "lru":
+            return (n.last, n.seq)
+        if o == "slru":
+            return (n.hits >= 2, n.last, n.seq)
+        return (n.hits, n.last, n.seq)
+
+    def _split(self, node: _Node, at: int) -> _Node:
+        """``_split_node``: a new parent holding ``node.key[:at]`` (hit count and lock copied)."""
+        self.seq += 1
+        top = _Node(node.key[:at], node.parent, node.last, node.hits, self.seq)
+        top.lock = node.lock
+        node.parent.children[node.key[0]] = top
+        node.key = node.key[at:]
+        top.children[node.key[0]] = node
+        node.parent = top
+        return top
+
+    def _walk(self, pages: list, t: int, count_from: int | None):
+        """Match ``pages`` from the root, touching the path at clock ``t`` and splitting a partly
+        matched node; with ``count_from`` (insert), a hit on each node whose end lies beyond it.
+        Returns (matched pages, last node)."""
+        node = self.root
+        node.last = t
+        i, n = 0, len(pages)
+        while i < n:
+            child = node.children.get(pages[i])
+            if child is None:
+                break
+            child.last = t
+            key = child.key
+            k, m = 1, min(len(key), n - i)
+            while k < m and key[k] == pages[i + k]:
+                k += 1
+            if k < len(key):
+                child = self._split(child, k)
+            i += k
+            if count_from is not None and i > count_from:
+                child.hits += 1
+            node = child
+        return i, node
+
+    def _set_lock(self, node: _Node, d: int) -> None:
+        leaves = self.leaves
+        while node is not None:
+            node.lock += d
+            if node.lock > 0:
+                leaves.discard(node)
+            elif not node.children:
+                leaves.add(node)
+            node = node.parent
+
+    def _evict(self, pages: int) -> None:
+        import heapq
+
+        self.full = True
+        pri = self._priority
+        heap = [(pri(x), x.seq, x) for x in self.leaves]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < pages and heap:
+            x = heapq.heappop(heap)[2]
+            freed += len(x.key)
+            self.used -= len(x.key)
+            p = x.parent
+            del p.children[x.key[0]]
+            self.leaves.discard(x)
+            if not p.children and p.lock == 0:
+                self.leaves.add(p)
+                heapq.heappush(heap, (pri(p), p.seq, p))
+
+    def run(self, pages: list, tail: int = 0, start: int = 0) -> int:
+        """One request: ``pages`` its full pages' hashes from its first page, ``tail`` 1 when a
+        partial last page also needs a slot, ``start`` its pages counted before (an earlier
+        chunk of the same request: not reuse). Returns the pages of ``pages[start:]`` it hit."""
+        self.clock += 1
+        matched, last = self._walk(pages, self.clock, None)
+        self._set_lock(last, 1)
+        need = len(pages) - matched + tail
+        if need > self.cap - self.used:
+            self._evict(need - (self.cap - self.used))
+        if need <= self.cap - self.used:
+            self.clock += 1
+            done, node = self._walk(pages, self.clock, start)
+            if done < len(pages):
+                self.seq += 1
+                leaf = _Node(pages[done:], node, self.clock, 1 if len(pages) > start else 0, self.seq)
+                node.children[pages[done]] = leaf
+                self.used += len(leaf.key)
+                if self.used >= self.cap:
+                    self.full = True
+                self.leaves.discard(node)
+                self.leaves.add(leaf)
+            self.clock += 1
+            self._walk(pages, self.clock, None)  # checkpoint's re-match
+        self._set_lock(last, -1)
+        return max(0, matched - start)
+
+    def check(self) -> None:
+        seen, stack = 0, [self.root]
+        while stack:
+            n = stack.pop()
+            seen += len(n.key)
+            assert n is self.root or n.lock == 0, "a node stayed locked"
+            assert (n in self.leaves) == (n is not self.root and not n.children), "evictable leaves"
+            for k, c in n.children.items():
+                assert c.parent is n and c.key and c.key[0] == k, "tree links"
+                stack.append(c)
+        assert seen == self.used <= self.cap, (seen, self.used, self.cap)

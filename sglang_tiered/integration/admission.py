@@ -85,7 +85,7 @@ class Admission:
         tokens = req.full_untruncated_fill_ids
         new = chain_page_hashes(prev, tokens[len(base) * ps : aligned], ps) if aligned > cpl else []
         hashes = base + new
-        n_admit = self._decide(req, first, counted or 0, base, new, hashes)
+        n_admit = self._decide(req, first, counted or 0, base, new, hashes, int(up_to > aligned))
         admit_len = cpl + n_admit * ps
         if n_admit < len(new) and cache.t1 is not None:
             cache.t1.on_refused(req, admit_len, new[n_admit:])
@@ -101,13 +101,13 @@ class Admission:
         cache.clock.now()
         return AdmissionPlan(anchor, cpl, admit_len, hashes, new[:n_admit], before)
 
-    def _decide(self, req, first: bool, counted: int, base: list, new: list, hashes: list) -> int:
+    def _decide(self, req, first: bool, counted: int, base: list, new: list, hashes: list, tail: int) -> int:
         """Count the request in the sketch (once per page) and ask the policy. Returns pages kept."""
         cache, policy = self.cache, self.cache.policy
         if first and new:
             policy.on_miss(new[0])  # ghost hit? (adapts the eviction order)
         if len(hashes) > counted:
-            policy.observe(hashes[counted:], max(0, len(base) - counted))
+            policy.observe(hashes[counted:], max(0, len(base) - counted), whole=hashes, start=counted, tail=tail)
             self.counted[req.rid] = len(hashes)
         victim_freq = cache.eviction.victim_frequency() if (new and policy.filtering) else None
         n_admit = policy.admit_pages(new, victim_freq)

@@ -1,0 +1,79 @@
+"""The tree shadows (``core/shadows.py`` ``TreeShadow``) are SGLang's RadixCache: per request, the
+same hits as ``RadixCache`` with the same eviction policy, driven in the scheduler's call order
+(``dev/simulate.py``), on generated family workloads at small capacities (where eviction is
+constant) and on a Hypothesis-drawn request stream."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_tiered.core.keys import chain_page_hashes
+from sglang_tiered.core.shadows import TreeShadow
+
+PAGE = 16
+
+
+def _sglang_hits(reqs, cap_pages: int, policy: str) -> list[int]:
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    from sglang_tiered.dev.simulate import CacheDriver, make_params
+
+    params, alloc, pool = make_params(cap_pages * PAGE, PAGE, 1 << 17, eviction_policy=policy)
+    drv = CacheDriver(RadixCache(params), alloc, pool)
+    return [drv.run(r.tokens, tenant=r.tenant).cached_len // PAGE for r in reqs]
+
+
+def _tree_hits(reqs, cap_pages: int, policy: str) -> list[int]:
+    sh = TreeShadow(cap_pages, policy)
+    out = []
+    for r in reqs:
+        seed = hashlib.blake2b((r.tenant or "").encode(), digest_size=16).digest()
+        pages = chain_page_hashes(seed, r.tokens, PAGE)
+        hits = sh.run(pages, tail=int(len(r.tokens) % PAGE > 0))
+        # a request bigger than the cache: SGLang's driver evicts for it, then cannot serve it
+        out.append(0 if len(pages) + (len(r.tokens) % PAGE > 0) > cap_pages else hits)
+        sh.check()
+    return out
+
+
+@pytest.mark.parametrize("policy", ["lru", "slru", "lfu"])
+@pytest.mark.parametrize("seed,frac", [(72, 0.005), (105, 0.05), (15, 0.02), (3, 0.1)])
+def test_tree_shadow_hits_are_sglangs(policy, seed, frac):
+    from sglang_tiered.dev import workload_family as wf
+
+    reqs = wf.generate(wf.draw(seed))[:300]
+    pages = {h for r in reqs for h in chain_page_hashes(
+        hashlib.blake2b((r.tenant or "").encode(), digest_size=16).digest(), r.tokens, PAGE)}  # fmt: skip
+    max_req = max(-(-len(r.tokens) // PAGE) for r in reqs)
+    cap = max(int(len(pages) * frac), max_req + 1)
+    want = _sglang_hits(reqs, cap, policy)
+    got = _tree_hits(reqs, cap, policy)
+    assert sum(want) > 0
+    first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+    assert first is None, (first, want[first], got[first])
+
+
+class _R:
+    def __init__(self, tokens, tenant):
+        self.tokens, self.tenant = tokens, tenant
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_tree_shadow_matches_radix_cache_on_drawn_streams(data):
+    policy = data.draw(st.sampled_from(["lru", "slru", "lfu"]))
+    cap = data.draw(st.integers(4, 24))
+    # requests: a shared stem, a branch and a tail of random length over a tiny alphabet, so
+    # prefixes are shared, split and evicted at every depth
+    reqs = []
+    for _ in range(data.draw(st.integers(1, 40))):
+        stem = data.draw(st.integers(0, 3))
+        n = data.draw(st.integers(1, 3 * PAGE + 7))
+        body = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=4))
+        toks = [stem] * PAGE + [b for b in body for _ in range(PAGE)]
+        reqs.append(_R((toks * 3)[: PAGE + n], data.draw(st.sampled_from([None, "t1"]))))
+    assert _tree_hits(reqs, cap, policy) == _sglang_hits(reqs, cap, policy)
