@@ -1,15 +1,16 @@
 """The tree shadows (``core/shadows.py`` ``TreeShadow``) are SGLang's RadixCache: per request, the
 same hits as ``RadixCache`` with the same eviction policy, driven in the scheduler's call order
 (``dev/simulate.py``), on generated family workloads at small capacities (where eviction is
-constant) and on a Hypothesis-drawn request stream."""
+constant) and in a Hypothesis state machine."""
 
 from __future__ import annotations
 
 import hashlib
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from sglang_tiered.core.keys import chain_page_hashes
 from sglang_tiered.core.shadows import TreeShadow
@@ -57,23 +58,44 @@ def test_tree_shadow_hits_are_sglangs(policy, seed, frac):
     assert first is None, (first, want[first], got[first])
 
 
-class _R:
-    def __init__(self, tokens, tenant):
-        self.tokens, self.tenant = tokens, tenant
+class TreeShadowMachine(RuleBasedStateMachine):
+    """A ``TreeShadow`` beside SGLang's ``RadixCache`` (same policy, same capacity, driven by
+    ``CacheDriver``): every request hits the same pages in both; the shadow's invariants hold."""
+
+    def __init__(self):
+        super().__init__()
+        self.sh = None
+
+    @initialize(policy=st.sampled_from(["lru", "slru", "lfu"]), cap=st.integers(4, 24))
+    def start(self, policy, cap):
+        from sglang.srt.mem_cache.radix_cache import RadixCache
+
+        from sglang_tiered.dev.simulate import CacheDriver, make_params
+
+        params, alloc, pool = make_params(cap * PAGE, PAGE, 1 << 12, eviction_policy=policy)
+        self.drv = CacheDriver(RadixCache(params), alloc, pool)
+        self.sh, self.cap = TreeShadow(cap, policy), cap
+
+    @rule(stem=st.integers(0, 3), body=st.lists(st.integers(0, 2), min_size=1, max_size=4),
+          n=st.integers(1, 3 * PAGE + 7), tenant=st.sampled_from([None, "t1"]))  # fmt: skip
+    def request(self, stem, body, n, tenant):
+        # a shared stem, a branch and a tail of random length over a tiny alphabet: prefixes are
+        # shared, split and evicted at every depth
+        toks = ([stem] * PAGE + [b for b in body for _ in range(PAGE)]) * 3
+        toks = toks[: PAGE + n]
+        want = self.drv.run(toks, tenant=tenant).cached_len // PAGE
+        seed = hashlib.blake2b((tenant or "").encode(), digest_size=16).digest()
+        pages = chain_page_hashes(seed, toks, PAGE)
+        tail = int(len(toks) % PAGE > 0)
+        got = self.sh.run(pages, tail=tail)
+        # a request bigger than the cache: SGLang's driver evicts for it, then cannot serve it
+        assert (0 if len(pages) + tail > self.cap else got) == want
+
+    @invariant()
+    def consistent(self):
+        if self.sh is not None:
+            self.sh.check()
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.data())
-def test_tree_shadow_matches_radix_cache_on_drawn_streams(data):
-    policy = data.draw(st.sampled_from(["lru", "slru", "lfu"]))
-    cap = data.draw(st.integers(4, 24))
-    # requests: a shared stem, a branch and a tail of random length over a tiny alphabet, so
-    # prefixes are shared, split and evicted at every depth
-    reqs = []
-    for _ in range(data.draw(st.integers(1, 40))):
-        stem = data.draw(st.integers(0, 3))
-        n = data.draw(st.integers(1, 3 * PAGE + 7))
-        body = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=4))
-        toks = [stem] * PAGE + [b for b in body for _ in range(PAGE)]
-        reqs.append(_R((toks * 3)[: PAGE + n], data.draw(st.sampled_from([None, "t1"]))))
-    assert _tree_hits(reqs, cap, policy) == _sglang_hits(reqs, cap, policy)
+TestTreeShadowMachine = TreeShadowMachine.TestCase
+TestTreeShadowMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

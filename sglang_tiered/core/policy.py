@@ -235,10 +235,12 @@ class PolicyConfig:
     guard_switch_reserve: float = 0.0
     # x CUSUM threshold: budget left needed to start an episode away from lru
     guard_entry_room: float = 0.0
-    # where the shadows would sample every page (capacity <= shadow_pages), replay SGLang's
-    # RadixCache itself for each fixed order (``TreeShadow``: exact, whole-node eviction) instead
-    # of the page-level model; False: the page shadows everywhere (as before)
-    tree_shadows: bool = True
+    # x CUSUM threshold: budget left needed to start following slru or lfu instead of lru
+    guard_order_room: float = 0.0
+    # caches of at most this many pages duel against SGLang's RadixCache itself, replayed for
+    # each fixed order (``TreeShadow``: exact, whole-node eviction) instead of the SHARDS-sampled
+    # page-level model; 0: the page shadows everywhere (as before)
+    tree_shadow_pages: int = 2048
 
 
 @dataclass

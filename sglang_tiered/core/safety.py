@@ -29,7 +29,7 @@ class SafetyDuel:
         self._shard_tb = t.to_bytes(2, "big") if t < 65536 else b""  # (h[2] << 8 | h[3]) < t as bytes
         self.shard_rate = t / 65536
         cap = round(self.capacity_pages * self.shard_rate)
-        self._tree = t >= 65536 and cfg.tree_shadows
+        self._tree = self.capacity_pages <= cfg.tree_shadow_pages
         if self._tree:  # every page sampled: SGLang's own tree for each order, exactly
             self._shadows = {o: TreeShadow(self.capacity_pages, o) for o in FIXED_ORDERS}
             self._shadow = self._shadows["lru"]
@@ -199,9 +199,12 @@ class SafetyDuel:
             return float("inf")
         return self.cfg.guard_budget * self._refs + self._margin - self._switch_reserve
 
-    def _may_leave_lru(self) -> bool:
-        """An episode away from lru is affordable: the budget has room for a threshold's loss."""
-        return self._budget() >= self.cfg.guard_entry_room * self._threshold
+    def _may_leave_lru(self, adaptive: bool = True) -> bool:
+        """An episode away from lru is affordable: the budget has room for ``guard_entry_room``
+        CUSUM thresholds of loss (an adaptive episode) or ``guard_order_room`` (another fixed
+        order, judged on its shadow's hits)."""
+        room = self.cfg.guard_entry_room if adaptive else self.cfg.guard_order_room
+        return self._budget() >= room * self._threshold
 
     def _adaptive_ahead(self) -> bool:
         """Evidence for following adaptive: its better miniature leads the lru miniature, by more
@@ -243,7 +246,7 @@ class SafetyDuel:
             return acc["lru"] > acc[fol] + lead
         if n < self.cfg.guard_start_hold * self._shadow.cap:
             return False  # too few references yet to tell the orders apart
-        if fol == "lru" and not self._may_leave_lru():
+        if fol == "lru" and not self._may_leave_lru(adaptive=False):
             return False
         need = max(lead, self.cfg.guard_noise_sigmas * self._order_var[order] ** 0.5, self._order_lead[order])
         gain = (acc[order] - self._bias_rate(order) * n) - (acc[fol] - self._bias_rate(fol) * n)

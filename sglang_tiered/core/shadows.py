@@ -1,6 +1,8 @@
-"""Page-level shadows of SGLang's fixed eviction orders (lru, slru, lfu) for the safety duel
-(``core/safety.py``): SHARDS-sampled miniatures that answer "how many of this request's sampled
-pages would SGLang's RadixCache with that policy have hit?".
+"""Shadows of SGLang's fixed eviction orders (lru, slru, lfu) for the safety duel
+(``core/safety.py``): they answer "how many of this request's pages would SGLang's RadixCache
+with that policy have hit?". ``TreeShadow`` replays the RadixCache itself, exactly (used where
+every page is sampled: capacity <= ``shadow_pages``); the page-level shadows below are
+SHARDS-sampled miniatures for larger caches (a model: whole-node eviction is not in it).
 
 Each ``run`` takes one request's sampled pages (shallowest first) in SGLang's scheduler order:
 the cached pages are used (and locked), room is made for the new pages by evicting other
@@ -13,6 +15,7 @@ its capacity; I2 slru's segments are disjoint; I3 lfu's buckets partition its pa
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 
 FIXED_ORDERS = ("lru", "slru", "lfu")  # SGLang's orders the safety duel can follow exactly
@@ -159,7 +162,7 @@ class LfuShadow:
 
 
 class _Node:
-    __slots__ = ("key", "children", "parent", "last", "hits", "lock", "seq")
+    __slots__ = ("key", "children", "parent", "last", "hits", "lock", "seq", "stamp")
 
     def __init__(self, key, parent, last: int, hits: int, seq: int):
         self.key = key  # page hashes (a run of the tree's pages)
@@ -169,6 +172,7 @@ class _Node:
         self.hits = hits  # SGLang's hit_count
         self.lock = 0
         self.seq = seq  # creation order: breaks exact priority ties deterministically
+        self.stamp = -1  # the eviction heap's live entry for this node (older entries are stale)
 
 
 class TreeShadow:
@@ -180,17 +184,19 @@ class TreeShadow:
     (touches the path, splits a partly matched node), lock the matched path, evict what the new
     pages (and a partial last page) need beyond the free pages, insert (touches the path, counts
     a hit on each node of it, as ``_insert_helper`` does for a new request), match again
-    (checkpoint's re-match touches the path), unlock. Used by the safety duel in place of the
-    page-level shadows when they would sample every page (capacity <= ``shadow_pages``): there
-    the page model's error against the real tree (whole-node eviction, splits) reached 15 points
-    on the workload family (family-072 at 0.5 %: lru's page shadow over real lru; slru's real
-    lead of 18 points showed as 1), while this replica's hits are SGLang's own
-    (``tests/test_shadows_tree.py``: per request, against ``RadixCache`` itself).
+    (checkpoint's re-match touches the path), unlock. The page model's error against the real
+    tree (whole-node eviction, splits) reached 15 points on the workload family (family-072 at
+    0.5 %: lru's page shadow over real lru, and slru's real lead of 18 points showed as 1); this
+    replica's hits are SGLang's own (``tests/test_shadows_tree.py``: per request, against
+    ``RadixCache`` itself). SGLang rebuilds a heap of every evictable leaf per eviction; here one
+    lazy heap is kept (an entry per priority change, stale ones skipped, rebuilt when they
+    outnumber the live ones), so a request costs its path and its evictions, not the cache size.
 
-    Invariants (``check``): the pages held equal the tree's; within capacity; every evictable
-    leaf is an unlocked node without children; nothing is locked between requests."""
+    Invariants (``check``): the pages held equal the tree's; within capacity; the evictable
+    leaves are the unlocked nodes without children, each with a live heap entry; nothing is
+    locked between requests."""
 
-    __slots__ = ("cap", "order", "root", "used", "leaves", "clock", "seq", "full")
+    __slots__ = ("cap", "order", "root", "used", "leaves", "clock", "seq", "full", "heap", "stamps")
 
     def __init__(self, capacity: int, order: str = "lru"):
         if order not in FIXED_ORDERS:
@@ -204,17 +210,27 @@ class TreeShadow:
         self.clock = 0
         self.seq = 0
         self.full = False  # True once it held its capacity or had to evict (as full as SGLang's gets)
+        self.heap: list = []  # (priority, stamp, node): lazy, see _push
+        self.stamps = 0
 
     def __len__(self) -> int:
         return self.used
 
-    def _priority(self, n: _Node):
+    def _push(self, n: _Node) -> None:
+        """(Re)file evictable leaf ``n`` under its current priority (its older entries go stale)."""
+        self.stamps += 1
+        n.stamp = st = self.stamps
         o = self.order
         if o == "lru":
-            return (n.last, n.seq)
-        if o == "slru":
-            return (n.hits >= 2, n.last, n.seq)
-        return (n.hits, n.last, n.seq)
+            pri = n.last
+        elif o == "slru":
+            pri = (n.hits >= 2, n.last)
+        else:
+            pri = (n.hits, n.last)
+        heapq.heappush(self.heap, (pri, n.seq, st, n))
+        if len(self.heap) > 2 * len(self.leaves) + 64:  # mostly stale: keep the live entries
+            self.heap = [e for e in self.heap if e[3].stamp == e[2] and e[3] in self.leaves]
+            heapq.heapify(self.heap)
 
     def _split(self, node: _Node, at: int) -> _Node:
         """``_split_node``: a new parent holding ``node.key[:at]`` (hit count and lock copied)."""
@@ -234,20 +250,30 @@ class TreeShadow:
         node = self.root
         node.last = t
         i, n = 0, len(pages)
+        leaves = self.leaves
         while i < n:
-            child = node.children.get(pages[i])
+            child = pages[i]
+            child = node.children.get(child)
             if child is None:
                 break
             child.last = t
             key = child.key
-            k, m = 1, min(len(key), n - i)
-            while k < m and key[k] == pages[i + k]:
-                k += 1
+            m = min(len(key), n - i)
+            if key[1:m] == pages[i + 1 : i + m]:
+                k = m
+            else:
+                k = 1
+                while key[k] == pages[i + k]:
+                    k += 1
             if k < len(key):
+                if child in leaves:
+                    self._push(child)  # the lower part keeps the touch (SGLang touches, then splits)
                 child = self._split(child, k)
             i += k
             if count_from is not None and i > count_from:
                 child.hits += 1
+            if child in leaves:
+                self._push(child)
             node = child
         return i, node
 
@@ -257,28 +283,27 @@ class TreeShadow:
             node.lock += d
             if node.lock > 0:
                 leaves.discard(node)
-            elif not node.children:
+            elif not node.children and node not in leaves:
                 leaves.add(node)
+                self._push(node)
             node = node.parent
 
     def _evict(self, pages: int) -> None:
-        import heapq
-
         self.full = True
-        pri = self._priority
-        heap = [(pri(x), x.seq, x) for x in self.leaves]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < pages and heap:
-            x = heapq.heappop(heap)[2]
+        leaves, freed = self.leaves, 0
+        while freed < pages and self.heap:
+            _, _, st, x = heapq.heappop(self.heap)
+            if x.stamp != st or x not in leaves:
+                continue  # stale: re-filed since, locked, or gone
             freed += len(x.key)
             self.used -= len(x.key)
             p = x.parent
             del p.children[x.key[0]]
-            self.leaves.discard(x)
+            leaves.discard(x)
+            x.stamp = -1
             if not p.children and p.lock == 0:
-                self.leaves.add(p)
-                heapq.heappush(heap, (pri(p), p.seq, p))
+                leaves.add(p)
+                self._push(p)
 
     def run(self, pages: list, tail: int = 0, start: int = 0) -> int:
         """One request: ``pages`` its full pages' hashes from its first page, ``tail`` 1 when a
@@ -302,6 +327,7 @@ class TreeShadow:
                     self.full = True
                 self.leaves.discard(node)
                 self.leaves.add(leaf)
+                self._push(leaf)
             self.clock += 1
             self._walk(pages, self.clock, None)  # checkpoint's re-match
         self._set_lock(last, -1)
@@ -309,11 +335,13 @@ class TreeShadow:
 
     def check(self) -> None:
         seen, stack = 0, [self.root]
+        live = {id(e[3]) for e in self.heap if e[3].stamp == e[2]}
         while stack:
             n = stack.pop()
             seen += len(n.key)
             assert n is self.root or n.lock == 0, "a node stayed locked"
             assert (n in self.leaves) == (n is not self.root and not n.children), "evictable leaves"
+            assert n not in self.leaves or id(n) in live, "an evictable leaf without a live heap entry"
             for k, c in n.children.items():
                 assert c.parent is n and c.key and c.key[0] == k, "tree links"
                 stack.append(c)
