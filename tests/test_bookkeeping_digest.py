@@ -2,8 +2,10 @@
 the policy's end snapshot) on a spread of cells equals what the code before them gave.
 
 The digests were recorded with ``bench/bookkeeping.py --digests`` on dae6791 (before the
-bookkeeping work of issue #11, item 4). A change that *means* to change decisions (the policy's
-rules, its defaults) re-records them with that command, and says so in its commit.
+bookkeeping work of issue #11, item 4), and re-recorded when the safety duel's shadows became
+SGLang's own tree (``TreeShadow``) and an episode's budget room became 1 (session 10). A change
+that *means* to change decisions (the policy's rules, its defaults) re-records them with that
+command, and says so in its commit.
 """
 
 from __future__ import annotations
@@ -18,28 +20,28 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 # (workload, capacity fraction) -> (sha256[:16] of per-request cached lengths, of the end snapshot)
 RECORDED = {
-    ("mooncake", 0.005): ("d1283ba94f30f6c8", "fe2a12b0fbab1cc4"),
-    ("mooncake", 0.02): ("17ef02bbba5a4eee", "028e0bedf6791a63"),
-    ("multitenant", 0.01): ("92f5a79da7614409", "d0ca90ec0c109750"),
-    ("multitenant", 0.1): ("88abcdae47e57c59", "4e187dcad05f1834"),
-    ("family-8", 0.005): ("e9f592c983b81df1", "e1b29990d669f15b"),
-    ("family-8", 0.05): ("e5ac8349007493a0", "64531590b03f3cb6"),
-    ("family-8", 0.2): ("40b42a8024fad50a", "d2d3134bf37e4e71"),
-    ("family-14", 0.005): ("48db4e6737ef8de7", "06b38e61e41037db"),
-    ("family-14", 0.05): ("697fa0dfb798e682", "2af2bdbd7579f3c3"),
-    ("family-14", 0.2): ("fcb03ba4986d8fda", "5ccaf0319b434c4f"),
-    ("family-19", 0.005): ("9753a2a9cf8957e8", "e57a2bd644b09aaa"),
-    ("family-19", 0.05): ("848c957bfce5c42b", "212cc200423d4019"),
-    ("family-19", 0.2): ("98fd27a1792e2fd4", "fc296cdaf9811b84"),
-    ("family-21", 0.005): ("4a186e0f90a0120d", "07487f2173fecc18"),
-    ("family-21", 0.05): ("5654acc3814559cc", "badc7a1b1ba54d41"),
-    ("family-21", 0.2): ("6b6715cfa7e3fad4", "842b6abb9335e49c"),
-    ("family-25", 0.005): ("329890b05d680d0f", "d1c407098689216c"),
-    ("family-25", 0.05): ("a225d383b89071c6", "6f199884651edc55"),
-    ("family-25", 0.2): ("6b6abe1877b8c062", "8b4471fcfca5ec34"),
-    ("family-28", 0.005): ("c853e31d393a064b", "4059f116b8ba229f"),
-    ("family-28", 0.05): ("2478cf0ccb659a94", "8951b2b516f36b26"),
-    ("family-28", 0.2): ("eb669d6bd15d9f14", "0e124fef1b113950"),
+    ("mooncake", 0.005): ("3ebb876581df3414", "262085141a9c2c09"),
+    ("mooncake", 0.02): ("aa2a83670c95dbb9", "14b08b24d40a3646"),
+    ("multitenant", 0.01): ("28381a3310c2e3ae", "d4ce1c7586ce6175"),
+    ("multitenant", 0.1): ("79db1af18739228d", "9d1fc39baad702c7"),
+    ("family-8", 0.005): ("d8ae1c56582d9677", "b436d4af28ec0b39"),
+    ("family-8", 0.05): ("457e46a11dcf7542", "83d60545d75550c5"),
+    ("family-8", 0.2): ("40b42a8024fad50a", "57337a28d8c714c4"),
+    ("family-14", 0.005): ("fd00e1abb33f49f0", "015c431b0241d4d7"),
+    ("family-14", 0.05): ("042c54ab27cb2f79", "c33d5b8ec247df1c"),
+    ("family-14", 0.2): ("fcb03ba4986d8fda", "5078cffff090e232"),
+    ("family-19", 0.005): ("9753a2a9cf8957e8", "c406b3ad1099473c"),
+    ("family-19", 0.05): ("53a5f0a671be65bb", "42c7e321c6d884fc"),
+    ("family-19", 0.2): ("98fd27a1792e2fd4", "49c2fc66553eb0c9"),
+    ("family-21", 0.005): ("22bba763146b92de", "6de5f03c500f1769"),
+    ("family-21", 0.05): ("1e2982503cc263c1", "3430afbde625442f"),
+    ("family-21", 0.2): ("6b6715cfa7e3fad4", "e5218039516d7e17"),
+    ("family-25", 0.005): ("6128c52f2452d3b5", "78639de477d439f4"),
+    ("family-25", 0.05): ("4c2c58975cfbd953", "19c2033c09242025"),
+    ("family-25", 0.2): ("6b6abe1877b8c062", "59e14339f1ddc865"),
+    ("family-28", 0.005): ("bcaf58063b0a2332", "ac46079b1c518a3f"),
+    ("family-28", 0.05): ("cfdfdbafca2c3d2e", "c64005e5110c4713"),
+    ("family-28", 0.2): ("eb669d6bd15d9f14", "44bdd7520ab70248"),
 }
 
 

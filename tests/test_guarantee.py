@@ -21,6 +21,9 @@ BOUND = 0.025  # and never more than 2.5 points on these short traces with tiny 
 TRUSTING = PolicyConfig(guard_start_lru=False, guard_entry_margin=None, guard_budget=None)
 # Starting as exact lru, adaptive needs the gate's evidence even for its first episode.
 LRU_FIRST = PolicyConfig(guard_start_lru=True)
+# ... and no budget room asked before an episode (the gates alone: on these short synthetic
+# traces the default room, a CUSUM threshold of budget at 0.1 point per reference, never accrues)
+GATES_ONLY = PolicyConfig(guard_start_lru=True, guard_entry_room=0.0, guard_order_room=0.0)
 
 
 
@@ -183,7 +186,7 @@ def test_gate_lets_adaptive_in_where_it_leads():
     more than noise and a turnover, so adaptive is followed, and it beats lru clearly."""
     reqs, cap_pages = _hot_set_under_scans()
     lru, _, _ = _run(reqs, cap_pages, "lru")
-    tiered, _, cache = _run(reqs, cap_pages, None, LRU_FIRST)
+    tiered, _, cache = _run(reqs, cap_pages, None, GATES_ONLY)
     assert tiered > lru + 0.02, (tiered, lru, cache.policy.snapshot())
     cache.policy.check_invariants()
 
@@ -218,7 +221,7 @@ def test_default_policy_starts_as_exact_lru():
 def test_fixed_order_switch_needs_a_lead_beyond_noise_bias_and_lost_episodes():
     """Following another fixed order than lru needs its shadow to lead by more than twice its
     paired noise, its measured bias and its entry lead; going back to lru needs none of that."""
-    pol = AdaptivePolicy(capacity_pages=64)
+    pol = AdaptivePolicy(capacity_pages=64, config=GATES_ONLY)
     pol._sh = [1000.0, 100.0, 100.0]
     pol._sh_hits = {"lru": 100.0, "slru": 140.0, "lfu": 0.0}
     pol._order_var["slru"] = 30.0**2  # lead 40 < twice the noise

@@ -29,18 +29,18 @@ def test_budget_accrues_per_reference_and_counts_real_minus_lru_shadow():
 
 
 def test_no_episode_away_from_lru_without_room_in_the_budget():
-    pol = AdaptivePolicy(capacity_pages=64, config=PolicyConfig(guard_entry_margin=None))
+    pol = AdaptivePolicy(capacity_pages=64, config=PolicyConfig(guard_entry_margin=None, guard_entry_room=0.0))
     pol._refs, pol._margin = 1000.0, -2.0  # lost 2 hits of a 1-hit allowance: spent
     assert not pol._may_leave_lru() and not pol._adaptive_ahead()
     pol._margin = 0.0
     assert pol._may_leave_lru() and pol._adaptive_ahead()
     pol._switch_reserve = 5.0  # a measured switch back cost 5: kept in reserve
     assert not pol._may_leave_lru()
-    roomy = AdaptivePolicy(capacity_pages=64, config=PolicyConfig(guard_entry_room=1.0))
-    roomy._refs, roomy._margin = 1000.0, 14.0  # 15 left, below one CUSUM threshold (16)
-    assert not roomy._may_leave_lru()
+    roomy = AdaptivePolicy(capacity_pages=64)  # the default: room for one CUSUM threshold (16)
+    roomy._refs, roomy._margin = 1000.0, 14.0  # 15 left
+    assert not roomy._may_leave_lru() and not roomy._may_leave_lru(adaptive=False)
     roomy._margin = 15.0
-    assert roomy._may_leave_lru()
+    assert roomy._may_leave_lru() and roomy._may_leave_lru(adaptive=False)
 
 
 def test_spent_budget_sends_the_cache_back_to_lru_even_before_the_cusum_threshold():

@@ -30,9 +30,10 @@ class SafetyDuel:
         self.shard_rate = t / 65536
         cap = round(self.capacity_pages * self.shard_rate)
         self._tree = self.capacity_pages <= cfg.tree_shadow_pages
-        if self._tree:  # every page sampled: SGLang's own tree for each order, exactly
+        if self._tree:  # SGLang's own tree for each order, exactly, on every page
             self._shadows = {o: TreeShadow(self.capacity_pages, o) for o in FIXED_ORDERS}
             self._shadow = self._shadows["lru"]
+            self.shard_rate = 1.0
         else:
             self._shadow = LruShadow(cap)
             self._shadows = {"lru": self._shadow, "slru": SlruShadow(cap // 2), "lfu": LfuShadow(cap // 2)}
