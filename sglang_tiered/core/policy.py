@@ -258,9 +258,11 @@ class PolicyConfig:
     guard_order_room: float = 1.0
     # caches of at most this many pages duel against SGLang's RadixCache itself, replayed for
     # each fixed order (``TreeShadow``: exact, whole-node eviction) instead of the SHARDS-sampled
-    # page-level model (default: every size; a tree shadow costs a request's path and evictions,
-    # not the cache's size); 0: the page shadows everywhere (as before)
-    tree_shadow_pages: int = 1 << 30
+    # page-level model. A tree shadow's CPU per request is its path and evictions, not the cache's
+    # size, but its memory is the cache's metadata three times over (a node per stored run of
+    # pages): up to 2^18 pages (4M tokens at page 16; every benchmarked cache), beyond it the
+    # sampled page shadows keep the duel's memory bounded; 0: the page shadows everywhere
+    tree_shadow_pages: int = 1 << 18
 
 
 @dataclass
