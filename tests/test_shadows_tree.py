@@ -99,3 +99,26 @@ class TreeShadowMachine(RuleBasedStateMachine):
 
 TestTreeShadowMachine = TreeShadowMachine.TestCase
 TestTreeShadowMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.parametrize("seed,frac", [(60, 0.005), (9, 0.1)])
+def test_books_are_exact_while_the_real_cache_is_lru(seed, frac):
+    """The real tiered cache kept on lru (no room ever earned) and the lru tree shadow hit the same
+    pages on every request: the budget's margin and the lru bias stay exactly 0."""
+    from sglang_tiered.core.policy import PolicyConfig
+    from sglang_tiered.dev import workload_family as wf
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+
+    reqs = wf.generate(wf.draw(seed))[:400]
+    pages = {h for r in reqs for h in chain_page_hashes(
+        hashlib.blake2b((r.tenant or "").encode(), digest_size=16).digest(), r.tokens, PAGE)}  # fmt: skip
+    cap = max(int(len(pages) * frac), max(-(-len(r.tokens) // PAGE) for r in reqs) + 1)
+    cfg = PolicyConfig(guard_entry_room=1e12, guard_order_room=1e12)
+    cache = TieredRadixCache.create_simulated(cap * PAGE, PAGE, policy_config=cfg)
+    pol = cache.policy
+    assert pol._tree
+    for r in reqs:
+        cache.driver.run(r.tokens, tenant=r.tenant)
+    assert pol.following == "lru" and pol._refs > 0
+    assert pol._margin == 0.0 and pol._bias["lru"][0] == 0.0, (pol._margin, pol._bias["lru"])
+    pol.check_invariants()
