@@ -417,17 +417,8 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
 
     def check_invariants(self) -> None:
         """The safety duel's structures and the learned quantities are consistent and bounded."""
-        lru, slru, lfu = self._shadows["lru"], self._shadows["slru"], self._shadows["lfu"]
-        if self._tree:
-            for sh in (lru, slru, lfu):
-                sh.check()
-        else:
-            assert len(lru.d) <= lru.cap, "lru shadow over capacity"
-            assert len(slru.prob) + len(slru.prot) <= slru.cap, "slru shadow over capacity"
-            assert not (slru.prob.keys() & slru.prot.keys()), "slru shadow segments overlap"
-            assert lfu.n == len(lfu.cnt) <= lfu.cap, "lfu shadow count"
-            assert sum(len(b) for b in lfu.buckets.values()) == lfu.n and all(lfu.buckets.values()), "lfu buckets"
-            assert all(lfu.cnt[h] == c for c, b in lfu.buckets.items() for h in b), "lfu bucket of a page"
+        for sh in self._shadows.values():
+            sh.check()
         assert self.following in ("adaptive",) + FIXED_ORDERS, self.following
         assert not self._banned or self.following != "adaptive", "banned orders outlive their hold"
         assert self._credit == self._credit and self._credit <= 1e12, "credit not finite"
@@ -448,7 +439,7 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
         assert self._refs >= 0.0 and abs(self._margin) <= slack * self._refs + 1e-6, "budget books"
         assert self._switch_reserve >= 0.0 and self._switch_reserve == self._switch_reserve, "switch reserve"
         assert self._switch_mark is None or (len(self._switch_mark) == 2 and self._switch_mark[1] > 0), "switch mark"
-        if self._budgeted and self._shadows_full() and self.following != "lru":
+        if self._budgeted and self._shadow.full and self.following != "lru":
             assert self._budget() >= 0.0, f"away from lru with the budget spent: {self._budget()}"
         assert self._sketch_mask & self._duel_mask == self._sketch_mask, "duel sample not within the counted one"
         gp = self._ghost_pages

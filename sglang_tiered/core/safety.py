@@ -1,5 +1,6 @@
-"""The safety duel (a mixin of ``AdaptivePolicy``): SHARDS-sampled shadows of SGLang's fixed orders
-(``core/shadows.py``) beside the real cache, a CUSUM that decides when the real cache follows
+"""The safety duel (a mixin of ``AdaptivePolicy``): shadows of SGLang's fixed orders
+(``core/shadows.py``: its RadixCache replayed, or SHARDS-sampled page models for big caches)
+beside the real cache, a CUSUM that decides when the real cache follows
 one of them exactly instead of the adaptive policy, the entry gate that decides when it may
 return, and the whole trace's loss budget that bounds what all episodes together may cost. The
 design, and the bound it gives, are in the docstring of ``core/policy.py``.
@@ -80,10 +81,6 @@ class SafetyDuel:
             self.following = "lru"
             self._hold = cfg.guard_start_hold * self._shadow.cap
 
-    def _shadows_full(self) -> bool:
-        sh = self._shadow
-        return sh.full if self._tree else len(sh.d) >= sh.cap
-
     def _safety_tree(self, pages: list, start: int, tail: int, real: int, n: int) -> None:
         """The duel's per-request step with the tree shadows: ``pages`` the request's page hashes
         from its first, ``pages[start:]`` (``n`` of them) this step's references."""
@@ -114,7 +111,7 @@ class SafetyDuel:
         sh[0] = sh[0] * d + n
         sh[1] = sh[1] * d + hits["lru"]
         sh[2] = sh[2] * d + real
-        if not self._shadows_full():
+        if not self._shadow.full:
             return  # the shadows are not full yet: nothing evicted, nothing to compare
         if self._budgeted:
             # corrected by the lru shadow's measured bias (SHARDS sampling: +1 point on Mooncake

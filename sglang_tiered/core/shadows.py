@@ -1,16 +1,18 @@
 """Shadows of SGLang's fixed eviction orders (lru, slru, lfu) for the safety duel
 (``core/safety.py``): they answer "how many of this request's pages would SGLang's RadixCache
-with that policy have hit?". ``TreeShadow`` replays the RadixCache itself, exactly (used where
-every page is sampled: capacity <= ``shadow_pages``); the page-level shadows below are
-SHARDS-sampled miniatures for larger caches (a model: whole-node eviction is not in it).
+with that policy have hit?". ``TreeShadow`` replays the RadixCache itself, exactly (caches up to
+``tree_shadow_pages``); the page-level shadows below are SHARDS-sampled miniatures for larger
+caches (a model: whole-node eviction is not in it). Every shadow has ``run``, ``cap``, ``full``
+(it holds a cache's worth: comparisons with the real cache mean something) and ``check``.
 
 Each ``run`` takes one request's sampled pages (shallowest first) in SGLang's scheduler order:
 the cached pages are used (and locked), room is made for the new pages by evicting other
 requests' pages, then the new pages are inserted, deepest first, so a page-level order keeps a
 radix tree's inclusion (a parent is never evicted before its children) and hits are prefix hits.
 
-Invariants (checked by ``AdaptivePolicy.check_invariants``): I1 no shadow holds more pages than
-its capacity; I2 slru's segments are disjoint; I3 lfu's buckets partition its pages by count.
+Invariants (each shadow's ``check``, run by ``AdaptivePolicy.check_invariants``): I1 no shadow
+holds more pages than its capacity; I2 slru's segments are disjoint; I3 lfu's buckets partition its
+pages by count.
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ class LruShadow:
     def __init__(self, capacity: int):
         self.cap = max(1, capacity)
         self.d: OrderedDict = OrderedDict()
+
+    @property
+    def full(self) -> bool:
+        return len(self.d) >= self.cap
+
+    def check(self) -> None:
+        assert len(self.d) <= self.cap, "lru shadow over capacity"
 
     def run(self, sampled: list) -> int:
         d = self.d
@@ -70,6 +79,14 @@ class SlruShadow:
         self.cap = max(1, capacity)
         self.prob: OrderedDict = OrderedDict()
         self.prot: OrderedDict = OrderedDict()
+
+    @property
+    def full(self) -> bool:
+        return len(self.prob) + len(self.prot) >= self.cap
+
+    def check(self) -> None:
+        assert len(self.prob) + len(self.prot) <= self.cap, "slru shadow over capacity"
+        assert not (self.prob.keys() & self.prot.keys()), "slru shadow segments overlap"
 
     def run(self, sampled: list) -> int:
         prob, prot = self.prob, self.prot
@@ -109,6 +126,15 @@ class LfuShadow:
         self.cnt: dict = {}  # page -> count (requests that used it)
         self.buckets: dict[int, OrderedDict] = {}
         self.n = 0
+
+    @property
+    def full(self) -> bool:
+        return self.n >= self.cap
+
+    def check(self) -> None:
+        assert self.n == len(self.cnt) <= self.cap, "lfu shadow count"
+        assert sum(len(b) for b in self.buckets.values()) == self.n and all(self.buckets.values()), "lfu buckets"
+        assert all(self.cnt[h] == c for c, b in self.buckets.items() for h in b), "lfu bucket of a page"
 
     def _put(self, h, c: int) -> None:
         self.cnt[h] = c
@@ -213,9 +239,6 @@ class TreeShadow:
         self.heap: list = []  # (priority, stamp, node): lazy, see _push
         self.stamps = 0
 
-    def __len__(self) -> int:
-        return self.used
-
     def _push(self, n: _Node) -> None:
         """(Re)file evictable leaf ``n`` under its current priority (its older entries go stale)."""
         self.stamps += 1
@@ -252,8 +275,7 @@ class TreeShadow:
         i, n = 0, len(pages)
         leaves = self.leaves
         while i < n:
-            child = pages[i]
-            child = node.children.get(child)
+            child = node.children.get(pages[i])
             if child is None:
                 break
             child.last = t
