@@ -222,7 +222,7 @@ def test_fixed_order_switch_needs_a_lead_beyond_noise_bias_and_lost_episodes():
     """Following another fixed order than lru needs its shadow to lead by more than twice its
     paired noise, its measured bias and its entry lead; going back to lru needs none of that."""
     pol = AdaptivePolicy(capacity_pages=64, config=GATES_ONLY)
-    pol._sh = [1000.0, 100.0, 100.0]
+    pol._sh = [1000.0, 100.0, 100.0, 0.0]
     pol._sh_hits = {"lru": 100.0, "slru": 140.0, "lfu": 0.0}
     pol._order_var["slru"] = 30.0**2  # lead 40 < twice the noise
     assert not pol._order_ahead("slru", "lru", 10.0)

@@ -58,6 +58,39 @@ def test_tree_shadow_hits_are_sglangs(policy, seed, frac):
     assert first is None, (first, want[first], got[first])
 
 
+@pytest.mark.parametrize("order", ["slru", "lfu"])
+@pytest.mark.parametrize("seed,frac", [(15, 0.05), (60, 0.005)])
+def test_fork_is_sglangs_cache_switched_midway(order, seed, frac):
+    """``TreeShadow.fork(order)`` of an lru tree is SGLang's lru RadixCache whose eviction strategy
+    is switched to ``order`` at that point: the same hits on every later request (what a priced
+    switch, ``core/safety.py`` ``_trial_step``, measures before the real cache switches)."""
+    from sglang.srt.mem_cache import radix_cache as rc
+
+    from sglang_tiered.dev import workload_family as wf
+    from sglang_tiered.dev.simulate import CacheDriver, make_params
+
+    reqs = wf.generate(wf.draw(seed))[:300]
+    seeds = {r.tenant: hashlib.blake2b((r.tenant or "").encode(), digest_size=16).digest() for r in reqs}
+    paged = [(chain_page_hashes(seeds[r.tenant], r.tokens, PAGE), int(len(r.tokens) % PAGE > 0)) for r in reqs]
+    cap = max(int(len({h for p, _ in paged for h in p}) * frac), max(len(p) + t for p, t in paged) + 1)
+    params, alloc, pool = make_params(cap * PAGE, PAGE, 1 << 17, eviction_policy="lru")
+    drv = CacheDriver(rc.RadixCache(params), alloc, pool)
+    sh, mid = TreeShadow(cap, "lru"), len(reqs) // 2
+    for r, (pages, tail) in zip(reqs[:mid], paged[:mid]):
+        assert sh.run(pages, tail) == drv.run(r.tokens, tenant=r.tenant).cached_len // PAGE
+    assert sh.full
+    fork = sh.fork(order)
+    fork.check()
+    drv.cache.eviction_strategy = rc.get_eviction_strategy(order, None)
+    differs = 0
+    for r, (pages, tail) in zip(reqs[mid:], paged[mid:]):
+        want = drv.run(r.tokens, tenant=r.tenant).cached_len // PAGE
+        assert fork.run(pages, tail) == want
+        differs += sh.run(pages, tail) != want
+        fork.check()
+    assert differs > 0  # the switch mattered: the fork is not simply the lru tree
+
+
 class TreeShadowMachine(RuleBasedStateMachine):
     """A ``TreeShadow`` beside SGLang's ``RadixCache`` (same policy, same capacity, driven by
     ``CacheDriver``): every request hits the same pages in both; the shadow's invariants hold."""

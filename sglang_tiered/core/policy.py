@@ -255,7 +255,7 @@ class PolicyConfig:
     guard_entry_room: float = 1.0
     # x CUSUM threshold: budget left needed to start following slru or lfu instead of lru (an
     # exact shadow's lead still costs a content transition when the real cache switches)
-    guard_order_room: float = 1.0
+    guard_order_room: float = 0.0
     # caches of at most this many pages duel against SGLang's RadixCache itself, replayed for
     # each fixed order (``TreeShadow``: exact, whole-node eviction) instead of the SHARDS-sampled
     # page-level model. A tree shadow's CPU per request is its path and evictions, not the cache's
@@ -263,6 +263,16 @@ class PolicyConfig:
     # pages): up to 2^18 pages (4M tokens at page 16; every benchmarked cache), beyond it the
     # sampled page shadows keep the duel's memory bounded; 0: the page shadows everywhere
     tree_shadow_pages: int = 1 << 18
+    # x capacity: with tree shadows, a switch from lru to slru or lfu is priced first: the lru
+    # tree is forked and run under that order until it took in this many capacities of pages
+    # (its content turned over); the real cache switches only if the fork came out ahead,
+    # transition included (core/safety.py ``_trial_step``); 0: the shadows' lead alone
+    guard_trial: float = 2.0
+    # with tree shadows, away from lru the budget must also cover the pages lru's tree holds and
+    # the real cache does not (what the switch back may cost: core/safety.py ``_return_price``)
+    guard_return_priced: bool = True
+    # ... and an episode starts only with that price for the whole cache in the budget already
+    guard_prepay: bool = True
 
 
 @dataclass
@@ -277,6 +287,8 @@ class PolicyStats:
     thrash_windows: int = 0
     no_store_requests: int = 0
     fallbacks: int = 0  # times the safety duel switched the real cache to exact lru
+    trials: int = 0  # priced switches tried on a fork of the lru tree shadow
+    trials_won: int = 0  # ... that came out ahead, so the real cache switched
     cycle_clamped: int = 0  # LRU-cycle estimates cut at their bound (see AdaptivePolicy.on_evict)
 
 
@@ -419,6 +431,11 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
         """The safety duel's structures and the learned quantities are consistent and bounded."""
         for sh in self._shadows.values():
             sh.check()
+        tr = self._trial
+        if tr is not None:  # a priced switch: a fork of the lru tree, while lru is followed
+            assert self._trials and tr[0] in ("slru", "lfu") and tr[3] >= 0.0, tr[:4]
+            assert self.following == "lru", "a trial outlived lru being followed"
+            tr[1].check()
         assert self.following in ("adaptive",) + FIXED_ORDERS, self.following
         assert not self._banned or self.following != "adaptive", "banned orders outlive their hold"
         assert self._credit == self._credit and self._credit <= 1e12, "credit not finite"

@@ -14,7 +14,7 @@ are full the cache is away from lru only with budget left (``_budget() >= 0``).
 
 from __future__ import annotations
 
-from sglang_tiered.core.shadows import FIXED_ORDERS, LfuShadow, LruShadow, SlruShadow, TreeShadow
+from sglang_tiered.core.shadows import FIXED_ORDERS, Divergence, LfuShadow, LruShadow, SlruShadow, TreeShadow
 
 
 class SafetyDuel:
@@ -58,7 +58,10 @@ class SafetyDuel:
         # per fixed order, while it is followed: (shadow - real) hits and references (decayed),
         # the page-level model's bias against the real tree under that order
         self._bias = {o: [0.0, 0.0] for o in FIXED_ORDERS}
-        self._sh = [0.0, 0.0, 0.0]  # decayed sampled references, lru-shadow hits, real hits
+        # decayed sampled references, lru-shadow hits, real hits, and lru-shadow hits the real
+        # cache missed (pages lru held and the real cache did not: the loss a switch back goes on
+        # paying until the real cache holds lru's pages again)
+        self._sh = [0.0, 0.0, 0.0, 0.0]
         # The fixed-order gate: per order, the decayed sum of squared per-request differences of
         # its shadow's hits from the lru shadow's (the paired noise of its lead, as for the entry
         # gate), and the extra lead (sampled hits) it needs to be followed: none at first, one
@@ -75,6 +78,18 @@ class SafetyDuel:
         # the largest kept), and the measurement in progress: [margin at the switch, refs left]
         self._switch_reserve = cfg.guard_switch_reserve * self._shadow.cap
         self._switch_mark: list | None = None
+        # A priced switch (tree shadows only): before the real cache leaves lru for slru or lfu,
+        # the lru tree (the real cache's content while it follows lru) is forked and run under
+        # that order. [order, forked tree, (fork - lru) hits, their summed squares, fork misses
+        # left]; the switch is made only if the fork, transition included, came out ahead.
+        self._trials = self._tree and cfg.guard_trial > 0
+        self._trial: list | None = None
+        # The price of a switch back to lru (tree shadows only): the pages the lru tree holds
+        # that the real cache does not (``Divergence.only_l``; the integration reports the real
+        # cache's pages through ``real_stored`` / ``real_removed``). Away from lru, the budget
+        # must cover it: the switch back is paid for before it is needed. On once the real
+        # cache reports its pages (``track_real_pages``).
+        self._div: Divergence | None = None
         if self._guard and cfg.guard_start_lru:
             # Start as SGLang's lru: its first hold measures the page model's bias against the
             # real tree before the adaptive policy is tried (and compared with bias corrected).
@@ -85,7 +100,11 @@ class SafetyDuel:
         """The duel's per-request step with the tree shadows: ``pages`` the request's page hashes
         from its first, ``pages[start:]`` (``n`` of them) this step's references."""
         sh = self._shadows
-        self._duel_step({o: sh[o].run(pages, tail, start) for o in FIXED_ORDERS}, real, n)
+        hits = {o: sh[o].run(pages, tail, start) for o in FIXED_ORDERS}
+        tr = self._trial
+        if tr is not None:
+            hits["trial"] = tr[1].run(pages, tail, start)
+        self._duel_step(hits, real, n)
 
     def _safety(self, sampled: list, real: int, n: int) -> None:
         """The safety duel, once per request: ``n`` sampled page references of which the real
@@ -111,6 +130,7 @@ class SafetyDuel:
         sh[0] = sh[0] * d + n
         sh[1] = sh[1] * d + hits["lru"]
         sh[2] = sh[2] * d + real
+        sh[3] = sh[3] * d + max(0, hits["lru"] - real)
         if not self._shadow.full:
             return  # the shadows are not full yet: nothing evicted, nothing to compare
         if self._budgeted:
@@ -143,7 +163,7 @@ class SafetyDuel:
             if fol == "adaptive" and c > 2 * self._threshold:
                 self._hold_len = self.cfg.guard_hold * self._shadow.cap  # vindicated
                 self._entry_lead = 0.0
-            broke = self._budget() < 0.0
+            broke = self._budget() < self._return_price()
             if c < -self._threshold or broke:  # behind: follow the reference order
                 self._credit = 0.0
                 if broke:  # the whole trace's budget is spent: back to lru, the bar itself
@@ -160,6 +180,12 @@ class SafetyDuel:
                     self._follow("lru")
                 return
         if fol != "adaptive":
+            if self._trial is not None:  # (only ever while lru is followed)
+                self._trial_step(hits, n)
+                fol = self.following
+            dv = self._div
+            if fol == "lru" and dv is not None and dv.counting and not dv.only_l and not dv.only_r:
+                dv.stop()  # the real cache holds exactly lru's pages again
             if self._settle > 0:
                 self._settle -= max(0, n - hits[fol])  # the followed order's shadow misses
             else:
@@ -167,16 +193,49 @@ class SafetyDuel:
                 b[0] = b[0] * d + hits[fol] - real
                 b[1] = b[1] * d + n
             if best != fol and best not in self._banned and self._order_ahead(best, fol, lead):
-                self._follow(best)  # another fixed order leads now (hold continues)
-                self._credit = 0.0
+                if fol == "lru" and self._trials:
+                    if self._trial is None and self._settle <= 0:  # price it first
+                        self._trial = [best, self._shadow.fork(best), 0.0, 0.0,
+                                       self.cfg.guard_trial * self._shadow.cap]
+                        self.stats.trials += 1
+                else:
+                    self._follow(best)  # another fixed order leads now (hold continues)
+                    self._credit = 0.0
             self._hold -= n
             if self._hold <= 0:
                 self._banned.clear()
                 if self._adaptive_ahead():
                     self.following = "adaptive"
+                    self._trial = None  # the real cache leaves lru: nothing left to price
+                    if self._div is not None:
+                        self._div.start()
                     self._credit = 0.0
                 else:  # no evidence that adaptive would do better: look again in a turnover
                     self._hold = float(self._shadow.cap)
+
+    def _trial_step(self, hits: dict, n: int) -> None:
+        """A priced switch in progress: the forked tree's hits against the lru tree's on the same
+        request. Once the fork has taken in ``guard_trial`` capacities of pages (its content has
+        turned over, the transition is paid), the real cache switches if the fork gained more than
+        a CUSUM threshold and ``guard_noise_sigmas`` x its paired noise and the budget has
+        ``guard_order_room`` thresholds left; else the order's entry lead grows as after a lost
+        episode. The real cache pays nothing for a trial that fails."""
+        tr = self._trial
+        d = hits["trial"] - hits["lru"]
+        tr[2] += d
+        tr[3] += d * d
+        tr[4] -= n - hits["trial"]
+        if tr[4] > 0:
+            return
+        self._trial = None
+        o = tr[0]
+        need = max(self._threshold, self.cfg.guard_noise_sigmas * tr[3] ** 0.5)
+        if tr[2] > need and o not in self._banned and self._may_leave_lru(adaptive=False):
+            self.stats.trials_won += 1
+            self._follow(o)
+            self._credit = 0.0
+        else:
+            self._order_lead[o] = max(float(self._shadow.cap), 2 * self._order_lead[o])
 
     def _account(self, gain: float, n: int, misses: int) -> None:
         """The budget's books, per request: ``gain`` = real - lru shadow (bias-corrected) hits of
@@ -202,7 +261,53 @@ class SafetyDuel:
         CUSUM thresholds of loss (an adaptive episode) or ``guard_order_room`` (another fixed
         order, judged on its shadow's hits)."""
         room = self.cfg.guard_entry_room if adaptive else self.cfg.guard_order_room
-        return self._budget() >= room * self._threshold
+        return self._budget() - self._return_price(whole=self.cfg.guard_prepay) >= room * self._threshold
+
+    def _return_price(self, whole: bool = False) -> float:
+        """What switching the real cache back to lru may cost now: the pages lru's tree holds and
+        the real cache does not (0 while it holds lru's, or without tree shadows); ``whole``:
+        if every page lru holds were one the real cache does not (the most an episode can owe)."""
+        dv = self._div
+        if dv is None or (not whole and (not dv.counting or not dv.only_l)):
+            return 0.0
+        # each page lru holds that the real cache does not is lost at most once (missed, it is
+        # back); expected: as often as lru hits a page it holds (``h / (1 - h)`` hits per page
+        # over a turnover, lru's hit rate ``h``), so pages of a cache lru never hits cost nothing
+        sh = self._sh
+        h = sh[1] / sh[0] if sh[0] > 0 else 1.0
+        return (self._shadow.used if whole else dv.only_l) * min(1.0, h / max(1e-9, 1.0 - h))
+
+    # the real cache's pages (integration/index_hints.py tells every device store and removal)
+    def track_real_pages(self) -> None:
+        """From now on the real cache (empty now) reports every page it stores and removes, so
+        a switch back to lru can be priced (tree shadows, ``guard_return_priced``)."""
+        if not (self._tree and self.cfg.guard_return_priced) or self._div is not None:
+            return
+        dv = self._div = Divergence()
+        dv.L.update(self._shadow_pages())
+        self._shadow.track = dv
+        if self.following != "lru":
+            dv.start()
+
+    def _shadow_pages(self) -> set:
+        out, stack = set(), [self._shadow.root]
+        while stack:
+            n = stack.pop()
+            out.update(n.key)
+            stack.extend(n.children.values())
+        return out
+
+    def real_stored(self, pages) -> None:
+        if self._div is not None:
+            self._div.r_add(pages)
+
+    def real_removed(self, pages) -> None:
+        if self._div is not None:
+            self._div.r_remove(pages)
+
+    def real_cleared(self) -> None:
+        if self._div is not None:
+            self._div.r_clear()
 
     def _adaptive_ahead(self) -> bool:
         """Evidence for following adaptive: its better miniature leads the lru miniature, by more
@@ -244,8 +349,8 @@ class SafetyDuel:
             return acc["lru"] > acc[fol] + lead
         if n < self.cfg.guard_start_hold * self._shadow.cap:
             return False  # too few references yet to tell the orders apart
-        if fol == "lru" and not self._may_leave_lru(adaptive=False):
-            return False
+        if fol == "lru" and not self._trials and not self._may_leave_lru(adaptive=False):
+            return False  # (a priced switch checks the room when its trial ends)
         need = max(lead, self.cfg.guard_noise_sigmas * self._order_var[order] ** 0.5, self._order_lead[order])
         gain = (acc[order] - self._bias_rate(order) * n) - (acc[fol] - self._bias_rate(fol) * n)
         return gain > need
@@ -260,6 +365,8 @@ class SafetyDuel:
         if order == "lru" and self._budgeted:
             self._switch_mark = [self._margin, float(self._shadow.cap)]  # measure the switch's cost
         self.following = order
+        if order != "lru" and self._div is not None:
+            self._div.start()
         self.stats.fallbacks += 1
         # two turnovers of the cache's content, in shadow misses (the transition after a switch
         # outlasted one on family-130 at 20 %, and its loss passed for the shadow's bias)

@@ -187,6 +187,94 @@ class LfuShadow:
         return len(hit)
 
 
+class Divergence:
+    """The pages the lru tree shadow holds (``L``) against those the real cache holds (``R``), as
+    sets kept by bulk updates; while ``counting`` (the real cache is away from lru, or has not
+    converged back), also ``only_l = |L - R|`` and ``only_r = |R - L|`` page by page. ``only_l``
+    prices a switch back to lru: the pages lru would hit that the real cache must first miss.
+
+    Invariants (``check``): while counting, the counts equal the set differences."""
+
+    __slots__ = ("L", "R", "counting", "only_l", "only_r")
+
+    def __init__(self):
+        self.L: set = set()
+        self.R: set = set()
+        self.counting = False
+        self.only_l = self.only_r = 0
+
+    def start(self) -> None:
+        if not self.counting:
+            self.only_l, self.only_r = len(self.L - self.R), len(self.R - self.L)
+            self.counting = True
+
+    def stop(self) -> None:
+        self.counting = False
+        self.only_l = self.only_r = 0
+
+    def l_add(self, pages) -> None:
+        if not self.counting:
+            self.L.update(pages)
+            return
+        L, R = self.L, self.R
+        for h in pages:
+            if h not in L:
+                L.add(h)
+                if h in R:
+                    self.only_r -= 1
+                else:
+                    self.only_l += 1
+
+    def l_remove(self, pages) -> None:
+        if not self.counting:
+            self.L.difference_update(pages)
+            return
+        L, R = self.L, self.R
+        for h in pages:
+            if h in L:
+                L.discard(h)
+                if h in R:
+                    self.only_r += 1
+                else:
+                    self.only_l -= 1
+
+    def r_add(self, pages) -> None:
+        if not self.counting:
+            self.R.update(pages)
+            return
+        L, R = self.L, self.R
+        for h in pages:
+            if h not in R:
+                R.add(h)
+                if h in L:
+                    self.only_l -= 1
+                else:
+                    self.only_r += 1
+
+    def r_remove(self, pages) -> None:
+        if not self.counting:
+            self.R.difference_update(pages)
+            return
+        L, R = self.L, self.R
+        for h in pages:
+            if h in R:
+                R.discard(h)
+                if h in L:
+                    self.only_l += 1
+                else:
+                    self.only_r -= 1
+
+    def r_clear(self) -> None:
+        self.R.clear()
+        if self.counting:
+            self.only_l, self.only_r = len(self.L), 0
+
+    def check(self) -> None:
+        if self.counting:
+            assert self.only_l == len(self.L - self.R), ("only_l", self.only_l, len(self.L - self.R))
+            assert self.only_r == len(self.R - self.L), ("only_r", self.only_r, len(self.R - self.L))
+
+
 class _Node:
     __slots__ = ("key", "children", "parent", "last", "hits", "lock", "seq", "stamp")
 
@@ -222,7 +310,7 @@ class TreeShadow:
     leaves are the unlocked nodes without children, each with a live heap entry; nothing is
     locked between requests."""
 
-    __slots__ = ("cap", "order", "root", "used", "leaves", "clock", "seq", "full", "heap", "stamps")
+    __slots__ = ("cap", "order", "root", "used", "leaves", "clock", "seq", "full", "heap", "stamps", "track")
 
     def __init__(self, capacity: int, order: str = "lru"):
         if order not in FIXED_ORDERS:
@@ -238,6 +326,7 @@ class TreeShadow:
         self.full = False  # True once it held its capacity or had to evict (as full as SGLang's gets)
         self.heap: list = []  # (priority, stamp, node): lazy, see _push
         self.stamps = 0
+        self.track: Divergence | None = None  # told of every page this tree takes in or drops
 
     def _push(self, n: _Node) -> None:
         """(Re)file evictable leaf ``n`` under its current priority (its older entries go stale)."""
@@ -323,6 +412,8 @@ class TreeShadow:
             del p.children[x.key[0]]
             leaves.discard(x)
             x.stamp = -1
+            if self.track is not None:
+                self.track.l_remove(x.key)
             if not p.children and p.lock == 0:
                 leaves.add(p)
                 self._push(p)
@@ -345,6 +436,8 @@ class TreeShadow:
                 leaf = _Node(pages[done:], node, self.clock, 1 if len(pages) > start else 0, self.seq)
                 node.children[pages[done]] = leaf
                 self.used += len(leaf.key)
+                if self.track is not None:
+                    self.track.l_add(leaf.key)
                 if self.used >= self.cap:
                     self.full = True
                 self.leaves.discard(node)
@@ -355,12 +448,36 @@ class TreeShadow:
         self._set_lock(last, -1)
         return max(0, matched - start)
 
+    def fork(self, order: str) -> "TreeShadow":
+        """A copy of this tree, from now on evicting by ``order``: what SGLang's cache holding this
+        content would do if its policy were switched now (the hit counts and access times carry
+        over, as the nodes' own fields do; the priorities are ``order``'s). Between requests only:
+        nothing is locked then."""
+        t = TreeShadow(self.cap, order)
+        t.used, t.clock, t.seq, t.full = self.used, self.clock, self.seq, self.full
+        t.root.last, t.root.hits = self.root.last, self.root.hits
+        stack = [(self.root, t.root)]
+        while stack:
+            src, dst = stack.pop()
+            for k, c in src.children.items():
+                n = _Node(c.key, dst, c.last, c.hits, c.seq)  # keys are never mutated in place
+                dst.children[k] = n
+                if c.children:
+                    stack.append((c, n))
+                else:
+                    t.leaves.add(n)
+        for n in sorted(t.leaves, key=lambda x: x.seq):
+            t._push(n)
+        return t
+
     def check(self) -> None:
         seen, stack = 0, [self.root]
         live = {id(e[3]) for e in self.heap if e[3].stamp == e[2]}
+        held = set()
         while stack:
             n = stack.pop()
             seen += len(n.key)
+            held.update(n.key)
             assert n is self.root or n.lock == 0, "a node stayed locked"
             assert (n in self.leaves) == (n is not self.root and not n.children), "evictable leaves"
             assert n not in self.leaves or id(n) in live, "an evictable leaf without a live heap entry"
@@ -368,3 +485,6 @@ class TreeShadow:
                 assert c.parent is n and c.key and c.key[0] == k, "tree links"
                 stack.append(c)
         assert seen == self.used <= self.cap, (seen, self.used, self.cap)
+        if self.track is not None:
+            assert self.track.L == held, "the divergence's L is not the tree's pages"
+            self.track.check()

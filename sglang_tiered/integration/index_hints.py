@@ -18,6 +18,9 @@ class IndexHints:
     def __init__(self):
         self.listener = None  # on_store(hashes), on_remove(hashes), on_clear(); optional snapshot()
         self.device: set = set()  # page hashes on the device (kept only while a listener listens)
+        # also told of every device store and removal: the policy (its safety duel prices a
+        # switch back to lru by the pages lru holds and the device does not)
+        self.policy = None
 
     def notify(self, kind: str, hashes) -> None:
         if self.listener is not None and hashes:
@@ -25,12 +28,16 @@ class IndexHints:
 
     def device_stored(self, hashes) -> None:
         """Pages entered the device tree."""
+        if self.policy is not None and hashes:
+            self.policy.real_stored(hashes)
         if self.listener is not None and hashes:
             self.device.update(hashes)
             self.listener.on_store(hashes)
 
     def device_removed(self, hashes, kept=None) -> None:
         """Pages left the device tree; ``kept(h)``: T1 still holds h (then it stays held)."""
+        if self.policy is not None and hashes:
+            self.policy.real_removed(hashes)
         if self.listener is not None and hashes:
             self.device.difference_update(hashes)
             gone = hashes if kept is None else [h for h in hashes if not kept(h)]
@@ -43,6 +50,8 @@ class IndexHints:
             self.listener.on_remove([page_hash])
 
     def clear(self) -> None:
+        if self.policy is not None:
+            self.policy.real_cleared()
         self.device.clear()
         if self.listener is not None:
             self.listener.on_clear()

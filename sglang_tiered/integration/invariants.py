@@ -47,8 +47,10 @@ def check_cache(cache) -> None:
 
 
 def check_index_device(cache) -> None:
-    """I1 of index_hints.py: with a listener, the hint index's device set is the tree's pages."""
-    if cache.index.listener is None:
+    """I1 of index_hints.py: with a listener, the hint index's device set is the tree's pages;
+    and the safety duel's record of the real cache's pages (``Divergence.R``) is too."""
+    div = getattr(cache.policy, "_div", None)
+    if cache.index.listener is None and div is None:
         return
     held = set()
     stack = list(cache.root_node.children.values())
@@ -57,4 +59,7 @@ def check_index_device(cache) -> None:
         stack.extend(n.children.values())
         if n.tiered_hashes:
             held.update(n.tiered_hashes)
-    assert held == cache.index.device, ("I1 violated: index device set", len(held), len(cache.index.device))
+    if cache.index.listener is not None:
+        assert held == cache.index.device, ("I1 violated: index device set", len(held), len(cache.index.device))
+    if div is not None:
+        assert held == div.R, ("the duel's record of the device pages", len(held), len(div.R))

@@ -219,7 +219,7 @@ class T1Tier:
         would, unless the queue is under pressure."""
         self._demote_victim(x)
         index = self.cache.index
-        if index.listener is not None:  # a demoted page stays held, in T1
+        if index.listener is not None or index.policy is not None:  # a demoted page stays held, in T1
             index.device_removed(x.tiered_hashes, kept=self.holds)
 
     def _demote_victim(self, x) -> None:

@@ -65,6 +65,8 @@ class TieredRadixCache(RadixCache):
         self.eviction = Eviction(self)
         self.invalidation = Invalidation(self)
         self.index = IndexHints()  # fleet hint index (sglang_tiered.fleet.publisher)
+        self.index.policy = self.policy
+        self.policy.track_real_pages()
         self.t1: Optional[Tier] = None  # the host tier (T1Tier), when on
         self.host_decision = "off"
         self.t2_decision = "off: SGLANG_TIERED_T2 unset"
