@@ -121,6 +121,10 @@ class PolicyReport(msgspec.Struct, kw_only=True):
     shadow_lru_hit_rate: float = 0.0  # lru shadow's hit rate on the sampled pages (recent)
     real_sampled_hit_rate: float = 0.0  # the real cache's hit rate on the same pages (recent)
     lru_model_bias: float = 0.0  # shadow minus real hit rate measured while following lru
+    trials: int = 0  # switches from lru to slru/lfu tried first on a fork of the lru tree shadow
+    trials_won: int = 0  # ... that came out ahead, so the real cache switched
+    diverged_pages: int = 0  # pages SGLang's lru would hold now that this cache does not
+    switch_back_price: float = 0.0  # what a switch back to lru may cost now (hits; the budget covers it)
 
 
 class IndexStats(msgspec.Struct, kw_only=True):

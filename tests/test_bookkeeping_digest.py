@@ -3,7 +3,8 @@ the policy's end snapshot) on a spread of cells equals what the code before them
 
 The digests were recorded with ``bench/bookkeeping.py --digests`` on dae6791 (before the
 bookkeeping work of issue #11, item 4), and re-recorded when the safety duel's shadows became
-SGLang's own tree (``TreeShadow``) and an episode's budget room became 1 (session 10). A change
+SGLang's own tree (``TreeShadow``) and an episode's budget room became 1 (session 10), and when switches were priced (a trial on
+a fork of the lru tree before leaving lru, the switch back prepaid; session 11). A change
 that *means* to change decisions (the policy's rules, its defaults) re-records them with that
 command, and says so in its commit.
 """
@@ -20,28 +21,28 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 # (workload, capacity fraction) -> (sha256[:16] of per-request cached lengths, of the end snapshot)
 RECORDED = {
-    ("mooncake", 0.005): ("3ebb876581df3414", "262085141a9c2c09"),
-    ("mooncake", 0.02): ("aa2a83670c95dbb9", "14b08b24d40a3646"),
-    ("multitenant", 0.01): ("28381a3310c2e3ae", "d4ce1c7586ce6175"),
-    ("multitenant", 0.1): ("79db1af18739228d", "9d1fc39baad702c7"),
-    ("family-8", 0.005): ("d8ae1c56582d9677", "b436d4af28ec0b39"),
-    ("family-8", 0.05): ("457e46a11dcf7542", "83d60545d75550c5"),
-    ("family-8", 0.2): ("40b42a8024fad50a", "57337a28d8c714c4"),
-    ("family-14", 0.005): ("fd00e1abb33f49f0", "015c431b0241d4d7"),
-    ("family-14", 0.05): ("042c54ab27cb2f79", "c33d5b8ec247df1c"),
-    ("family-14", 0.2): ("fcb03ba4986d8fda", "5078cffff090e232"),
-    ("family-19", 0.005): ("9753a2a9cf8957e8", "c406b3ad1099473c"),
-    ("family-19", 0.05): ("53a5f0a671be65bb", "42c7e321c6d884fc"),
-    ("family-19", 0.2): ("98fd27a1792e2fd4", "49c2fc66553eb0c9"),
-    ("family-21", 0.005): ("22bba763146b92de", "6de5f03c500f1769"),
-    ("family-21", 0.05): ("1e2982503cc263c1", "3430afbde625442f"),
-    ("family-21", 0.2): ("6b6715cfa7e3fad4", "e5218039516d7e17"),
-    ("family-25", 0.005): ("6128c52f2452d3b5", "78639de477d439f4"),
-    ("family-25", 0.05): ("4c2c58975cfbd953", "19c2033c09242025"),
-    ("family-25", 0.2): ("6b6abe1877b8c062", "59e14339f1ddc865"),
-    ("family-28", 0.005): ("bcaf58063b0a2332", "ac46079b1c518a3f"),
-    ("family-28", 0.05): ("cfdfdbafca2c3d2e", "c64005e5110c4713"),
-    ("family-28", 0.2): ("eb669d6bd15d9f14", "44bdd7520ab70248"),
+    ("mooncake", 0.005): ("c6a915b2b104d6cf", "d3fc11713a891885"),
+    ("mooncake", 0.02): ("9dfcdbe2430350b3", "a382d46506f708c7"),
+    ("multitenant", 0.01): ("5a122ec50593c666", "d4d57b285ed72ecb"),
+    ("multitenant", 0.1): ("79db1af18739228d", "51f6ed4958f92a2b"),
+    ("family-8", 0.005): ("d8ae1c56582d9677", "2d65f9b78911bd62"),
+    ("family-8", 0.05): ("457e46a11dcf7542", "6efbab2fa3c7da45"),
+    ("family-8", 0.2): ("40b42a8024fad50a", "ca1ca991ca1149e4"),
+    ("family-14", 0.005): ("098f9b1a4d03bba7", "536275af8b1de1f6"),
+    ("family-14", 0.05): ("042c54ab27cb2f79", "cea60d8b5c690f5d"),
+    ("family-14", 0.2): ("fcb03ba4986d8fda", "a0a42c979c15a5c1"),
+    ("family-19", 0.005): ("9753a2a9cf8957e8", "b04c634fcb58625d"),
+    ("family-19", 0.05): ("53a5f0a671be65bb", "446b4e193d49e6d5"),
+    ("family-19", 0.2): ("98fd27a1792e2fd4", "d8d4967ea1a0ab67"),
+    ("family-21", 0.005): ("22bba763146b92de", "c3b7f2b6926c22a5"),
+    ("family-21", 0.05): ("1e2982503cc263c1", "3ceb5711bd57b83e"),
+    ("family-21", 0.2): ("6b6715cfa7e3fad4", "786d0e376edf973f"),
+    ("family-25", 0.005): ("6128c52f2452d3b5", "389e473c1ee1c323"),
+    ("family-25", 0.05): ("4c2c58975cfbd953", "09152f0c0bb543b8"),
+    ("family-25", 0.2): ("6b6abe1877b8c062", "950907696768849e"),
+    ("family-28", 0.005): ("bcaf58063b0a2332", "7a695c1d975b342f"),
+    ("family-28", 0.05): ("cfdfdbafca2c3d2e", "1046d6de1cb3d460"),
+    ("family-28", 0.2): ("eb669d6bd15d9f14", "d438c47fde7d3016"),
 }
 
 

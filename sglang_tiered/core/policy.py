@@ -479,6 +479,8 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
             "adaptive_mode": str(self.modes[self.mode_index]),
             "shadow_rate": round(self.shard_rate, 5),
             "shadow_kind": "tree" if self._tree else "pages",
+            "diverged_pages": self._div.only_l if self._div is not None and self._div.counting else 0,
+            "switch_back_price": round(self._return_price(), 1),
             "shadow_lru_hit_rate": round(self._sh[1] / self._sh[0], 4) if self._sh[0] else 0.0,
             "real_sampled_hit_rate": round(self._sh[2] / self._sh[0], 4) if self._sh[0] else 0.0,
             "lru_model_bias": round(self._bias["lru"][0] / self._bias["lru"][1], 4) if self._bias["lru"][1] else 0.0,
