@@ -59,6 +59,26 @@ real cache's own hits on the same (sampled) pages are counted too. It then follo
   argument). An episode away from lru starts only while ``B >= room x T`` (``guard_entry_room``
   for adaptive, ``guard_order_room`` for slru/lfu; 1 each by default, 0: any budget left) and
   ends, for lru, as soon as ``B < 0``, whatever the CUSUM says.
+* **Priced switches (tree shadows; session 11).** The two costs the budget used to learn only
+  after paying them are priced before the real cache pays:
+
+  - *Into slru or lfu.* While lru is followed the lru tree shadow *is* the real cache's content.
+    When the fixed-order gate passes, that tree is forked (``TreeShadow.fork``: SGLang's cache
+    with its policy switched at this request, request for request, tests/test_shadows_tree.py)
+    and run under the new order until it took in ``guard_trial`` (2) capacities of pages. The
+    real cache switches only if the fork beat lru by more than ``T`` and ``guard_noise_sigmas`` x
+    the paired noise of the trial, transition included, and the budget covers the entry (below);
+    otherwise the order's entry lead grows as after a lost episode. A failed trial costs the real
+    cache nothing.
+  - *Back to lru.* ``Divergence`` keeps the pages of lru's tree (``L``) and of the real device
+    tree (``R``: the integration reports every device store and removal, the events the fleet
+    index gets; ``check_cache`` checks ``R`` against the tree). After a switch back, each page of
+    ``L - R`` is missed at most once and then held (lru holds the most recently used pages, so the
+    real cache's extra pages, ``R - L``, are older and go first), so the switch back costs at most
+    ``|L - R|`` pages, priced at lru's hits per held page over a turnover, ``v = min(1, h / (1 -
+    h))`` with ``h`` lru's recent hit rate (a cache lru never hits owes nothing). Away from lru the
+    budget must cover ``v x |L - R|`` after every request (else back to lru), and an episode starts
+    only when it covers ``v x |L|``, the price if every page diverged (``guard_prepay``).
 
 Bound (per run, sampled hit pages against the lru shadow; ``C`` the capacity in sampled pages).
 With the budget: ``loss <= beta x N + (the turnover after the last switch back - S)``, where the
@@ -76,6 +96,14 @@ requests against caches of 11-3,000 pages) a single switch can cost more than th
 never leaving lru meets it for sure. ``guard_entry_room`` and ``guard_order_room`` (1 each: a
 CUSUM threshold of budget before an episode) make the budget pay for what an episode may lose
 before the CUSUM ends it; they do not pay for that first switch back.
+With the priced switches (the default with tree shadows) the switch back is paid before it is
+needed: ``loss <= beta x N + (one request's overshoot) + (the price's error)``. The overshoot is
+what one request diverges by (the price is checked after each request: family-066 at 2 % lost 81
+pages in one request against a budget of 16 before prices). The error is the value ``v``: the
+diverged pages are priced at lru's mean hits per page, and an adversary can make them exactly the
+pages lru hits, so the price can be low by up to ``(1 - v) x |L - R|``. Pricing at ``v = 1`` would
+close that and make the bound strict, but then an episode waits for ``beta x N >= C`` (a thousand
+capacities of references): never on the family's traces.
 Measured on the 79 cells below the lru bar at a038739 plus 60 random others (same workloads,
 deterministic hits; SGLang's numbers from bench/results/workload_family_a038739.csv): below lru -
 0.2 points 79 -> 7 (worst -1.92 -> -0.48, family-119 at 20 %: a first switch back, unreserved),
