@@ -212,57 +212,54 @@ class Divergence:
         self.counting = False
         self.only_l = self.only_r = 0
 
+    @staticmethod
+    def _apply(pages, mine: set, other: set, add: bool) -> tuple:
+        """Add (or remove) ``pages`` to (from) ``mine``; returns how many of those that changed
+        ``other`` holds, and how many it does not."""
+        shared = alone = 0
+        for h in pages:
+            if (h in mine) != add:
+                if add:
+                    mine.add(h)
+                else:
+                    mine.discard(h)
+                if h in other:
+                    shared += 1
+                else:
+                    alone += 1
+        return shared, alone
+
     def l_add(self, pages) -> None:
         if not self.counting:
             self.L.update(pages)
             return
-        L, R = self.L, self.R
-        for h in pages:
-            if h not in L:
-                L.add(h)
-                if h in R:
-                    self.only_r -= 1
-                else:
-                    self.only_l += 1
+        shared, alone = self._apply(pages, self.L, self.R, True)
+        self.only_r -= shared
+        self.only_l += alone
 
     def l_remove(self, pages) -> None:
         if not self.counting:
             self.L.difference_update(pages)
             return
-        L, R = self.L, self.R
-        for h in pages:
-            if h in L:
-                L.discard(h)
-                if h in R:
-                    self.only_r += 1
-                else:
-                    self.only_l -= 1
+        shared, alone = self._apply(pages, self.L, self.R, False)
+        self.only_r += shared
+        self.only_l -= alone
 
     def r_add(self, pages) -> None:
         if not self.counting:
             self.R.update(pages)
             return
-        L, R = self.L, self.R
-        for h in pages:
-            if h not in R:
-                R.add(h)
-                if h in L:
-                    self.only_l -= 1
-                else:
-                    self.only_r += 1
+        shared, alone = self._apply(pages, self.R, self.L, True)
+        self.only_l -= shared
+        self.only_r += alone
 
     def r_remove(self, pages) -> None:
         if not self.counting:
             self.R.difference_update(pages)
             return
-        L, R = self.L, self.R
-        for h in pages:
-            if h in R:
-                R.discard(h)
-                if h in L:
-                    self.only_l += 1
-                else:
-                    self.only_r -= 1
+        shared, alone = self._apply(pages, self.R, self.L, False)
+        self.only_l += shared
+        self.only_r -= alone
 
     def r_clear(self) -> None:
         self.R.clear()
