@@ -62,6 +62,7 @@ class SafetyDuel:
         # cache missed (pages lru held and the real cache did not: the loss a switch back goes on
         # paying until the real cache holds lru's pages again)
         self._sh = [0.0, 0.0, 0.0, 0.0]
+        self._max_hit = 0  # the most pages lru's shadow hit in one request so far
         # The fixed-order gate: per order, the decayed sum of squared per-request differences of
         # its shadow's hits from the lru shadow's (the paired noise of its lead, as for the entry
         # gate), and the extra lead (sampled hits) it needs to be followed: none at first, one
@@ -131,6 +132,8 @@ class SafetyDuel:
         sh[1] = sh[1] * d + hits["lru"]
         sh[2] = sh[2] * d + real
         sh[3] = sh[3] * d + max(0, hits["lru"] - real)
+        if hits["lru"] > self._max_hit:
+            self._max_hit = hits["lru"]
         if not self._shadow.full:
             return  # the shadows are not full yet: nothing evicted, nothing to compare
         if self._budgeted:
@@ -275,7 +278,9 @@ class SafetyDuel:
         # over a turnover, lru's hit rate ``h``), so pages of a cache lru never hits cost nothing
         sh = self._sh
         h = sh[1] / sh[0] if sh[0] > 0 else 1.0
-        return (self._shadow.used if whole else dv.only_l) * min(1.0, h / max(1e-9, 1.0 - h))
+        n = self._shadow.used if whole else dv.only_l
+        lump = min(n, self._max_hit) if self.cfg.guard_price_lump else 0
+        return n * min(1.0, h / max(1e-9, 1.0 - h)) + lump
 
     # the real cache's pages (integration/index_hints.py tells every device store and removal)
     def track_real_pages(self) -> None:
