@@ -36,11 +36,16 @@ def test_no_episode_away_from_lru_without_room_in_the_budget():
     assert pol._may_leave_lru() and pol._adaptive_ahead()
     pol._switch_reserve = 5.0  # a measured switch back cost 5: kept in reserve
     assert not pol._may_leave_lru()
-    roomy = AdaptivePolicy(capacity_pages=64)  # the default: room for one CUSUM threshold (16)
+    # the default: an adaptive episode needs room for one CUSUM threshold (16); a fixed order
+    # none (its switch is priced by a trial on a fork of the lru tree instead)
+    roomy = AdaptivePolicy(capacity_pages=64)
     roomy._refs, roomy._margin = 1000.0, 14.0  # 15 left
-    assert not roomy._may_leave_lru() and not roomy._may_leave_lru(adaptive=False)
+    assert not roomy._may_leave_lru() and roomy._may_leave_lru(adaptive=False)
     roomy._margin = 15.0
     assert roomy._may_leave_lru() and roomy._may_leave_lru(adaptive=False)
+    ordered = AdaptivePolicy(capacity_pages=64, config=PolicyConfig(guard_order_room=1.0))
+    ordered._refs, ordered._margin = 1000.0, 14.0
+    assert not ordered._may_leave_lru(adaptive=False)
 
 
 def test_spent_budget_sends_the_cache_back_to_lru_even_before_the_cusum_threshold():
