@@ -58,10 +58,7 @@ class SafetyDuel:
         # per fixed order, while it is followed: (shadow - real) hits and references (decayed),
         # the page-level model's bias against the real tree under that order
         self._bias = {o: [0.0, 0.0] for o in FIXED_ORDERS}
-        # decayed sampled references, lru-shadow hits, real hits, and lru-shadow hits the real
-        # cache missed (pages lru held and the real cache did not: the loss a switch back goes on
-        # paying until the real cache holds lru's pages again)
-        self._sh = [0.0, 0.0, 0.0, 0.0]
+        self._sh = [0.0, 0.0, 0.0]  # decayed sampled references, lru-shadow hits, real hits
         self._max_hit = 0  # the most pages lru's shadow hit in one request so far
         # The fixed-order gate: per order, the decayed sum of squared per-request differences of
         # its shadow's hits from the lru shadow's (the paired noise of its lead, as for the entry
@@ -131,7 +128,6 @@ class SafetyDuel:
         sh[0] = sh[0] * d + n
         sh[1] = sh[1] * d + hits["lru"]
         sh[2] = sh[2] * d + real
-        sh[3] = sh[3] * d + max(0, hits["lru"] - real)
         if hits["lru"] > self._max_hit:
             self._max_hit = hits["lru"]
         if not self._shadow.full:
@@ -289,18 +285,10 @@ class SafetyDuel:
         if not (self._tree and self.cfg.guard_return_priced) or self._div is not None:
             return
         dv = self._div = Divergence()
-        dv.L.update(self._shadow_pages())
+        dv.L.update(self._shadow.pages())
         self._shadow.track = dv
         if self.following != "lru":
             dv.start()
-
-    def _shadow_pages(self) -> set:
-        out, stack = set(), [self._shadow.root]
-        while stack:
-            n = stack.pop()
-            out.update(n.key)
-            stack.extend(n.children.values())
-        return out
 
     def real_stored(self, pages) -> None:
         if self._div is not None:

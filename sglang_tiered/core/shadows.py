@@ -467,14 +467,21 @@ class TreeShadow:
             t._push(n)
         return t
 
+    def pages(self) -> set:
+        """Every page hash the tree holds."""
+        out, stack = set(), [self.root]
+        while stack:
+            n = stack.pop()
+            out.update(n.key)
+            stack.extend(n.children.values())
+        return out
+
     def check(self) -> None:
         seen, stack = 0, [self.root]
         live = {id(e[3]) for e in self.heap if e[3].stamp == e[2]}
-        held = set()
         while stack:
             n = stack.pop()
             seen += len(n.key)
-            held.update(n.key)
             assert n is self.root or n.lock == 0, "a node stayed locked"
             assert (n in self.leaves) == (n is not self.root and not n.children), "evictable leaves"
             assert n not in self.leaves or id(n) in live, "an evictable leaf without a live heap entry"
@@ -483,5 +490,5 @@ class TreeShadow:
                 stack.append(c)
         assert seen == self.used <= self.cap, (seen, self.used, self.cap)
         if self.track is not None:
-            assert self.track.L == held, "the divergence's L is not the tree's pages"
+            assert self.track.L == self.pages(), "the divergence's L is not the tree's pages"
             self.track.check()
