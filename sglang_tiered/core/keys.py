@@ -64,16 +64,23 @@ def _token_bytes(tokens) -> bytes:
     return arr.tobytes()
 
 
+_PAGE_HASH = hashlib.blake2b(digest_size=DIGEST_SIZE)  # copied per page: no parameter parsing
+
+
 def chain_page_hashes(prev: bytes, tokens, page_size: int = 16) -> list[bytes]:
     """Hashes of the full pages of ``tokens``, chained from ``prev`` (the seed or the last hash
     of the preceding pages). A trailing partial page is not hashed."""
-    data = _token_bytes(tokens)
+    data = memoryview(_token_bytes(tokens))
     step = page_size * 8
     out: list[bytes] = []
+    append, fresh = out.append, _PAGE_HASH.copy
     h = prev
     for off in range(0, (len(data) // step) * step, step):
-        h = hashlib.blake2b(h + data[off : off + step], digest_size=DIGEST_SIZE).digest()
-        out.append(h)
+        x = fresh()  # = blake2b(h + page, digest_size=DIGEST_SIZE), without the copies
+        x.update(h)
+        x.update(data[off : off + step])
+        h = x.digest()
+        append(h)
     return out
 
 

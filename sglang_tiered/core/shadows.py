@@ -215,19 +215,16 @@ class Divergence:
     @staticmethod
     def _apply(pages, mine: set, other: set, add: bool) -> tuple:
         """Add (or remove) ``pages`` to (from) ``mine``; returns how many of those that changed
-        ``other`` holds, and how many it does not."""
-        shared = alone = 0
-        for h in pages:
-            if (h in mine) != add:
-                if add:
-                    mine.add(h)
-                else:
-                    mine.discard(h)
-                if h in other:
-                    shared += 1
-                else:
-                    alone += 1
-        return shared, alone
+        ``other`` holds, and how many it does not (set operations: no per-page Python work)."""
+        changed = set(pages)
+        if add:
+            changed -= mine
+            mine |= changed
+        else:
+            changed &= mine
+            mine -= changed
+        shared = len(changed & other)
+        return shared, len(changed) - shared
 
     def l_add(self, pages) -> None:
         if not self.counting:
@@ -352,14 +349,14 @@ class TreeShadow:
         node.parent = top
         return top
 
-    def _walk(self, pages: list, t: int, count_from: int | None):
+    def _walk(self, pages: list, t: int, path: list) -> int:
         """Match ``pages`` from the root, touching the path at clock ``t`` and splitting a partly
-        matched node; with ``count_from`` (insert), a hit on each node whose end lies beyond it.
-        Returns (matched pages, last node)."""
+        matched node; the path's nodes (root excluded) are appended to ``path``. Returns the
+        matched pages. (A leaf on the path is not re-filed in the heap: ``run`` locks the path
+        next, and unlocking re-files whatever is a leaf then.)"""
         node = self.root
         node.last = t
         i, n = 0, len(pages)
-        leaves = self.leaves
         while i < n:
             child = node.children.get(pages[i])
             if child is None:
@@ -374,16 +371,13 @@ class TreeShadow:
                 while key[k] == pages[i + k]:
                     k += 1
             if k < len(key):
-                if child in leaves:
+                if child in self.leaves:
                     self._push(child)  # the lower part keeps the touch (SGLang touches, then splits)
                 child = self._split(child, k)
             i += k
-            if count_from is not None and i > count_from:
-                child.hits += 1
-            if child in leaves:
-                self._push(child)
+            path.append(child)
             node = child
-        return i, node
+        return i
 
     def _set_lock(self, node: _Node, d: int) -> None:
         leaves = self.leaves
@@ -420,28 +414,39 @@ class TreeShadow:
         partial last page also needs a slot, ``start`` its pages counted before (an earlier
         chunk of the same request: not reuse). Returns the pages of ``pages[start:]`` it hit."""
         self.clock += 1
-        matched, last = self._walk(pages, self.clock, None)
+        path: list = []
+        matched = self._walk(pages, self.clock, path)
+        last = path[-1] if path else self.root
         self._set_lock(last, 1)
         need = len(pages) - matched + tail
         if need > self.cap - self.used:
             self._evict(need - (self.cap - self.used))
         if need <= self.cap - self.used:
-            self.clock += 1
-            done, node = self._walk(pages, self.clock, start)
-            if done < len(pages):
+            # SGLang's insert (touches the matched path and counts a hit on each node ending
+            # beyond ``start``), then checkpoint's re-match (touches it again). The path is locked
+            # since the match, so both walk the nodes of ``path``; only the last touch survives
+            # (two clock ticks: one per walk, as before).
+            self.clock += 2
+            t = self.clock
+            self.root.last = t
+            end = 0
+            for node in path:
+                node.last = t
+                end += len(node.key)
+                if end > start:
+                    node.hits += 1
+            if matched < len(pages):
                 self.seq += 1
-                leaf = _Node(pages[done:], node, self.clock, 1 if len(pages) > start else 0, self.seq)
-                node.children[pages[done]] = leaf
+                leaf = _Node(pages[matched:], last, t, 1 if len(pages) > start else 0, self.seq)
+                last.children[pages[matched]] = leaf
                 self.used += len(leaf.key)
                 if self.track is not None:
                     self.track.l_add(leaf.key)
                 if self.used >= self.cap:
                     self.full = True
-                self.leaves.discard(node)
+                self.leaves.discard(last)
                 self.leaves.add(leaf)
                 self._push(leaf)
-            self.clock += 1
-            self._walk(pages, self.clock, None)  # checkpoint's re-match
         self._set_lock(last, -1)
         return max(0, matched - start)
 
