@@ -444,8 +444,7 @@ class TreeShadow:
                     self.track.l_add(leaf.key)
                 if self.used >= self.cap:
                     self.full = True
-                self.leaves.discard(last)
-                self.leaves.add(leaf)
+                self.leaves.add(leaf)  # (``last`` is locked or the root: no evictable leaf to drop)
                 self._push(leaf)
         self._set_lock(last, -1)
         return max(0, matched - start)
