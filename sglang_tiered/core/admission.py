@@ -77,6 +77,14 @@ class AdmissionDuel:
                 if est(new_hashes[c]) <= victim_freq:
                     break
                 admitted = c + 1
+            room = self.div_room()
+            if room is not None and admitted < n:
+                # the divergence cap: a refused page is one lru's tree holds and the real cache
+                # does not (lru admits everything); the request's new pages count as diverged
+                # until the real cache stores them, hence room + n
+                keep = max(admitted, n - max(0, int(room + n)))
+                self.stats.cap_admitted += keep - admitted
+                admitted = keep
             if admitted < n:
                 self.stats.admissions_refused += 1
         self.stats.pages_admitted += admitted

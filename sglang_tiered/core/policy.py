@@ -308,6 +308,12 @@ class PolicyConfig:
     # ... and the price also holds one request's worth of reuse at once (the most lru has hit in
     # one request so far, at most the diverged pages): reuse comes in lumps, not at the mean rate
     guard_price_lump: bool = False
+    # The strict guarantee (the divergence cap; opt-in, ``SGLANG_TIERED_GUARANTEE=strict``): away
+    # from lru, the real cache drops a page of lru's tree (evicts it, or refuses to admit it) only
+    # while the budget covers it at one lost hit per page, the most it can cost, so no value
+    # estimate can be wrong (core/safety.py ``div_room``, integration/evict.py). Measured: fewer
+    # wins (README, "The strict guarantee"); False: the priced check after each request only
+    guard_div_cap: bool = False
 
 
 @dataclass
@@ -325,6 +331,9 @@ class PolicyStats:
     trials: int = 0  # priced switches tried on a fork of the lru tree shadow
     trials_won: int = 0  # ... that came out ahead, so the real cache switched
     cycle_clamped: int = 0  # LRU-cycle estimates cut at their bound (see AdaptivePolicy.on_evict)
+    cap_spared: int = 0  # victim leaves the divergence cap passed over (their pages are lru's)
+    cap_admitted: int = 0  # pages admitted that admission would have refused, to stay within the cap
+    cap_over_pages: int = 0  # pages of lru's evicted beyond the cap (nothing else was evictable)
 
 
 class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetector):

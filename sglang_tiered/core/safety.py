@@ -278,6 +278,22 @@ class SafetyDuel:
         lump = min(n, self._max_hit) if self.cfg.guard_price_lump else 0
         return n * min(1.0, h / max(1e-9, 1.0 - h)) + lump
 
+    def div_room(self) -> float | None:
+        """The divergence cap (``guard_div_cap``, the strict guarantee): how many more pages of
+        lru's tree the real cache may drop now (evict, or refuse to admit) while away from lru.
+        Each is priced at one lost hit, the most it can cost (no estimate of its value), so the
+        room is the budget left less the pages already diverged. None: no cap now (lru
+        followed, no tree shadows, or the cap off)."""
+        dv = self._div
+        if dv is None or not dv.counting or self.following == "lru" or not self.cfg.guard_div_cap:
+            return None
+        return self._budget() - dv.only_l
+
+    def div_cost(self, hashes) -> int:
+        """Pages of ``hashes`` (a real leaf's) that lru's tree holds: evicting them diverges."""
+        L = self._div.L
+        return sum(1 for h in hashes if h in L)
+
     # the real cache's pages (integration/index_hints.py tells every device store and removal)
     def track_real_pages(self) -> None:
         """From now on the real cache (empty now) reports every page it stores and removes, so

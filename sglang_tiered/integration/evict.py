@@ -78,6 +78,9 @@ class Eviction:
         queue = self.victims()
         boost = cache.policy.protection_boost()
         pinned, pinned_pages = [], 0
+        policy = cache.policy
+        room = policy.div_room()  # None: no cap (lru followed); else pages of lru's it may drop
+        held = []  # leaves the cap spared (dropping their pages of lru's would pass it), in order
         num_evicted = 0
         while num_evicted < num_tokens:
             x = queue.pop(boost)
@@ -86,14 +89,37 @@ class Eviction:
                     pinned_pages += node_pages(x, ps)
                     heapq.heappush(pinned, (x.last_access_time, x.id, x))
                     continue
+                if room is not None:  # the divergence cap (core/safety.py ``div_room``)
+                    cache.hashes.ensure(x)
+                    cost = policy.div_cost(x.tiered_hashes)
+                    if cost > room:
+                        held.append(x)
+                        policy.stats.cap_spared += 1
+                        continue
+                    room -= cost
                 was_pinned = False
             elif pinned:
                 _, _, x = heapq.heappop(pinned)
+                if room is not None:
+                    cost = policy.div_cost(x.tiered_hashes)
+                    if cost > room:
+                        held.append(x)
+                        policy.stats.cap_spared += 1
+                        continue
+                    room -= cost
                 was_pinned = True
+            elif held:
+                # nothing else is evictable and the request needs the room: over the cap, in
+                # the order's own sequence (counted: the bound's overshoot term)
+                x = held.pop(0)
+                policy.stats.cap_over_pages += policy.div_cost(x.tiered_hashes)
+                was_pinned = False
             else:
                 break
             num_evicted += self._remove(x, was_pinned, queue)
         for _, _, x in pinned:  # spared: back in the queue for next time
+            queue.offer(x)
+        for x in held:  # spared by the cap: back in the queue too
             queue.offer(x)
         return num_evicted
 
