@@ -20,6 +20,7 @@ environment; ``TieredConfig.__post_init__`` validates every field, so a config b
 | SGLANG_TIERED_SERVER_ID | ``server_id`` | unset |
 | SGLANG_TIERED_INDEX_TTL_S | ``index_ttl_s`` | 30 |
 | SGLANG_TIERED_PREFIX_ATTENTION | ``prefix_attention`` (on/off) | off |
+| SGLANG_TIERED_GUARANTEE | ``guarantee`` (budget/strict) | budget |
 | SGLANG_TIERED_T2 | ``t2`` (``tier/t2_config.py``: mooncake://MASTER_HOST:PORT?options) | unset |
 | SGLANG_TIERED_SHM_DIR | ``shm_dir()`` (named T1 segments and their locks) | /dev/shm |
 | SGLANG_TIERED_CACHE, XDG_CACHE_HOME | ``cache_root()`` (tiny models, weight digests) | ~/.cache/sglang-tiered |
@@ -68,6 +69,7 @@ ENV = {  # field -> environment variable
     "index_ttl_s": "SGLANG_TIERED_INDEX_TTL_S",
     "t2": "SGLANG_TIERED_T2",
     "prefix_attention": "SGLANG_TIERED_PREFIX_ATTENTION",
+    "guarantee": "SGLANG_TIERED_GUARANTEE",
 }
 
 
@@ -113,6 +115,13 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
     # cached 2k prefix still costs a recompute's attention on CPU. Equal up to summation order,
     # not bitwise, hence off by default. Recommended: on for CPU servers with long shared prefixes.
     prefix_attention: bool = False
+    # The policy's bound against SGLang's lru (core/policy.py, the safety duel). "budget": the
+    # loss budget with a priced switch back (the default; wins more, and on the family's tiny
+    # caches has lost up to 0.26 points). "strict": also the divergence cap, which prices every
+    # page of lru's cache the real cache drops at a whole hit (PolicyConfig.guard_div_cap): the
+    # bound holds up to a counted overshoot, and the policy wins about half as much (README, "The
+    # strict guarantee").
+    guarantee: Literal["budget", "strict"] = "budget"
 
     def __post_init__(self) -> None:
         if self.host_mode not in ("auto", "on", "off"):
@@ -131,6 +140,8 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
             _bad("store_queue_pages", qp, "expected a whole number of pages in [1, 2^30]")
         if not isinstance(self.prefix_attention, bool):
             _bad("prefix_attention", self.prefix_attention, "expected on or off")
+        if self.guarantee not in ("budget", "strict"):
+            _bad("guarantee", self.guarantee, "expected budget or strict")
         self._check_index()
 
     def _check_index(self) -> None:
@@ -218,12 +229,22 @@ def load_config(env=None) -> TieredConfig:
         "index_ttl_s": _float(env, "index_ttl_s"),
         "t2": _t2(env),
         "prefix_attention": pa == "on",
+        "guarantee": env.get(ENV["guarantee"], "budget").strip().lower(),
     }
     cfg = TieredConfig(**{k: v for k, v in fields.items() if v is not None or k in ("host_gb",)})
     phys = _physical_gb()
     if cfg.host_gb is not None and phys and cfg.host_gb > phys:
         raise ConfigError(f"SGLANG_TIERED_HOST_GB={cfg.host_gb:g}: more than this machine's memory ({phys:.1f} GB)")
     return cfg
+
+
+def policy_config(cfg: TieredConfig):
+    """The policy's configuration for ``cfg`` (None: the defaults)."""
+    if cfg.guarantee == "budget":
+        return None
+    from sglang_tiered.core.policy import PolicyConfig
+
+    return PolicyConfig(guard_div_cap=True)
 
 
 def cache_root(env=None) -> pathlib.Path:

@@ -42,13 +42,13 @@ def tiered_server(tiny_model_path):
 
 @pytest.fixture(scope="session")
 def admin_server(tiny_model_path):
-    """Tiered server with SGLang's API keys and a trusted tenant header configured."""
+    """Tiered server with SGLang's API keys, a trusted tenant header and the strict guarantee."""
     from sglang_tiered.dev.server import ServerSpec
 
     server = _start(
         ServerSpec(model_path=tiny_model_path, backend="tiered", page_size=16, max_total_tokens=4096,
                    extra_args=["--api-key", "user-key", "--admin-api-key", "admin-key"],
-                   env={"SGLANG_TIERED_TENANT_HEADER": "x-tenant-id"}),
+                   env={"SGLANG_TIERED_TENANT_HEADER": "x-tenant-id", "SGLANG_TIERED_GUARANTEE": "strict"}),
         "admin",
     )  # fmt: skip
     yield server

@@ -166,6 +166,8 @@ def test_admin_auth_and_trusted_tenant_header(admin_server):
         assert status == 200, out
     status, body = admin_server.request("GET", "/cache/stats?tenant=gw-1", headers=admin)
     assert body["tenants"]["gw-1"]["requests"] == 2 and body["tenants"]["gw-1"]["cached_tokens"] > 0
+    # SGLANG_TIERED_GUARANTEE=strict reached the live server's policy (and its counters are reported)
+    assert all(p["strict_guarantee"] and p["cap_over_pages"] >= 0 for p in body["policy"]), body["policy"]
     # The header wins over a client-chosen salt.
     status, out = admin_server.request("POST", "/generate", {**payload, "cache_salt": "spoof"},
                                        headers={**user, "x-tenant-id": "gw-1"})  # fmt: skip
