@@ -81,6 +81,20 @@ class Eviction:
         policy = cache.policy
         room = policy.div_room()  # None: no cap (lru followed); else pages of lru's it may drop
         held = []  # leaves the cap spared (dropping their pages of lru's would pass it), in order
+
+        def spare(x) -> bool:
+            """The divergence cap (core/safety.py ``div_room``): hold ``x`` back if dropping its
+            pages of lru's would pass the room left; else take them from the room."""
+            nonlocal room
+            cache.hashes.ensure(x)
+            cost = policy.div_cost(x.tiered_hashes)
+            if cost > room:
+                held.append(x)
+                policy.stats.cap_spared += 1
+                return True
+            room -= cost
+            return False
+
         num_evicted = 0
         while num_evicted < num_tokens:
             x = queue.pop(boost)
@@ -89,30 +103,21 @@ class Eviction:
                     pinned_pages += node_pages(x, ps)
                     heapq.heappush(pinned, (x.last_access_time, x.id, x))
                     continue
-                if room is not None:  # the divergence cap (core/safety.py ``div_room``)
-                    cache.hashes.ensure(x)
-                    cost = policy.div_cost(x.tiered_hashes)
-                    if cost > room:
-                        held.append(x)
-                        policy.stats.cap_spared += 1
-                        continue
-                    room -= cost
+                if room is not None and spare(x):
+                    continue
                 was_pinned = False
             elif pinned:
                 _, _, x = heapq.heappop(pinned)
-                if room is not None:
-                    cost = policy.div_cost(x.tiered_hashes)
-                    if cost > room:
-                        held.append(x)
-                        policy.stats.cap_spared += 1
-                        continue
-                    room -= cost
+                if room is not None and spare(x):
+                    continue
                 was_pinned = True
             elif held:
                 # nothing else is evictable and the request needs the room: over the cap, in
                 # the order's own sequence (counted: the bound's overshoot term)
                 x = held.pop(0)
-                policy.stats.cap_over_pages += policy.div_cost(x.tiered_hashes)
+                cost = policy.div_cost(x.tiered_hashes)
+                policy.stats.cap_over_pages += cost
+                room -= cost  # what is left of the cap is spent (leaves freed up next are held too)
                 was_pinned = False
             else:
                 break
