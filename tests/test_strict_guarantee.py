@@ -8,12 +8,12 @@ policy; and the stats say what the cap did."""
 
 from __future__ import annotations
 
-import hashlib
+import pathlib
+import sys
 
 import pytest
 
 from sglang_tiered.config import ConfigError, load_config, policy_config
-from sglang_tiered.core.keys import chain_page_hashes
 from sglang_tiered.core.policy import PolicyConfig
 from tests.test_guarantee import (
     PAGE,
@@ -22,7 +22,10 @@ from tests.test_guarantee import (
     _returning_scan,
     _run,
     _tinylfu_hostile_loop,
+    _tok,
 )
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 
 STRICT = PolicyConfig(guard_div_cap=True)
 # the gates alone (no budget room asked before an episode), so that episodes happen on these
@@ -30,23 +33,13 @@ STRICT = PolicyConfig(guard_div_cap=True)
 STRICT_OPEN = PolicyConfig(guard_div_cap=True, guard_entry_room=0.0, guard_order_room=0.0, guard_prepay=False)
 
 
-def _tok_seq(uid: int, pages: int) -> list[int]:
-    from tests.test_guarantee import _tok
-
-    return _tok(uid, pages)
-
-
 def _family_cell(seed: int, fraction: float):
-    """A generated workload of the family at a capacity as bench/workload_family.py sets it."""
-    from sglang_tiered.dev import workload_family as wf
+    """A generated workload of the family at the capacity bench/workload_family.py gives it."""
+    import bookkeeping  # bench/ (tests/test_bookkeeping_digest.py puts it on the path the same way)
 
-    reqs = wf.generate(wf.draw(seed))
-    pages = set()  # unique pages, tenant-scoped (bench/trace_replay.py page_ids)
-    for r in reqs:
-        pages.update(chain_page_hashes(hashlib.blake2b((r.tenant or "").encode(), digest_size=16).digest(),
-                                       r.tokens, PAGE))  # fmt: skip
-    cap = max(int(len(pages) * fraction), -(-max(len(r.tokens) for r in reqs) // PAGE) + 1)
-    return [(r.tokens, r.tenant) for r in reqs], cap
+    name = f"family-{seed}"
+    reqs = [(r.tokens, r.tenant) for r in bookkeeping.load(name)[0]]
+    return reqs, bookkeeping.capacity_tokens(name, fraction) // PAGE
 
 
 WORKLOADS = [_returning_scan, _dead_protected_context, _tinylfu_hostile_loop, _hot_set_under_scans]
@@ -95,7 +88,7 @@ def test_the_cap_keeps_a_lump_within_the_bar_where_the_priced_check_does_not():
 def test_strict_is_exact_lru_where_it_never_leaves_lru():
     """Traffic with no lead for anything (a loop inside the cache): strict and default alike are
     SGLang's lru, request for request (the cap never applies while lru is followed)."""
-    reqs = [(_tok_seq(100 + k % 12, 3), None) for k in range(600)]
+    reqs = [(_tok(100 + k % 12, 3), None) for k in range(600)]
     lru, lru_per_req, _ = _run(reqs, 40, "lru")
     strict, per_req, cache = _run(reqs, 40, None, STRICT)
     assert per_req == lru_per_req

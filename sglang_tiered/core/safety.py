@@ -291,8 +291,7 @@ class SafetyDuel:
 
     def div_cost(self, hashes) -> int:
         """Pages of ``hashes`` (a real leaf's) that lru's tree holds: evicting them diverges."""
-        L = self._div.L
-        return sum(1 for h in hashes if h in L)
+        return len(self._div.L.intersection(hashes))
 
     # the real cache's pages (integration/index_hints.py tells every device store and removal)
     def track_real_pages(self) -> None:
