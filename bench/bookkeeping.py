@@ -59,6 +59,7 @@ def load(name: str):
 
 
 STRICT_FIELDS = ("strict_guarantee", "cap_spared", "cap_admitted", "cap_over_pages")
+LEADER_FIELDS = ("follow_leader", "leader_switches")
 
 
 def capacity_tokens(name: str, frac: float) -> int:
@@ -77,6 +78,9 @@ def digest(name: str, frac: float) -> dict:
         # the strict guarantee's fields (session 13) are constant with it off: left out, so the
         # digests recorded before them still prove the default's decisions unchanged
         for k in STRICT_FIELDS:
+            assert state.pop(k) in (False, 0), k
+    if not state.get("follow_leader"):  # (the same for follow the leader's fields)
+        for k in LEADER_FIELDS:
             assert state.pop(k) in (False, 0), k
     snap = hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()[:16]
     return {"hits": hits, "snapshot": snap, "hit_tokens": r["hit_tokens"]}

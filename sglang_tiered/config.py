@@ -20,7 +20,7 @@ environment; ``TieredConfig.__post_init__`` validates every field, so a config b
 | SGLANG_TIERED_SERVER_ID | ``server_id`` | unset |
 | SGLANG_TIERED_INDEX_TTL_S | ``index_ttl_s`` | 30 |
 | SGLANG_TIERED_PREFIX_ATTENTION | ``prefix_attention`` (on/off) | off |
-| SGLANG_TIERED_GUARANTEE | ``guarantee`` (budget/strict) | budget |
+| SGLANG_TIERED_GUARANTEE | ``guarantee`` (budget/strict/leader) | budget |
 | SGLANG_TIERED_T2 | ``t2`` (``tier/t2_config.py``: mooncake://MASTER_HOST:PORT?options) | unset |
 | SGLANG_TIERED_SHM_DIR | ``shm_dir()`` (named T1 segments and their locks) | /dev/shm |
 | SGLANG_TIERED_CACHE, XDG_CACHE_HOME | ``cache_root()`` (tiny models, weight digests) | ~/.cache/sglang-tiered |
@@ -120,8 +120,10 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
     # caches has lost up to 0.26 points). "strict": also the divergence cap, which prices every
     # page of lru's cache the real cache drops at a whole hit (PolicyConfig.guard_div_cap): the
     # bound holds up to a counted overshoot, and the policy wins about half as much (README, "The
-    # strict guarantee").
-    guarantee: Literal["budget", "strict"] = "budget"
+    # strict guarantee"). "leader": no bound; follow whichever of SGLang's orders has hit most
+    # (PolicyConfig.guard_leader): the most wins over lru and the most losses (README, "Follow the
+    # leader").
+    guarantee: Literal["budget", "strict", "leader"] = "budget"
 
     def __post_init__(self) -> None:
         if self.host_mode not in ("auto", "on", "off"):
@@ -140,8 +142,8 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
             _bad("store_queue_pages", qp, "expected a whole number of pages in [1, 2^30]")
         if not isinstance(self.prefix_attention, bool):
             _bad("prefix_attention", self.prefix_attention, "expected on or off")
-        if self.guarantee not in ("budget", "strict"):
-            _bad("guarantee", self.guarantee, "expected budget or strict")
+        if self.guarantee not in ("budget", "strict", "leader"):
+            _bad("guarantee", self.guarantee, "expected budget, strict or leader")
         self._check_index()
 
     def _check_index(self) -> None:
@@ -244,6 +246,8 @@ def policy_config(cfg: TieredConfig):
         return None
     from sglang_tiered.core.policy import PolicyConfig
 
+    if cfg.guarantee == "leader":
+        return PolicyConfig(guard_leader=0.999)
     return PolicyConfig(guard_div_cap=True)
 
 

@@ -130,6 +130,9 @@ class PolicyReport(msgspec.Struct, kw_only=True):
     cap_spared: int = 0  # victim leaves the cap passed over (their pages are SGLang lru's)
     cap_admitted: int = 0  # pages admitted that admission would have refused, to stay within the cap
     cap_over_pages: int = 0  # pages of lru's evicted beyond the cap (nothing else was evictable)
+    # follow the leader (SGLANG_TIERED_GUARANTEE=leader): no bound against lru
+    follow_leader: bool = False
+    leader_switches: int = 0  # times the real cache switched to the order whose shadow led
 
 
 class IndexStats(msgspec.Struct, kw_only=True):

@@ -338,6 +338,13 @@ class PolicyConfig:
     # estimate can be wrong (core/safety.py ``div_room``, integration/evict.py). Measured: fewer
     # wins (README, "The strict guarantee"); False: the priced check after each request only
     guard_div_cap: bool = False
+    # Follow the leader (opt-in, ``SGLANG_TIERED_GUARANTEE=leader``): no bound against lru. After
+    # every request the real cache follows, exactly, whichever of SGLang's orders (lru, slru, lfu)
+    # its shadow has hit most, each shadow's hits decayed by this factor per request; it switches
+    # at once, with no gate, trial or budget, and the adaptive policy is never followed
+    # (core/safety.py ``_leader_step``). 0: off. Measured: most wins over lru and the fewest cells
+    # below the best SGLang policy, and the most below lru (README, "Follow the leader").
+    guard_leader: float = 0.0
 
 
 @dataclass
@@ -358,6 +365,7 @@ class PolicyStats:
     cap_spared: int = 0  # victim leaves the divergence cap passed over (their pages are lru's)
     cap_admitted: int = 0  # pages admitted that admission would have refused, to stay within the cap
     cap_over_pages: int = 0  # pages of lru's evicted beyond the cap (nothing else was evictable)
+    leader_switches: int = 0  # follow the leader: times the real cache switched to another order
 
 
 class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetector):
@@ -524,7 +532,7 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
         assert self._refs >= 0.0 and abs(self._margin) <= slack * self._refs + 1e-6, "budget books"
         assert self._switch_reserve >= 0.0 and self._switch_reserve == self._switch_reserve, "switch reserve"
         assert self._switch_mark is None or (len(self._switch_mark) == 2 and self._switch_mark[1] > 0), "switch mark"
-        if self._budgeted and self._shadow.full and self.following != "lru":
+        if self._budgeted and self._shadow.full and self.following != "lru" and not self.cfg.guard_leader:
             assert self._budget() >= 0.0, f"away from lru with the budget spent: {self._budget()}"
         assert self._sketch_mask & self._duel_mask == self._sketch_mask, "duel sample not within the counted one"
         gp = self._ghost_pages
@@ -550,6 +558,7 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
             "diverged_pages": self._div.only_l if self._div is not None and self._div.counting else 0,
             "switch_back_price": round(self._return_price(), 1),
             "strict_guarantee": bool(self.cfg.guard_div_cap),
+            "follow_leader": bool(self.cfg.guard_leader),
             "shadow_lru_hit_rate": round(self._sh[1] / self._sh[0], 4) if self._sh[0] else 0.0,
             "real_sampled_hit_rate": round(self._sh[2] / self._sh[0], 4) if self._sh[0] else 0.0,
             "lru_model_bias": round(self._bias["lru"][0] / self._bias["lru"][1], 4) if self._bias["lru"][1] else 0.0,

@@ -88,7 +88,9 @@ class SafetyDuel:
         # must cover it: the switch back is paid for before it is needed. On once the real
         # cache reports its pages (``track_real_pages``).
         self._div: Divergence | None = None
-        if self._guard and cfg.guard_start_lru:
+        # Follow the leader (``guard_leader``): each fixed order's shadow hits, decayed per request
+        self._leader = dict.fromkeys(FIXED_ORDERS, 0.0) if cfg.guard_leader else None
+        if self._guard and (cfg.guard_start_lru or cfg.guard_leader):
             # Start as SGLang's lru: its first hold measures the page model's bias against the
             # real tree before the adaptive policy is tried (and compared with bias corrected).
             self.following = "lru"
@@ -130,6 +132,9 @@ class SafetyDuel:
         sh[2] = sh[2] * d + real
         if hits["lru"] > self._max_hit:
             self._max_hit = hits["lru"]
+        if self._leader is not None:
+            self._leader_step(hits, real, n)
+            return
         if not self._shadow.full:
             return  # the shadows are not full yet: nothing evicted, nothing to compare
         if self._budgeted:
@@ -211,6 +216,23 @@ class SafetyDuel:
                     self._credit = 0.0
                 else:  # no evidence that adaptive would do better: look again in a turnover
                     self._hold = float(self._shadow.cap)
+
+    def _leader_step(self, hits: dict, real: int, n: int) -> None:
+        """Follow the leader (``guard_leader``): the real cache follows, from the next request on,
+        the fixed order whose shadow has the most hits, decayed by ``guard_leader`` per request
+        (ties: the order followed now, then lru). No gate, trial or budget, so no bound against
+        lru: a switch costs whatever the content transition costs (README, "Follow the leader").
+        The budget's books are still kept, for the stats."""
+        if self._budgeted and self._shadow.full:
+            self._account(real - hits["lru"], n, n - hits["lru"])
+        sc = self._leader
+        d = self.cfg.guard_leader
+        for o in FIXED_ORDERS:
+            sc[o] = sc[o] * d + hits[o]
+        lead = max(FIXED_ORDERS, key=sc.__getitem__)  # (the first of equal scores: lru)
+        if sc[lead] > sc[self.following]:
+            self.following = lead
+            self.stats.leader_switches += 1
 
     def _trial_step(self, hits: dict, n: int) -> None:
         """A priced switch in progress: the forked tree's hits against the lru tree's on the same
