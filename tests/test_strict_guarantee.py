@@ -104,3 +104,26 @@ def test_guarantee_option_parses_and_reaches_the_policy():
     assert policy_config(cfg).guard_div_cap is True
     with pytest.raises(ConfigError, match="SGLANG_TIERED_GUARANTEE"):
         load_config({"SGLANG_TIERED_GUARANTEE": "always"})
+
+
+def test_the_cap_never_holds_a_leaf_lru_does_not_have(monkeypatch):
+    """With the room overdrawn (the budget spent while away from lru), a leaf whose pages lru's
+    tree does not hold still costs nothing to evict: eviction takes it and holds only leaves of
+    lru's pages, so the overshoot counts only what had to go (the bound's ``O``). Before the fix
+    every leaf was held once the room was below 0, and the first held one (of lru's pages) was
+    evicted as overshoot although a free leaf was there."""
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    cache = TieredRadixCache.create_simulated(12 * PAGE, PAGE, policy_config=STRICT)
+    for uid in range(3):  # three 4-page leaves, oldest first
+        cache.driver.run(_tok(uid, 4))
+    leaves = sorted(cache.evictable_leaves, key=lambda x: x.last_access_time)
+    assert len(leaves) == 3
+    lru_holds = set(leaves[0].tiered_hashes)  # lru's tree holds the oldest leaf only
+    pol = cache.policy
+    monkeypatch.setattr(pol, "div_room", lambda: -3.0)
+    monkeypatch.setattr(pol, "div_cost", lambda hashes: len(lru_holds.intersection(hashes)))
+    cache.evict(EvictParams(num_tokens=4 * PAGE))
+    assert leaves[0] in cache.evictable_leaves and leaves[1] not in cache.evictable_leaves
+    assert pol.stats.cap_over_pages == 0 and pol.stats.cap_spared == 1

@@ -88,7 +88,7 @@ class Eviction:
             nonlocal room
             cache.hashes.ensure(x)
             cost = policy.div_cost(x.tiered_hashes)
-            if cost > room:
+            if cost and cost > room:  # (a leaf lru does not hold is free, even with the room overdrawn)
                 held.append(x)
                 policy.stats.cap_spared += 1
                 return True
