@@ -86,14 +86,15 @@ def digest(name: str, frac: float) -> dict:
     return {"hits": hits, "snapshot": snap, "hit_tokens": r["hit_tokens"]}
 
 
-def time_cell(name: str, frac: float, runs: int) -> tuple[list, list]:
-    """us/request (mean over one replay) of SGLang lru and tiered, ``runs`` interleaved pairs."""
+def time_cell(name: str, frac: float, runs: int, config=None) -> tuple[list, list]:
+    """us/request (mean over one replay) of SGLang lru and tiered (its policy ``config``, None:
+    the default), ``runs`` interleaved pairs."""
     reqs = load(name)[0]
     cap = capacity_tokens(name, frac)
     lru, tiered = [], []
     for _ in range(runs):
         lru.append(replay_sglang(reqs, cap, "lru")["us_per_req"])
-        tiered.append(replay_tiered(reqs, cap)["us_per_req"])
+        tiered.append(replay_tiered(reqs, cap, config)["us_per_req"])
     return lru, tiered
 
 
@@ -111,14 +112,19 @@ def main(argv=None) -> int:
     ap.add_argument("--time", action="store_true", help="time lru vs tiered per cell")
     ap.add_argument("--cells", nargs="+", type=_cell, default=None, help="NAME:FRACTION, e.g. mooncake:0.01")
     ap.add_argument("--runs", type=int, default=2, help="interleaved lru/tiered pairs per cell")
+    ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="PolicyConfig overrides for tiered's timing, e.g. guard_leader=0.999")
     args = ap.parse_args(argv)
+    from workload_family import _override, _policy_config
+
+    config = _policy_config(dict(_override(kv) for kv in args.policy))
     if args.digests:
         for c in args.cells or DIGEST_CELLS:
             print(json.dumps([c[0], c[1], digest(*c)]), flush=True)
     if args.time:
         print(f"{'cell':24s} {'pages':>7s} {'lru us':>8s} {'tiered us':>9s} {'ratio':>6s}  (each pair; mean over one replay)")
         for c in args.cells or TIME_CELLS:
-            lru, tiered = time_cell(*c, args.runs)
+            lru, tiered = time_cell(*c, args.runs, config)
             pairs = "  ".join(f"{a:.0f}/{b:.0f}={b / a:.2f}" for a, b in zip(lru, tiered))
             ratio = sum(tiered) / sum(lru)
             print(f"{c[0] + ':' + str(c[1]):24s} {capacity_tokens(*c) // PAGE:7d} {sum(lru) / len(lru):8.1f} "

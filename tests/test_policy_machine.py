@@ -63,9 +63,10 @@ class LruShadowMachine(RuleBasedStateMachine):
 
 
 class PolicyMachine(RuleBasedStateMachine):
-    @initialize(capacity=st.integers(4, 64), gated=st.booleans())
-    def build(self, capacity, gated):
-        cfg = PolicyConfig() if gated else PolicyConfig(guard_start_lru=False, guard_entry_margin=None)
+    @initialize(capacity=st.integers(4, 64), mode=st.sampled_from(["gated", "open", "leader"]))
+    def build(self, capacity, mode):
+        cfg = {"gated": PolicyConfig(), "open": PolicyConfig(guard_start_lru=False, guard_entry_margin=None),
+               "leader": PolicyConfig(guard_leader=0.999)}[mode]  # fmt: skip
         self.pol = AdaptivePolicy(capacity, cfg)
 
     @rule(tenant=st.integers(0, TENANTS - 1), depth=st.integers(1, DEPTH), hit=st.integers(0, DEPTH))

@@ -420,7 +420,7 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
         self.sketch.increment_all(counted)
         if m and page_hashes and page_hashes[-1][0] & m:
             self.sketch.increment(page_hashes[-1])  # the request's last page is always counted
-        if self._adapt:
+        if self._adapt and self._leader is None:  # (following the leader never follows adaptive)
             dm = self._duel_mask  # a subset of the counted pages
             self._duel([h for h in counted if not h[0] & dm] if dm else counted)
         if self._guard:
