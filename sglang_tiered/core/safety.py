@@ -319,8 +319,8 @@ class SafetyDuel:
     def track_real_pages(self) -> None:
         """From now on the real cache (empty now) reports every page it stores and removes, so
         a switch back to lru can be priced (tree shadows, ``guard_return_priced``)."""
-        if not (self._tree and self.cfg.guard_return_priced) or self._div is not None:
-            return
+        if not (self._tree and self.cfg.guard_return_priced) or self._div is not None or self._leader is not None:
+            return  # (following the leader prices nothing)
         dv = self._div = Divergence()
         dv.L.update(self._shadow.pages())
         self._shadow.track = dv
