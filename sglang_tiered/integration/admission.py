@@ -106,7 +106,9 @@ class Admission:
         cache, policy = self.cache, self.cache.policy
         if first and new:
             policy.on_miss(new[0])  # ghost hit? (adapts the eviction order)
-        if len(hashes) > counted:
+        if len(hashes) > counted or (first and tail):
+            # (a request shorter than a page is observed too: SGLang still gives its partial page
+            # a slot, which can evict, and the tree shadows replay that)
             policy.observe(hashes[counted:], max(0, len(base) - counted), whole=hashes, start=counted, tail=tail)
             self.counted[req.rid] = len(hashes)
         victim_freq = cache.eviction.victim_frequency() if (new and policy.filtering) else None
