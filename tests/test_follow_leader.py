@@ -93,3 +93,33 @@ def test_leader_option_parses_and_reaches_the_policy():
     pc = policy_config(cfg)
     assert pc.guard_leader == DECAY and pc.guard_div_cap is False
     assert PolicyConfig().guard_leader == 0.0  # off by default
+
+
+@pytest.mark.server
+def test_leader_on_a_live_server(tiny_model_path, reference_server):
+    """``SGLANG_TIERED_GUARANTEE=leader`` on a live tiered server (a 2,048-token pool, so it
+    evicts and the shadows' orders differ): every greedy output equals the no-cache server's,
+    prefixes hit, and the policy reports the mode it runs."""
+    from sglang_tiered.dev.server import ServerSpec
+    from tests.conftest import _start
+    from tests.test_e2e_control_plane import stats
+    from tests.test_e2e_server import greedy, make_prompt
+
+    server = _start(
+        ServerSpec(model_path=tiny_model_path, backend="tiered", page_size=16, max_total_tokens=2048,
+                   env={"SGLANG_TIERED_GUARANTEE": "leader"}),
+        "leader",
+    )  # fmt: skip
+    try:
+        docs = [make_prompt(900 + d, 120) for d in range(6)]
+        for k in range(36):  # a few hot documents, a colder tail and one-shot scans
+            text = make_prompt(5000 + k, 150) if k % 5 == 4 else docs[(0, 0, 1, 0, 2, 3, 1, 4, 5)[k % 9]]
+            text += f" question {k % 7}"
+            assert greedy(server, text, 4)["text"] == greedy(reference_server, text, 4)["text"], k
+        body = stats(server)
+        assert body["totals"]["cached_tokens"] > 0, body["totals"]
+        pol = body["policy"][0]
+        assert pol["follow_leader"] is True and pol["strict_guarantee"] is False, pol
+        assert pol["following"] in FIXED_ORDERS, pol
+    finally:
+        server.stop()
