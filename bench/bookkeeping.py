@@ -58,8 +58,9 @@ def load(name: str):
     return reqs, unique, max(len(r.tokens) for r in reqs)
 
 
-STRICT_FIELDS = ("strict_guarantee", "cap_spared", "cap_admitted", "cap_over_pages")
-LEADER_FIELDS = ("follow_leader", "leader_switches")
+# the snapshot fields of opt-in modes (session 13: strict; 14: leader), keyed by the mode's flag
+MODE_FIELDS = {"strict_guarantee": ("strict_guarantee", "cap_spared", "cap_admitted", "cap_over_pages"),
+               "follow_leader": ("follow_leader", "leader_switches")}  # fmt: skip
 
 
 def capacity_tokens(name: str, frac: float) -> int:
@@ -74,14 +75,12 @@ def digest(name: str, frac: float) -> dict:
     r = replay_tiered(reqs, capacity_tokens(name, frac))
     hits = hashlib.sha256(json.dumps(r["per_request"]).encode()).hexdigest()[:16]
     state = dict(r["policy_state"])
-    if not state.get("strict_guarantee"):
-        # the strict guarantee's fields (session 13) are constant with it off: left out, so the
-        # digests recorded before them still prove the default's decisions unchanged
-        for k in STRICT_FIELDS:
-            assert state.pop(k) in (False, 0), k
-    if not state.get("follow_leader"):  # (the same for follow the leader's fields)
-        for k in LEADER_FIELDS:
-            assert state.pop(k) in (False, 0), k
+    for flag, fields in MODE_FIELDS.items():
+        # an opt-in mode's fields are constant with it off: left out, so the digests recorded
+        # before they existed still prove the default's decisions unchanged
+        if not state.get(flag):
+            for k in fields:
+                assert state.pop(k) in (False, 0), k
     snap = hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()[:16]
     return {"hits": hits, "snapshot": snap, "hit_tokens": r["hit_tokens"]}
 

@@ -9,20 +9,20 @@ leader"), so nothing here asserts one."""
 
 from __future__ import annotations
 
-import hashlib
 import pathlib
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from sglang_tiered.config import load_config, policy_config
-from sglang_tiered.core.keys import chain_page_hashes
 from sglang_tiered.core.policy import PolicyConfig
 from sglang_tiered.core.shadows import FIXED_ORDERS, TreeShadow
 from tests.test_guarantee import PAGE, _hot_set_under_scans, _returning_scan, _run
 from tests.test_strict_guarantee import _family_cell
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+from trace_replay import page_ids  # noqa: E402  (bench/: the benchmarks' tenant-scoped page ids)
 
 DECAY = 0.999
 LEADER = PolicyConfig(guard_leader=DECAY)
@@ -36,9 +36,8 @@ def _reference(reqs, cap_pages: int) -> list[int]:
     score = dict.fromkeys(FIXED_ORDERS, 0.0)
     follower = TreeShadow(cap_pages, "lru")
     out = []
-    for toks, tenant in reqs:
-        seed = hashlib.blake2b((tenant or "").encode(), digest_size=16).digest()
-        pages = chain_page_hashes(seed, toks, PAGE)
+    rows, _ = page_ids([SimpleNamespace(tokens=t, tenant=tenant) for t, tenant in reqs])
+    for (toks, _), pages in zip(reqs, rows):
         tail = 1 if len(toks) % PAGE else 0
         out.append(follower.run(pages, tail))
         for o in FIXED_ORDERS:

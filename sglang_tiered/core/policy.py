@@ -541,7 +541,7 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
         assert self._refs >= 0.0 and abs(self._margin) <= slack * self._refs + 1e-6, "budget books"
         assert self._switch_reserve >= 0.0 and self._switch_reserve == self._switch_reserve, "switch reserve"
         assert self._switch_mark is None or (len(self._switch_mark) == 2 and self._switch_mark[1] > 0), "switch mark"
-        if self._budgeted and self._shadow.full and self.following != "lru" and not self.cfg.guard_leader:
+        if self._budgeted and self._shadow.full and self.following != "lru" and self._leader is None:
             assert self._budget() >= 0.0, f"away from lru with the budget spent: {self._budget()}"
         assert self._sketch_mask & self._duel_mask == self._sketch_mask, "duel sample not within the counted one"
         gp = self._ghost_pages
