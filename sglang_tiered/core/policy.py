@@ -110,6 +110,12 @@ real cache's own hits on the same (sampled) pages are counted too. It then follo
   costs is not bounded: a switch starts from the content the last order left. Over the family it
   is below lru's bar in 46 of 1,212 cells (worst -1.87) and within 0.5 points of the best SGLang
   policy in 879 (README, "Follow the leader").
+* **What no mode can promise.** Within 0.5 points of the best fixed order on *every* workload
+  is out of reach of every online policy, this one included: two traces that are the same up to
+  a last pass, which rereads either what lru keeps or what slru and lfu keep, cost any policy
+  8.75 points on one of them (tests/test_best_bar_bound.py: the last pass hits at most the pages
+  held when it began, the same pages on both traces). Hence the modes trade the lru bar (strict,
+  with a bound) against closeness to the best order (leader, without one).
 
 Bound (per run, sampled hit pages against the lru shadow; ``C`` the capacity in sampled pages).
 With the budget: ``loss <= beta x N + (the turnover after the last switch back - S)``, where the
