@@ -20,7 +20,7 @@ environment; ``TieredConfig.__post_init__`` validates every field, so a config b
 | SGLANG_TIERED_SERVER_ID | ``server_id`` | unset |
 | SGLANG_TIERED_INDEX_TTL_S | ``index_ttl_s`` | 30 |
 | SGLANG_TIERED_PREFIX_ATTENTION | ``prefix_attention`` (on/off) | off |
-| SGLANG_TIERED_GUARANTEE | ``guarantee`` (budget/strict/leader) | budget |
+| SGLANG_TIERED_GUARANTEE | ``guarantee`` (budget/strict/leader) | strict |
 | SGLANG_TIERED_T2 | ``t2`` (``tier/t2_config.py``: mooncake://MASTER_HOST:PORT?options) | unset |
 | SGLANG_TIERED_SHM_DIR | ``shm_dir()`` (named T1 segments and their locks) | /dev/shm |
 | SGLANG_TIERED_CACHE, XDG_CACHE_HOME | ``cache_root()`` (tiny models, weight digests) | ~/.cache/sglang-tiered |
@@ -123,7 +123,7 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
     # strict guarantee"). "leader": no bound; follow whichever of SGLang's orders has hit most
     # (PolicyConfig.guard_leader): the most wins over lru and the most losses (README, "Follow the
     # leader").
-    guarantee: Literal["budget", "strict", "leader"] = "budget"
+    guarantee: Literal["budget", "strict", "leader"] = "strict"
 
     def __post_init__(self) -> None:
         if self.host_mode not in ("auto", "on", "off"):
@@ -231,7 +231,7 @@ def load_config(env=None) -> TieredConfig:
         "index_ttl_s": _float(env, "index_ttl_s"),
         "t2": _t2(env),
         "prefix_attention": pa == "on",
-        "guarantee": env.get(ENV["guarantee"], "budget").strip().lower(),
+        "guarantee": env.get(ENV["guarantee"], "strict").strip().lower(),
     }
     cfg = TieredConfig(**{k: v for k, v in fields.items() if v is not None or k in ("host_gb",)})
     phys = _physical_gb()
@@ -242,13 +242,13 @@ def load_config(env=None) -> TieredConfig:
 
 def policy_config(cfg: TieredConfig):
     """The policy's configuration for ``cfg`` (None: the defaults)."""
-    if cfg.guarantee == "budget":
+    if cfg.guarantee == "strict":
         return None
     from sglang_tiered.core.policy import PolicyConfig
 
     if cfg.guarantee == "leader":
-        return PolicyConfig(guard_leader=0.999)
-    return PolicyConfig(guard_div_cap=True)
+        return PolicyConfig(guard_leader=0.999, guard_div_cap=False)
+    return PolicyConfig(guard_div_cap=False)
 
 
 def cache_root(env=None) -> pathlib.Path:

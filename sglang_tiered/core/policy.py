@@ -350,7 +350,7 @@ class PolicyConfig:
     # while the budget covers it at one lost hit per page, the most it can cost, so no value
     # estimate can be wrong (core/safety.py ``div_room``, integration/evict.py). Measured: fewer
     # wins (README, "The strict guarantee"); False: the priced check after each request only
-    guard_div_cap: bool = False
+    guard_div_cap: bool = True
     # Follow the leader (opt-in, ``SGLANG_TIERED_GUARANTEE=leader``): no bound against lru. After
     # every request the real cache follows, exactly, whichever of SGLang's orders (lru, slru, lfu)
     # its shadow has hit most, each shadow's hits decayed by this factor per request; it switches
