@@ -58,7 +58,8 @@ def load(name: str):
     return reqs, unique, max(len(r.tokens) for r in reqs)
 
 
-# the snapshot fields of opt-in modes (session 13: strict; 14: leader), keyed by the mode's flag
+# the snapshot fields of modes (session 13: strict, the default since session 15; 14: leader),
+# keyed by the mode's flag
 MODE_FIELDS = {"strict_guarantee": ("strict_guarantee", "cap_spared", "cap_admitted", "cap_over_pages"),
                "follow_leader": ("follow_leader", "leader_switches")}  # fmt: skip
 
@@ -69,15 +70,16 @@ def capacity_tokens(name: str, frac: float) -> int:
     return max(int(unique * frac), -(-max_req // PAGE) + 1) * PAGE
 
 
-def digest(name: str, frac: float) -> dict:
-    """sha256 (first 16 hex digits) of every request's cached length, and of the end snapshot."""
+def digest(name: str, frac: float, config=None) -> dict:
+    """sha256 (first 16 hex digits) of every request's cached length, and of the end snapshot
+    (the policy's ``config``, None: the default)."""
     reqs = load(name)[0]
-    r = replay_tiered(reqs, capacity_tokens(name, frac))
+    r = replay_tiered(reqs, capacity_tokens(name, frac), config)
     hits = hashlib.sha256(json.dumps(r["per_request"]).encode()).hexdigest()[:16]
     state = dict(r["policy_state"])
     for flag, fields in MODE_FIELDS.items():
-        # an opt-in mode's fields are constant with it off: left out, so the digests recorded
-        # before they existed still prove the default's decisions unchanged
+        # a mode's fields are constant with it off: left out, so the digests recorded before they
+        # existed still prove that mode-off decisions are unchanged (the budget mode's)
         if not state.get(flag):
             for k in fields:
                 assert state.pop(k) in (False, 0), k
@@ -112,14 +114,14 @@ def main(argv=None) -> int:
     ap.add_argument("--cells", nargs="+", type=_cell, default=None, help="NAME:FRACTION, e.g. mooncake:0.01")
     ap.add_argument("--runs", type=int, default=2, help="interleaved lru/tiered pairs per cell")
     ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
-                    help="PolicyConfig overrides for tiered's timing, e.g. guard_leader=0.999")
+                    help="PolicyConfig overrides for tiered's timing and digests, e.g. guard_leader=0.999")
     args = ap.parse_args(argv)
     from workload_family import _override, _policy_config
 
     config = _policy_config(dict(_override(kv) for kv in args.policy))
     if args.digests:
         for c in args.cells or DIGEST_CELLS:
-            print(json.dumps([c[0], c[1], digest(*c)]), flush=True)
+            print(json.dumps([c[0], c[1], digest(*c, config)]), flush=True)
     if args.time:
         print(f"{'cell':24s} {'pages':>7s} {'lru us':>8s} {'tiered us':>9s} {'ratio':>6s}  (each pair; mean over one replay)")
         for c in args.cells or TIME_CELLS:

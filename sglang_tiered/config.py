@@ -115,12 +115,12 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
     # cached 2k prefix still costs a recompute's attention on CPU. Equal up to summation order,
     # not bitwise, hence off by default. Recommended: on for CPU servers with long shared prefixes.
     prefix_attention: bool = False
-    # The policy's bound against SGLang's lru (core/policy.py, the safety duel). "budget": the
-    # loss budget with a priced switch back (the default; wins more, and on the family's tiny
-    # caches has lost up to 0.26 points). "strict": also the divergence cap, which prices every
-    # page of lru's cache the real cache drops at a whole hit (PolicyConfig.guard_div_cap): the
-    # bound holds up to a counted overshoot, and the policy wins about half as much (README, "The
-    # strict guarantee"). "leader": no bound; follow whichever of SGLang's orders has hit most
+    # The policy's bound against SGLang's lru (core/policy.py, the safety duel). "strict" (the
+    # default): the loss budget and the divergence cap, which prices every page of lru's cache the
+    # real cache drops at a whole hit (PolicyConfig.guard_div_cap): the bound holds up to a
+    # counted overshoot (README, "The strict guarantee"). "budget": the loss budget with a priced
+    # switch back only (wins about twice as much over lru, and on the family's tiny caches has
+    # lost up to 0.26 points). "leader": no bound; follow whichever of SGLang's orders has hit most
     # (PolicyConfig.guard_leader): the most wins over lru and the most losses (README, "Follow the
     # leader").
     guarantee: Literal["budget", "strict", "leader"] = "strict"

@@ -46,7 +46,7 @@ def _traces():
             "TB": common + [(_tok(500 + k, D), None) for k in range(M)]}  # fmt: skip
 
 
-MODES = {"default": None, "strict": PolicyConfig(guard_div_cap=True), "leader": PolicyConfig(guard_leader=0.999)}
+MODES = {"strict": None, "budget": PolicyConfig(guard_div_cap=False), "leader": PolicyConfig(guard_leader=0.999)}
 
 
 def _last_pass_pages(per_req) -> int:

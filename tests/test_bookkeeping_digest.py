@@ -6,7 +6,10 @@ bookkeeping work of issue #11, item 4), and re-recorded when the safety duel's s
 SGLang's own tree (``TreeShadow``) and an episode's budget room became 1 (session 10), and when switches were priced (a trial on
 a fork of the lru tree before leaving lru, the switch back prepaid; session 11); the end
 snapshots only (every hit digest unchanged) when requests shorter than a page began to be
-observed (their partial page's slot is replayed in the tree shadows, and counted; session 14). A change
+observed (their partial page's slot is replayed in the tree shadows, and counted; session 14);
+and when the strict guarantee became the default (session 15: hits changed in mooncake@0.005 and
+family-14@0.005, where the cap acted; every snapshot, which now has the cap's counts). The
+budget mode's digests are the default's before that, checked with ``guard_div_cap=False``. A change
 that *means* to change decisions (the policy's rules, its defaults) re-records them with that
 command, and says so in its commit.
 """
@@ -23,6 +26,32 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 # (workload, capacity fraction) -> (sha256[:16] of per-request cached lengths, of the end snapshot)
 RECORDED = {
+    ("mooncake", 0.005): ("ae56d2d95201cc7b", "a895b288a13464b2"),
+    ("mooncake", 0.02): ("9dfcdbe2430350b3", "b6c9a5a22149d59e"),
+    ("multitenant", 0.01): ("5a122ec50593c666", "c8fe5f93c932cf5c"),
+    ("multitenant", 0.1): ("79db1af18739228d", "303956d1eddc863a"),
+    ("family-8", 0.005): ("d8ae1c56582d9677", "7a64fbf98dd6830e"),
+    ("family-8", 0.05): ("457e46a11dcf7542", "904953e51a8fa19b"),
+    ("family-8", 0.2): ("40b42a8024fad50a", "0204f75abf2674c5"),
+    ("family-14", 0.005): ("3d09f75fd1a99965", "5e825c3d9c7a3c1d"),
+    ("family-14", 0.05): ("042c54ab27cb2f79", "ba7d4d908a58b43f"),
+    ("family-14", 0.2): ("fcb03ba4986d8fda", "64690afe05a5ef9e"),
+    ("family-19", 0.005): ("9753a2a9cf8957e8", "baaf54a9f8e4f7f8"),
+    ("family-19", 0.05): ("53a5f0a671be65bb", "12af6f549a62a3cd"),
+    ("family-19", 0.2): ("98fd27a1792e2fd4", "1aea6e3b036ba055"),
+    ("family-21", 0.005): ("22bba763146b92de", "d557004abaa4c52a"),
+    ("family-21", 0.05): ("1e2982503cc263c1", "80993e2b337e58c6"),
+    ("family-21", 0.2): ("6b6715cfa7e3fad4", "5cd5fb722841c626"),
+    ("family-25", 0.005): ("6128c52f2452d3b5", "8280b41dc90428c4"),
+    ("family-25", 0.05): ("4c2c58975cfbd953", "2712a6d7f5eff3bb"),
+    ("family-25", 0.2): ("6b6abe1877b8c062", "1d78a7fa746c996f"),
+    ("family-28", 0.005): ("bcaf58063b0a2332", "5ef0d7559fac853d"),
+    ("family-28", 0.05): ("cfdfdbafca2c3d2e", "d1fc9747b1ca29d3"),
+    ("family-28", 0.2): ("eb669d6bd15d9f14", "c5110ad82b7b208a"),
+}
+# the budget mode (``SGLANG_TIERED_GUARANTEE=budget``, ``guard_div_cap=False``): the default's digests
+# before session 15, unchanged
+BUDGET_RECORDED = {
     ("mooncake", 0.005): ("c6a915b2b104d6cf", "d3fc11713a891885"),
     ("mooncake", 0.02): ("9dfcdbe2430350b3", "a382d46506f708c7"),
     ("multitenant", 0.01): ("5a122ec50593c666", "d4d57b285ed72ecb"),
@@ -51,7 +80,7 @@ RECORDED = {
 def test_digest_cells_match_the_benchmark():
     from bookkeeping import DIGEST_CELLS
 
-    assert sorted(DIGEST_CELLS) == sorted(RECORDED)
+    assert sorted(DIGEST_CELLS) == sorted(RECORDED) == sorted(BUDGET_RECORDED)
 
 
 @pytest.mark.parametrize("cell", list(RECORDED), ids=[f"{n}@{f}" for n, f in RECORDED])
@@ -63,5 +92,20 @@ def test_replay_decisions_unchanged_by_bookkeeping(cell):
     warnings.filterwarnings("ignore")
     got = digest(*cell)
     hits, snapshot = RECORDED[cell]
+    assert got["hits"] == hits, f"{cell}: a request's hit length changed ({got['hit_tokens']} hit tokens)"
+    assert got["snapshot"] == snapshot, f"{cell}: the policy's end snapshot changed"
+
+
+@pytest.mark.parametrize("cell", list(BUDGET_RECORDED), ids=[f"{n}@{f}" for n, f in BUDGET_RECORDED])
+def test_budget_mode_decisions_unchanged(cell):
+    import warnings
+
+    from bookkeeping import digest
+
+    from sglang_tiered.core.policy import PolicyConfig
+
+    warnings.filterwarnings("ignore")
+    got = digest(*cell, PolicyConfig(guard_div_cap=False))
+    hits, snapshot = BUDGET_RECORDED[cell]
     assert got["hits"] == hits, f"{cell}: a request's hit length changed ({got['hit_tokens']} hit tokens)"
     assert got["snapshot"] == snapshot, f"{cell}: the policy's end snapshot changed"

@@ -1,10 +1,11 @@
-"""The strict guarantee (``SGLANG_TIERED_GUARANTEE=strict``, ``PolicyConfig.guard_div_cap``): away
+"""The strict guarantee (the default since session 15; ``SGLANG_TIERED_GUARANTEE=strict``,
+``PolicyConfig.guard_div_cap``): away
 from lru, the real cache drops a page of SGLang lru's cache (evicts it, or refuses to admit it)
 only while the loss budget covers it at one lost hit per page. Checked here: on workloads built so
 that the learned mechanisms are wrong, and where they are right, the loss to SGLang's own lru
 stays within ``budget x page references + the counted overshoot``; the cap is what holds it
-(the default's per-request price lets a lump through); the option is parsed and reaches the
-policy; and the stats say what the cap did."""
+(the budget mode's per-request price lets a lump through); the option is parsed and reaches the
+policy, and is the default; and the stats say what the cap did."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from tests.test_guarantee import (
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 
 STRICT = PolicyConfig(guard_div_cap=True)
+BUDGET = PolicyConfig(guard_div_cap=False)  # SGLANG_TIERED_GUARANTEE=budget
 # the gates alone (no budget room asked before an episode), so that episodes happen on these
 # short traces and the cap, not the entry, is what keeps the loss in bound
 STRICT_OPEN = PolicyConfig(guard_div_cap=True, guard_entry_room=0.0, guard_order_room=0.0, guard_prepay=False)
@@ -72,16 +74,18 @@ def test_strict_loss_to_lru_is_within_budget_plus_counted_overshoot(build, confi
 
 def test_the_cap_keeps_a_lump_within_the_bar_where_the_priced_check_does_not():
     """family-095 at 1 % (bench/results/workload_family_c479b78.csv): lru's hit rate is 4.6 %, so
-    the default prices the pages an episode dropped at about 0.05 hits each, and one request of
-    318 pages then hits them all in lru's cache: the default ends 0.26 points below lru (the
-    acceptance bar is 0.2). The cap prices each dropped page at a whole hit."""
+    the budget mode prices the pages an episode dropped at about 0.05 hits each, and one request
+    of 318 pages then hits them all in lru's cache: it ends 0.26 points below lru (the acceptance
+    bar is 0.2). The cap prices each dropped page at a whole hit; it is the default."""
     reqs, cap_pages = _family_cell(95, 0.01)
     lru, _, _ = _run(reqs, cap_pages, "lru")
-    default, _, _ = _run(reqs, cap_pages, None, None)
-    strict, _, cache = _run(reqs, cap_pages, None, STRICT)
+    budget, _, _ = _run(reqs, cap_pages, None, BUDGET)
+    default, default_per_req, _ = _run(reqs, cap_pages, None, None)
+    strict, strict_per_req, cache = _run(reqs, cap_pages, None, STRICT)
     snap = cache.policy.snapshot()
-    assert default < lru - 0.002, (default, lru)
+    assert budget < lru - 0.002, (budget, lru)
     assert strict >= lru - 0.002, (strict, lru, snap)
+    assert default_per_req == strict_per_req
     assert snap["cap_spared"] > 0, snap  # the cap acted
 
 
@@ -97,11 +101,12 @@ def test_strict_is_exact_lru_where_it_never_leaves_lru():
 
 
 def test_guarantee_option_parses_and_reaches_the_policy():
-    assert load_config({}).guarantee == "budget"
-    assert policy_config(load_config({})) is None
+    assert load_config({}).guarantee == "strict"
+    assert policy_config(load_config({})) is None and PolicyConfig().guard_div_cap is True
     cfg = load_config({"SGLANG_TIERED_GUARANTEE": " Strict "})
-    assert cfg.guarantee == "strict"
-    assert policy_config(cfg).guard_div_cap is True
+    assert cfg.guarantee == "strict" and policy_config(cfg) is None
+    cfg = load_config({"SGLANG_TIERED_GUARANTEE": "budget"})
+    assert cfg.guarantee == "budget" and policy_config(cfg).guard_div_cap is False
     with pytest.raises(ConfigError, match="SGLANG_TIERED_GUARANTEE"):
         load_config({"SGLANG_TIERED_GUARANTEE": "always"})
 

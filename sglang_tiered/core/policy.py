@@ -80,8 +80,9 @@ real cache's own hits on the same (sampled) pages are counted too. It then follo
     budget must cover ``v x |L - R|`` after every request (else back to lru), and an episode starts
     only when it covers ``v x |L|``, the price if every page diverged (``guard_prepay``).
 
-* **The strict guarantee (opt-in: ``guard_div_cap``, ``SGLANG_TIERED_GUARANTEE=strict``;
-  session 13).** The priced switch's error is the value ``v``: the diverged pages may be exactly
+* **The strict guarantee (``guard_div_cap``, ``SGLANG_TIERED_GUARANTEE=strict``; session 13,
+  the default since session 15, ``SGLANG_TIERED_GUARANTEE=budget`` turns it off).** The priced
+  switch's error is the value ``v``: the diverged pages may be exactly
   the ones lru hits, all in one request (family-095 at 1 %: lru's hit rate 4.6 %, then one
   318-page request; the default ends 0.26 points below lru). The divergence cap takes the
   estimate out: away from lru, the real cache evicts a leaf, or refuses a page, that lru's tree
@@ -115,7 +116,8 @@ real cache's own hits on the same (sampled) pages are counted too. It then follo
   a last pass, which rereads either what lru keeps or what slru and lfu keep, cost any policy
   8.75 points on one of them (tests/test_best_bar_bound.py: the last pass hits at most the pages
   held when it began, the same pages on both traces). Hence the modes trade the lru bar (strict,
-  with a bound) against closeness to the best order (leader, without one).
+  with a bound) against closeness to the best order (leader, without one), and the default is
+  the mode with the bound.
 
 Bound (per run, sampled hit pages against the lru shadow; ``C`` the capacity in sampled pages).
 With the budget: ``loss <= beta x N + (the turnover after the last switch back - S)``, where the
@@ -345,11 +347,13 @@ class PolicyConfig:
     # ... and the price also holds one request's worth of reuse at once (the most lru has hit in
     # one request so far, at most the diverged pages): reuse comes in lumps, not at the mean rate
     guard_price_lump: bool = False
-    # The strict guarantee (the divergence cap; opt-in, ``SGLANG_TIERED_GUARANTEE=strict``): away
+    # The strict guarantee (the divergence cap; the default, ``SGLANG_TIERED_GUARANTEE=budget``
+    # turns it off): away
     # from lru, the real cache drops a page of lru's tree (evicts it, or refuses to admit it) only
     # while the budget covers it at one lost hit per page, the most it can cost, so no value
-    # estimate can be wrong (core/safety.py ``div_room``, integration/evict.py). Measured: fewer
-    # wins (README, "The strict guarantee"); False: the priced check after each request only
+    # estimate can be wrong (core/safety.py ``div_room``, integration/evict.py). Measured: no
+    # cell below lru's bar, fewer wins (README, "The strict guarantee"); False: the priced check
+    # after each request only (the budget mode: more wins, up to 0.26 points below lru)
     guard_div_cap: bool = True
     # Follow the leader (opt-in, ``SGLANG_TIERED_GUARANTEE=leader``): no bound against lru. After
     # every request the real cache follows, exactly, whichever of SGLang's orders (lru, slru, lfu)
