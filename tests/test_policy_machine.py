@@ -63,9 +63,10 @@ class LruShadowMachine(RuleBasedStateMachine):
 
 
 class PolicyMachine(RuleBasedStateMachine):
-    @initialize(capacity=st.integers(4, 64), mode=st.sampled_from(["gated", "open", "leader"]))
+    @initialize(capacity=st.integers(4, 64), mode=st.sampled_from(["gated", "budget", "open", "leader"]))
     def build(self, capacity, mode):
-        cfg = {"gated": PolicyConfig(), "open": PolicyConfig(guard_start_lru=False, guard_entry_margin=None),
+        cfg = {"gated": PolicyConfig(), "budget": PolicyConfig(guard_div_cap=False),
+               "open": PolicyConfig(guard_start_lru=False, guard_entry_margin=None),
                "leader": PolicyConfig(guard_leader=0.999)}[mode]  # fmt: skip
         self.pol = AdaptivePolicy(capacity, cfg)
 

@@ -43,11 +43,13 @@ class TreeMachine(RuleBasedStateMachine):
         self.held = []  # (lock, node, tenant, tokens, prefix_len, indices)
 
     @rule(mode=st.sampled_from(["all+lru", "tinylfu+lru", "all+slru", "tinylfu+slru", "all+lfu", "tinylfu+lfu",
-                               "tinylfu+adaptive", None]))
+                               "tinylfu+adaptive", None]),
+          cap=st.booleans())  # the strict default's divergence cap, or the budget mode (no cap)
     @precondition(lambda self: self.cache is None)
-    def build(self, mode):
+    def build(self, mode, cap):
         self.cache = TieredRadixCache.create_simulated(
-            CAPACITY, PAGE, PolicyConfig(force_mode=mode, pin_min_freq=3, pin_max_tokens=2 * PAGE),
+            CAPACITY, PAGE,
+            PolicyConfig(force_mode=mode, pin_min_freq=3, pin_max_tokens=2 * PAGE, guard_div_cap=cap),
             debug_checks=True,
         )  # fmt: skip
 
