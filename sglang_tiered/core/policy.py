@@ -84,7 +84,7 @@ real cache's own hits on the same (sampled) pages are counted too. It then follo
   the default since session 15, ``SGLANG_TIERED_GUARANTEE=budget`` turns it off).** The priced
   switch's error is the value ``v``: the diverged pages may be exactly
   the ones lru hits, all in one request (family-095 at 1 %: lru's hit rate 4.6 %, then one
-  318-page request; the default ends 0.26 points below lru). The divergence cap takes the
+  318-page request; the budget mode ends 0.26 points below lru). The divergence cap takes the
   estimate out: away from lru, the real cache evicts a leaf, or refuses a page, that lru's tree
   holds only while ``B - |L - R|`` covers the pages it adds, each priced at one hit
   (``div_room``; integration/evict.py passes over such leaves, admission keeps such pages).
@@ -348,10 +348,9 @@ class PolicyConfig:
     # one request so far, at most the diverged pages): reuse comes in lumps, not at the mean rate
     guard_price_lump: bool = False
     # The strict guarantee (the divergence cap; the default, ``SGLANG_TIERED_GUARANTEE=budget``
-    # turns it off): away
-    # from lru, the real cache drops a page of lru's tree (evicts it, or refuses to admit it) only
-    # while the budget covers it at one lost hit per page, the most it can cost, so no value
-    # estimate can be wrong (core/safety.py ``div_room``, integration/evict.py). Measured: no
+    # turns it off): away from lru, the real cache drops a page of lru's tree (evicts it, or
+    # refuses to admit it) only while the budget covers it at one lost hit per page, the most it
+    # can cost, so no value estimate can be wrong (core/safety.py ``div_room``, integration/evict.py). Measured: no
     # cell below lru's bar, fewer wins (README, "The strict guarantee"); False: the priced check
     # after each request only (the budget mode: more wins, up to 0.26 points below lru)
     guard_div_cap: bool = True
