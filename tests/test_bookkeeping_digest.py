@@ -83,21 +83,12 @@ def test_digest_cells_match_the_benchmark():
     assert sorted(DIGEST_CELLS) == sorted(RECORDED) == sorted(BUDGET_RECORDED)
 
 
-@pytest.mark.parametrize("cell", list(RECORDED), ids=[f"{n}@{f}" for n, f in RECORDED])
-def test_replay_decisions_unchanged_by_bookkeeping(cell):
-    import warnings
-
-    from bookkeeping import digest
-
-    warnings.filterwarnings("ignore")
-    got = digest(*cell)
-    hits, snapshot = RECORDED[cell]
-    assert got["hits"] == hits, f"{cell}: a request's hit length changed ({got['hit_tokens']} hit tokens)"
-    assert got["snapshot"] == snapshot, f"{cell}: the policy's end snapshot changed"
+# each recorded cell, at the default (strict) and in the budget mode
+CASES = [(cell, None, RECORDED) for cell in RECORDED] + [(cell, "budget", BUDGET_RECORDED) for cell in BUDGET_RECORDED]
 
 
-@pytest.mark.parametrize("cell", list(BUDGET_RECORDED), ids=[f"{n}@{f}" for n, f in BUDGET_RECORDED])
-def test_budget_mode_decisions_unchanged(cell):
+@pytest.mark.parametrize("cell,mode,recorded", CASES, ids=[f"{n}@{f}{'-' + m if m else ''}" for (n, f), m, _ in CASES])
+def test_replay_decisions_unchanged_by_bookkeeping(cell, mode, recorded):
     import warnings
 
     from bookkeeping import digest
@@ -105,7 +96,7 @@ def test_budget_mode_decisions_unchanged(cell):
     from sglang_tiered.core.policy import PolicyConfig
 
     warnings.filterwarnings("ignore")
-    got = digest(*cell, PolicyConfig(guard_div_cap=False))
-    hits, snapshot = BUDGET_RECORDED[cell]
+    got = digest(*cell, PolicyConfig(guard_div_cap=False) if mode == "budget" else None)
+    hits, snapshot = recorded[cell]
     assert got["hits"] == hits, f"{cell}: a request's hit length changed ({got['hit_tokens']} hit tokens)"
     assert got["snapshot"] == snapshot, f"{cell}: the policy's end snapshot changed"

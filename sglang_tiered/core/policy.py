@@ -575,8 +575,7 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
             "shadow_kind": "tree" if self._tree else "pages",
             "diverged_pages": self._div.only_l if self._div is not None and self._div.counting else 0,
             "switch_back_price": round(self._return_price(), 1),
-            # the cap acts: set, not following the leader (no cap), and tree shadows (no lru tree else)
-            "strict_guarantee": bool(self.cfg.guard_div_cap and not self.cfg.guard_leader and self._tree),
+            "strict_guarantee": bool(self.cfg.guard_div_cap and self.prices_divergence()),  # the cap can act
             "follow_leader": bool(self.cfg.guard_leader),
             "shadow_lru_hit_rate": round(self._sh[1] / self._sh[0], 4) if self._sh[0] else 0.0,
             "real_sampled_hit_rate": round(self._sh[2] / self._sh[0], 4) if self._sh[0] else 0.0,

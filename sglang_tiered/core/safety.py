@@ -316,11 +316,17 @@ class SafetyDuel:
         return len(self._div.L.intersection(hashes))
 
     # the real cache's pages (integration/index_hints.py tells every device store and removal)
+    def prices_divergence(self) -> bool:
+        """Whether the real cache's divergence from lru's tree is kept (``Divergence``): tree
+        shadows, ``guard_return_priced``, and not following the leader (which prices nothing).
+        The divergence cap can act only then."""
+        return self._tree and self.cfg.guard_return_priced and self._leader is None
+
     def track_real_pages(self) -> None:
         """From now on the real cache (empty now) reports every page it stores and removes, so
-        a switch back to lru can be priced (tree shadows, ``guard_return_priced``)."""
-        if not (self._tree and self.cfg.guard_return_priced) or self._div is not None or self._leader is not None:
-            return  # (following the leader prices nothing)
+        a switch back to lru can be priced (``prices_divergence``)."""
+        if not self.prices_divergence() or self._div is not None:
+            return
         dv = self._div = Divergence()
         dv.L.update(self._shadow.pages())
         self._shadow.track = dv
