@@ -334,6 +334,13 @@ class PolicyConfig:
     # pages): up to 2^18 pages (4M tokens at page 16; every benchmarked cache), beyond it the
     # sampled page shadows keep the duel's memory bounded; 0: the page shadows everywhere
     tree_shadow_pages: int = 1 << 18
+    # caches above ``tree_shadow_pages`` and of at most this many pages keep lru's tree alone,
+    # exactly (slru and lfu as the sampled page models): the strict guarantee's cap and the
+    # budget's books stay SGLang's lru hit for hit, at one tree's memory (about 75 bytes a page
+    # measured at 2^20 pages: 150 MB at 2^21, a 2M-token pool at page size 1, 32M at 16); no
+    # priced switches there (a fork copies the tree on the request path). 0: above
+    # ``tree_shadow_pages`` every shadow is a page model (and the strict guarantee is off)
+    lru_tree_pages: int = 1 << 21
     # x capacity: with tree shadows, a switch from lru to slru or lfu is priced first: the lru
     # tree is forked and run under that order until it took in this many capacities of pages
     # (its content turned over); the real cache switches only if the fork came out ahead,
@@ -360,8 +367,8 @@ class PolicyConfig:
     # at once, with no gate, trial or budget, and the adaptive policy is never followed
     # (core/safety.py ``_leader_step``). 0: off. Measured: most wins over lru and the fewest cells
     # below the best SGLang policy, and the most below lru (README, "Follow the leader"). Above
-    # ``tree_shadow_pages`` the leader is the sampled page models' (they misjudged the tree by up to
-    # 15 points on the family): measured only with tree shadows.
+    # ``tree_shadow_pages`` slru's and lfu's hits are the sampled page models' (they misjudged the
+    # tree by up to 15 points on the family): measured only with tree shadows.
     guard_leader: float = 0.0
 
 
@@ -443,7 +450,7 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
             self._duel([h for h in counted if not h[0] & dm] if dm else counted)
         if self._guard:
             t = self._shard_t
-            if self._tree:
+            if self._lru_tree:
                 self._safety_tree(page_hashes if whole is None else whole, start, tail, device_hit_pages,
                                   len(page_hashes))  # fmt: skip
             elif t >= 65536:
@@ -572,7 +579,7 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
             "following": self.following,
             "adaptive_mode": str(self.modes[self.mode_index]),
             "shadow_rate": round(self.shard_rate, 5),
-            "shadow_kind": "tree" if self._tree else "pages",
+            "shadow_kind": "tree" if self._tree else "lru-tree" if self._lru_tree else "pages",
             "diverged_pages": self._div.only_l if self._div is not None and self._div.counting else 0,
             "switch_back_price": round(self._return_price(), 1),
             "strict_guarantee": bool(self.cfg.guard_div_cap and self.prices_divergence()),  # the cap can act

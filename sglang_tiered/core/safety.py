@@ -31,10 +31,19 @@ class SafetyDuel:
         self.shard_rate = t / 65536
         cap = round(self.capacity_pages * self.shard_rate)
         self._tree = self.capacity_pages <= cfg.tree_shadow_pages
+        # lru's tree, exactly (every order's, or lru's alone up to ``lru_tree_pages``)
+        self._lru_tree = self._tree or self.capacity_pages <= cfg.lru_tree_pages
+        # the page models' hits x this are pages (slru and lfu beside lru's tree alone: half the
+        # sample, at the sampling rate)
+        self._model_scale = 2 * 65536 / t
         if self._tree:  # SGLang's own tree for each order, exactly, on every page
             self._shadows = {o: TreeShadow(self.capacity_pages, o) for o in FIXED_ORDERS}
             self._shadow = self._shadows["lru"]
             self.shard_rate = 1.0
+        elif self._lru_tree:  # lru's tree exactly; slru and lfu sampled, counted in pages
+            self._shadow = TreeShadow(self.capacity_pages, "lru")
+            self._shadows = {"lru": self._shadow, "slru": SlruShadow(cap // 2), "lfu": LfuShadow(cap // 2)}
+            self.shard_rate = 1.0  # (the duel counts pages, as with every tree)
         else:
             self._shadow = LruShadow(cap)
             self._shadows = {"lru": self._shadow, "slru": SlruShadow(cap // 2), "lfu": LfuShadow(cap // 2)}
@@ -100,7 +109,15 @@ class SafetyDuel:
         """The duel's per-request step with the tree shadows: ``pages`` the request's page hashes
         from its first, ``pages[start:]`` (``n`` of them) this step's references."""
         sh = self._shadows
-        hits = {o: sh[o].run(pages, tail, start) for o in FIXED_ORDERS}
+        if self._tree:
+            hits = {o: sh[o].run(pages, tail, start) for o in FIXED_ORDERS}
+        else:  # lru's tree alone: slru and lfu are page models on half of the sample, scaled
+            hits = {"lru": sh["lru"].run(pages, tail, start)}
+            tb = self._shard_tb
+            half = [h for h in pages[start:] if (not tb or h[2:4] < tb) and not h[4] & 1]
+            x = self._model_scale
+            hits["slru"] = x * sh["slru"].run(half)
+            hits["lfu"] = x * sh["lfu"].run(half)
         tr = self._trial
         if tr is not None:
             hits["trial"] = tr[1].run(pages, tail, start)
@@ -320,7 +337,7 @@ class SafetyDuel:
         """Whether the real cache's divergence from lru's tree is kept (``Divergence``): tree
         shadows, ``guard_return_priced``, and not following the leader (which prices nothing).
         The divergence cap can act only then."""
-        return self._tree and self.cfg.guard_return_priced and self._leader is None
+        return self._lru_tree and self.cfg.guard_return_priced and self._leader is None
 
     def track_real_pages(self) -> None:
         """From now on the real cache (empty now) reports every page it stores and removes, so
