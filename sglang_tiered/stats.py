@@ -126,7 +126,7 @@ class PolicyReport(msgspec.Struct, kw_only=True):
     diverged_pages: int = 0  # pages SGLang's lru would hold now that this cache does not
     switch_back_price: float = 0.0  # what a switch back to lru may cost now (hits; the budget covers it)
     # the strict guarantee (SGLANG_TIERED_GUARANTEE=strict, the default: the divergence cap); false
-    # and 0 where the cap cannot act (budget, leader, page shadows above tree_shadow_pages)
+    # and 0 where the cap cannot act (budget, leader, page shadows above lru_tree_pages)
     strict_guarantee: bool = False
     cap_spared: int = 0  # victim leaves the cap passed over (their pages are SGLang lru's)
     cap_admitted: int = 0  # pages admitted that admission would have refused, to stay within the cap

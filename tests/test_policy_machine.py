@@ -63,11 +63,15 @@ class LruShadowMachine(RuleBasedStateMachine):
 
 
 class PolicyMachine(RuleBasedStateMachine):
-    @initialize(capacity=st.integers(4, 64), mode=st.sampled_from(["gated", "budget", "open", "leader"]))
+    @initialize(capacity=st.integers(4, 64),
+                mode=st.sampled_from(["gated", "budget", "open", "leader", "lru-tree", "pages"]))
     def build(self, capacity, mode):
         cfg = {"gated": PolicyConfig(), "budget": PolicyConfig(guard_div_cap=False),
                "open": PolicyConfig(guard_start_lru=False, guard_entry_margin=None),
-               "leader": PolicyConfig(guard_leader=0.999)}[mode]  # fmt: skip
+               "leader": PolicyConfig(guard_leader=0.999),
+               # the shadows of caches above tree_shadow_pages, and above lru_tree_pages
+               "lru-tree": PolicyConfig(tree_shadow_pages=0, shadow_pages=8, guard_entry_margin=None),
+               "pages": PolicyConfig(tree_shadow_pages=0, lru_tree_pages=0, shadow_pages=8)}[mode]  # fmt: skip
         self.pol = AdaptivePolicy(capacity, cfg)
 
     @rule(tenant=st.integers(0, TENANTS - 1), depth=st.integers(1, DEPTH), hit=st.integers(0, DEPTH))

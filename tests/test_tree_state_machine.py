@@ -44,14 +44,18 @@ class TreeMachine(RuleBasedStateMachine):
 
     @rule(mode=st.sampled_from(["all+lru", "tinylfu+lru", "all+slru", "tinylfu+slru", "all+lfu", "tinylfu+lfu",
                                "tinylfu+adaptive", None]),
-          cap=st.booleans())  # the strict default's divergence cap, or the budget mode (no cap)
+          cap=st.booleans(),  # the strict default's divergence cap, or the budget mode (no cap)
+          shadows=st.sampled_from(["tree", "lru-tree", "pages"]))  # the shadows of a small, mid, big cache
     @precondition(lambda self: self.cache is None)
-    def build(self, mode, cap):
+    def build(self, mode, cap, shadows):
+        sizes = {"tree": {}, "lru-tree": {"tree_shadow_pages": 0, "shadow_pages": 8},
+                 "pages": {"tree_shadow_pages": 0, "lru_tree_pages": 0, "shadow_pages": 8}}[shadows]
         self.cache = TieredRadixCache.create_simulated(
             CAPACITY, PAGE,
-            PolicyConfig(force_mode=mode, pin_min_freq=3, pin_max_tokens=2 * PAGE, guard_div_cap=cap),
+            PolicyConfig(force_mode=mode, pin_min_freq=3, pin_max_tokens=2 * PAGE, guard_div_cap=cap, **sizes),
             debug_checks=True,
         )  # fmt: skip
+        assert self.cache.policy.snapshot()["shadow_kind"] == shadows
 
     @rule(spec=prompt_st, tenant=st.sampled_from(TENANTS), no_store=st.booleans())
     @precondition(lambda self: self.cache is not None)

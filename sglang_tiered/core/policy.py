@@ -6,8 +6,11 @@ RadixCache (lru, slru, lfu). For caches of at most ``tree_shadow_pages`` pages e
 SGLang's RadixCache with that policy, replayed as metadata (``core/shadows.py`` ``TreeShadow``:
 nodes, splits, hit counts, whole-leaf eviction, the scheduler's call order): its hits are what
 SGLang would have served on the same requests, request by request (tests/test_shadows_tree.py),
-so every comparison below is with SGLang itself and the measured biases are 0. Above that size
-(or with ``tree_shadow_pages=0``) the shadows are SHARDS-sampled page-level models: lru (pages
+so every comparison below is with SGLang itself and the measured biases are 0. Above that size,
+up to ``lru_tree_pages``, lru's tree alone is kept exactly and slru and lfu are the page models
+below, their hits scaled to pages (so the strict guarantee's cap still counts against SGLang's
+lru; no priced switches: a fork would copy the tree on the request path). Above that (or with
+both sizes 0) the shadows are SHARDS-sampled page-level models: lru (pages
 whose hash bytes 2-3 fall below a threshold, rate ``R = min(1, shadow_pages / capacity)``,
 capacity ``R x capacity``), and slru and lfu on half of that sample; each request's sampled pages
 go through every shadow in SGLang's scheduler order (cached pages used, room made for the new
@@ -98,7 +101,7 @@ real cache's own hits on the same (sampled) pages are counted too. It then follo
   the pages the real cache holds and lru does not were all dropped by lru, so they are older
   than any page lru holds and go first (up to node granularity). With tree shadows ``M`` is
   exact (the lru bias measured while following lru was 0 on every cell checked); with page
-  shadows (caches over ``tree_shadow_pages``) there is no ``L`` and the option does nothing.
+  shadows (caches over ``lru_tree_pages``) there is no ``L`` and the option does nothing.
   ``O`` is a count, not a bound given in advance: on the hot set under scans
   (tests/test_guarantee.py) it counted 5,085 pages while the real cache lost nothing. The
   price: a page lru never hits is priced at a whole hit, so the refusals that win on scan-heavy

@@ -1,8 +1,8 @@
 """Shadows of SGLang's fixed eviction orders (lru, slru, lfu) for the safety duel
 (``core/safety.py``): they answer "how many of this request's pages would SGLang's RadixCache
-with that policy have hit?". ``TreeShadow`` replays the RadixCache itself, exactly (caches up to
-``tree_shadow_pages``); the page-level shadows below are SHARDS-sampled miniatures for larger
-caches (a model: whole-node eviction is not in it). Every shadow has ``run``, ``cap``, ``full``
+with that policy have hit?". ``TreeShadow`` replays the RadixCache itself, exactly (every order's
+for caches up to ``tree_shadow_pages``, lru's alone up to ``lru_tree_pages``); the page-level
+shadows below are SHARDS-sampled miniatures for larger caches (a model: whole-node eviction is not in it). Every shadow has ``run``, ``cap``, ``full``
 (it holds a cache's worth: comparisons with the real cache mean something) and ``check``.
 
 Each ``run`` takes one request's sampled pages (shallowest first) in SGLang's scheduler order:
