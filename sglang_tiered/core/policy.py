@@ -339,10 +339,12 @@ class PolicyConfig:
     tree_shadow_pages: int = 1 << 18
     # caches above ``tree_shadow_pages`` and of at most this many pages keep lru's tree alone,
     # exactly (slru and lfu as the sampled page models): the strict guarantee's cap and the
-    # budget's books stay SGLang's lru hit for hit, at one tree's memory (about 75 bytes a page
-    # measured at 2^20 pages: 150 MB at 2^21, a 2M-token pool at page size 1, 32M at 16); no
-    # priced switches there (a fork copies the tree on the request path). 0: above
-    # ``tree_shadow_pages`` every shadow is a page model (and the strict guarantee is off)
+    # budget's books stay SGLang's lru hit for hit. Measured at 2^21 pages (a 2M-token pool at page
+    # size 1, 32M at 16): the tree and the divergence's page sets take about 300 MB (150 bytes a
+    # page, a third of it the page hashes the cache holds anyway), and an episode away from lru
+    # starts by counting lru's pages the cache lacks once (0.24 s). No priced switches there (a
+    # fork copies the tree on the request path). 0: above ``tree_shadow_pages`` every shadow is a
+    # page model (and the strict guarantee is off)
     lru_tree_pages: int = 1 << 21
     # x capacity: with tree shadows, a switch from lru to slru or lfu is priced first: the lru
     # tree is forked and run under that order until it took in this many capacities of pages
