@@ -21,6 +21,7 @@ environment; ``TieredConfig.__post_init__`` validates every field, so a config b
 | SGLANG_TIERED_INDEX_TTL_S | ``index_ttl_s`` | 30 |
 | SGLANG_TIERED_PREFIX_ATTENTION | ``prefix_attention`` (on/off) | off |
 | SGLANG_TIERED_GUARANTEE | ``guarantee`` (budget/strict/leader) | strict |
+| SGLANG_TIERED_LRU_TREE_PAGES | ``lru_tree_pages`` | unset (2^21) |
 | SGLANG_TIERED_T2 | ``t2`` (``tier/t2_config.py``: mooncake://MASTER_HOST:PORT?options) | unset |
 | SGLANG_TIERED_SHM_DIR | ``shm_dir()`` (named T1 segments and their locks) | /dev/shm |
 | SGLANG_TIERED_CACHE, XDG_CACHE_HOME | ``cache_root()`` (tiny models, weight digests) | ~/.cache/sglang-tiered |
@@ -54,6 +55,7 @@ MAX_HOST_RATIO = 1024.0
 MAX_HOST_GB = 1e6  # 1 PB
 MAX_STORE_QUEUE_PAGES = 1 << 30
 MAX_INDEX_TTL_S = 86400.0
+MAX_LRU_TREE_PAGES = 1 << 26  # about 10 GB of host memory for lru's tree and its page sets
 
 ENV = {  # field -> environment variable
     "host_mode": "SGLANG_TIERED_HOST",
@@ -70,6 +72,7 @@ ENV = {  # field -> environment variable
     "t2": "SGLANG_TIERED_T2",
     "prefix_attention": "SGLANG_TIERED_PREFIX_ATTENTION",
     "guarantee": "SGLANG_TIERED_GUARANTEE",
+    "lru_tree_pages": "SGLANG_TIERED_LRU_TREE_PAGES",
 }
 
 
@@ -124,6 +127,11 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
     # (PolicyConfig.guard_leader): the most wins over lru and the most losses (README, "Follow the
     # leader").
     guarantee: Literal["budget", "strict", "leader"] = "strict"
+    # The largest device pool, in pages, beside which the policy keeps SGLang lru's tree itself
+    # (PolicyConfig.lru_tree_pages): the strict guarantee's yardstick. Above it the duel runs on
+    # sampled page models and the strict guarantee is off (the stats say so). [0, 2^26]; None: the
+    # policy's default, 2^21 pages (about 300 MB of host memory at that size, 150 bytes a page).
+    lru_tree_pages: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.host_mode not in ("auto", "on", "off"):
@@ -144,6 +152,9 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
             _bad("prefix_attention", self.prefix_attention, "expected on or off")
         if self.guarantee not in ("budget", "strict", "leader"):
             _bad("guarantee", self.guarantee, "expected budget, strict or leader")
+        lt = self.lru_tree_pages
+        if lt is not None and (isinstance(lt, bool) or not isinstance(lt, int) or not 0 <= lt <= MAX_LRU_TREE_PAGES):
+            _bad("lru_tree_pages", lt, "expected a whole number of pages in [0, 2^26]")
         self._check_index()
 
     def _check_index(self) -> None:
@@ -217,6 +228,9 @@ def load_config(env=None) -> TieredConfig:
     qp = env.get(ENV["store_queue_pages"], "").strip()
     if qp and not qp.isdigit():
         raise ConfigError(f"SGLANG_TIERED_STORE_QUEUE_PAGES={qp!r}: expected a whole number of pages in [1, 2^30]")
+    lt = env.get(ENV["lru_tree_pages"], "").strip()
+    if lt and not lt.isdigit():
+        raise ConfigError(f"SGLANG_TIERED_LRU_TREE_PAGES={lt!r}: expected a whole number of pages in [0, 2^26]")
     fields = {
         "host_mode": env.get(ENV["host_mode"], "auto").strip().lower(),
         "host_ratio": _float(env, "host_ratio"),
@@ -232,6 +246,7 @@ def load_config(env=None) -> TieredConfig:
         "t2": _t2(env),
         "prefix_attention": pa == "on",
         "guarantee": env.get(ENV["guarantee"], "strict").strip().lower(),
+        "lru_tree_pages": int(lt) if lt else None,
     }
     cfg = TieredConfig(**{k: v for k, v in fields.items() if v is not None or k in ("host_gb",)})
     phys = _physical_gb()
@@ -242,13 +257,16 @@ def load_config(env=None) -> TieredConfig:
 
 def policy_config(cfg: TieredConfig):
     """The policy's configuration for ``cfg`` (None: the defaults)."""
-    if cfg.guarantee == "strict":
+    kw = {} if cfg.lru_tree_pages is None else {"lru_tree_pages": cfg.lru_tree_pages}
+    if cfg.guarantee == "leader":
+        kw.update(guard_leader=0.999, guard_div_cap=False)
+    elif cfg.guarantee == "budget":
+        kw.update(guard_div_cap=False)
+    if not kw:
         return None
     from sglang_tiered.core.policy import PolicyConfig
 
-    if cfg.guarantee == "leader":
-        return PolicyConfig(guard_leader=0.999, guard_div_cap=False)
-    return PolicyConfig(guard_div_cap=False)
+    return PolicyConfig(**kw)
 
 
 def cache_root(env=None) -> pathlib.Path:

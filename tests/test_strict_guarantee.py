@@ -117,6 +117,17 @@ def test_guarantee_option_parses_and_reaches_the_policy():
         load_config({"SGLANG_TIERED_GUARANTEE": "always"})
 
 
+def test_lru_tree_pages_option_parses_and_reaches_the_policy():
+    assert load_config({}).lru_tree_pages is None and PolicyConfig().lru_tree_pages == 1 << 21
+    pc = policy_config(load_config({"SGLANG_TIERED_LRU_TREE_PAGES": " 4194304 "}))
+    assert pc.lru_tree_pages == 1 << 22 and pc.guard_div_cap is True
+    pc = policy_config(load_config({"SGLANG_TIERED_LRU_TREE_PAGES": "0", "SGLANG_TIERED_GUARANTEE": "budget"}))
+    assert pc.lru_tree_pages == 0 and pc.guard_div_cap is False
+    for bad in ("-1", "1e6", "lots", str((1 << 26) + 1)):
+        with pytest.raises(ConfigError, match="SGLANG_TIERED_LRU_TREE_PAGES"):
+            load_config({"SGLANG_TIERED_LRU_TREE_PAGES": bad})
+
+
 def test_the_cap_never_holds_a_leaf_lru_does_not_have(monkeypatch):
     """With the room overdrawn (the budget spent while away from lru), a leaf whose pages lru's
     tree does not hold still costs nothing to evict: eviction takes it and holds only leaves of
