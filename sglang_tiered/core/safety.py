@@ -1,5 +1,6 @@
 """The safety duel (a mixin of ``AdaptivePolicy``): shadows of SGLang's fixed orders
-(``core/shadows.py``: its RadixCache replayed, or SHARDS-sampled page models for big caches)
+(``core/shadows.py``: its RadixCache replayed; for mid-size caches lru's alone, with slru and lfu as
+SHARDS-sampled page models; page models only for the biggest caches)
 beside the real cache, a CUSUM that decides when the real cache follows
 one of them exactly instead of the adaptive policy, the entry gate that decides when it may
 return, and the whole trace's loss budget that bounds what all episodes together may cost. The
@@ -106,8 +107,9 @@ class SafetyDuel:
             self._hold = cfg.guard_start_hold * self._shadow.cap
 
     def _safety_tree(self, pages: list, start: int, tail: int, real: int, n: int) -> None:
-        """The duel's per-request step with the tree shadows: ``pages`` the request's page hashes
-        from its first, ``pages[start:]`` (``n`` of them) this step's references."""
+        """The duel's per-request step with the tree shadows (every order's, or lru's alone):
+        ``pages`` the request's page hashes from its first, ``pages[start:]`` (``n`` of them) this
+        step's references."""
         sh = self._shadows
         if self._tree:
             hits = {o: sh[o].run(pages, tail, start) for o in FIXED_ORDERS}
