@@ -145,16 +145,12 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
             _bad("tenant_header", self.tenant_header, "not a valid header name")
         if self.store not in ("async", "sync"):
             _bad("store", self.store, "expected async or sync")
-        qp = self.store_queue_pages
-        if qp is not None and (isinstance(qp, bool) or not isinstance(qp, int) or not 1 <= qp <= MAX_STORE_QUEUE_PAGES):
-            _bad("store_queue_pages", qp, "expected a whole number of pages in [1, 2^30]")
+        _whole("store_queue_pages", self.store_queue_pages, 1, MAX_STORE_QUEUE_PAGES)
         if not isinstance(self.prefix_attention, bool):
             _bad("prefix_attention", self.prefix_attention, "expected on or off")
         if self.guarantee not in ("budget", "strict", "leader"):
             _bad("guarantee", self.guarantee, "expected budget, strict or leader")
-        lt = self.lru_tree_pages
-        if lt is not None and (isinstance(lt, bool) or not isinstance(lt, int) or not 0 <= lt <= MAX_LRU_TREE_PAGES):
-            _bad("lru_tree_pages", lt, "expected a whole number of pages in [0, 2^26]")
+        _whole("lru_tree_pages", self.lru_tree_pages, 0, MAX_LRU_TREE_PAGES)
         self._check_index()
 
     def _check_index(self) -> None:
@@ -172,6 +168,23 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 def _bad(field: str, value, why: str):
     raise ConfigError(f"{ENV[field]}={value!r}: {why}")
+
+
+def _whole_why(lo: int, hi: int) -> str:
+    return f"expected a whole number of pages in [{lo}, 2^{hi.bit_length() - 1}]"
+
+
+def _whole(field: str, value, lo: int, hi: int) -> None:
+    """An optional whole number of pages in [lo, hi] (hi a power of two)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi):
+        _bad(field, value, _whole_why(lo, hi))
+
+
+def _pages(env, field: str, lo: int, hi: int) -> Optional[int]:
+    v = env.get(ENV[field], "").strip()
+    if v and not v.isdigit():
+        raise ConfigError(f"{ENV[field]}={v!r}: {_whole_why(lo, hi)}")
+    return int(v) if v else None
 
 
 def _positive(field: str, value, upper: float) -> None:
@@ -225,12 +238,6 @@ def load_config(env=None) -> TieredConfig:
     pa = env.get(ENV["prefix_attention"], "off").strip().lower()
     if pa not in ("on", "off"):
         raise ConfigError(f"SGLANG_TIERED_PREFIX_ATTENTION={pa!r}: expected on or off")
-    qp = env.get(ENV["store_queue_pages"], "").strip()
-    if qp and not qp.isdigit():
-        raise ConfigError(f"SGLANG_TIERED_STORE_QUEUE_PAGES={qp!r}: expected a whole number of pages in [1, 2^30]")
-    lt = env.get(ENV["lru_tree_pages"], "").strip()
-    if lt and not lt.isdigit():
-        raise ConfigError(f"SGLANG_TIERED_LRU_TREE_PAGES={lt!r}: expected a whole number of pages in [0, 2^26]")
     fields = {
         "host_mode": env.get(ENV["host_mode"], "auto").strip().lower(),
         "host_ratio": _float(env, "host_ratio"),
@@ -239,14 +246,14 @@ def load_config(env=None) -> TieredConfig:
         "tenant_header": _text(env, "tenant_header"),
         "debug": debug == "1",
         "store": env.get(ENV["store"], "async").strip().lower(),
-        "store_queue_pages": int(qp) if qp else None,
+        "store_queue_pages": _pages(env, "store_queue_pages", 1, MAX_STORE_QUEUE_PAGES),
         "index_url": _text(env, "index_url"),
         "server_id": _text(env, "server_id"),
         "index_ttl_s": _float(env, "index_ttl_s"),
         "t2": _t2(env),
         "prefix_attention": pa == "on",
         "guarantee": env.get(ENV["guarantee"], "strict").strip().lower(),
-        "lru_tree_pages": int(lt) if lt else None,
+        "lru_tree_pages": _pages(env, "lru_tree_pages", 0, MAX_LRU_TREE_PAGES),
     }
     cfg = TieredConfig(**{k: v for k, v in fields.items() if v is not None or k in ("host_gb",)})
     phys = _physical_gb()

@@ -34,20 +34,14 @@ class SafetyDuel:
         self._tree = self.capacity_pages <= cfg.tree_shadow_pages
         # lru's tree, exactly (every order's, or lru's alone up to ``lru_tree_pages``)
         self._lru_tree = self._tree or self.capacity_pages <= cfg.lru_tree_pages
-        # the page models' hits x this are pages (slru and lfu beside lru's tree alone: half the
-        # sample, at the sampling rate)
-        self._model_scale = 2 * 65536 / t
         if self._tree:  # SGLang's own tree for each order, exactly, on every page
             self._shadows = {o: TreeShadow(self.capacity_pages, o) for o in FIXED_ORDERS}
-            self._shadow = self._shadows["lru"]
-            self.shard_rate = 1.0
-        elif self._lru_tree:  # lru's tree exactly; slru and lfu sampled, counted in pages
-            self._shadow = TreeShadow(self.capacity_pages, "lru")
-            self._shadows = {"lru": self._shadow, "slru": SlruShadow(cap // 2), "lfu": LfuShadow(cap // 2)}
-            self.shard_rate = 1.0  # (the duel counts pages, as with every tree)
-        else:
-            self._shadow = LruShadow(cap)
-            self._shadows = {"lru": self._shadow, "slru": SlruShadow(cap // 2), "lfu": LfuShadow(cap // 2)}
+        else:  # slru and lfu as page models on half the sample; lru's tree, or its page model
+            lru = TreeShadow(self.capacity_pages, "lru") if self._lru_tree else LruShadow(cap)
+            self._shadows = {"lru": lru, "slru": SlruShadow(cap // 2), "lfu": LfuShadow(cap // 2)}
+        self._shadow = self._shadows["lru"]
+        if self._lru_tree:
+            self.shard_rate = 1.0  # the duel counts pages (lru's exact, the models' scaled)
         self._sh_hits = {o: 0.0 for o in FIXED_ORDERS}  # decayed hits of each shadow
         self._banned: set = set()  # fixed orders that fell behind lru during the current hold
         self._credit = 0.0  # CUSUM of (real - lru shadow + allowance) sampled hits
@@ -113,13 +107,10 @@ class SafetyDuel:
         sh = self._shadows
         if self._tree:
             hits = {o: sh[o].run(pages, tail, start) for o in FIXED_ORDERS}
-        else:  # lru's tree alone: slru and lfu are page models on half of the sample, scaled
+        else:  # lru's tree alone: slru and lfu are the page models, their hits scaled to pages
             hits = {"lru": sh["lru"].run(pages, tail, start)}
-            tb = self._shard_tb
-            half = [h for h in pages[start:] if (not tb or h[2:4] < tb) and not h[4] & 1]
-            x = self._model_scale
-            hits["slru"] = x * sh["slru"].run(half)
-            hits["lfu"] = x * sh["lfu"].run(half)
+            tb, own = self._shard_tb, pages[start:]
+            self._model_hits(hits, [h for h in own if h[2:4] < tb] if tb else own, 65536 / self._shard_t)
         tr = self._trial
         if tr is not None:
             hits["trial"] = tr[1].run(pages, tail, start)
@@ -128,13 +119,18 @@ class SafetyDuel:
     def _safety(self, sampled: list, real: int, n: int) -> None:
         """The safety duel, once per request: ``n`` sampled page references of which the real
         cache hit ``real`` (a prefix of them); each fixed-order shadow hits some."""
-        # lru on the whole sample; slru and lfu (rarely the leaders, and only compared on
-        # decayed totals or against lru) on half of it, at half the size, hits counted twice
-        half = [h for h in sampled if not h[4] & 1]
         hits = {"lru": self._shadow.run(sampled)}
-        hits["slru"] = 2 * self._shadows["slru"].run(half)
-        hits["lfu"] = 2 * self._shadows["lfu"].run(half)
+        self._model_hits(hits, sampled, 1.0)
         self._duel_step(hits, real, n)
+
+    def _model_hits(self, hits: dict, sampled: list, scale: float) -> None:
+        """slru's and lfu's page models on ``sampled`` (rarely the leaders, and only compared on
+        decayed totals or against lru): on half of it, at half the size, hits counted twice, times
+        ``scale`` (beside lru's tree: the sampling rate's inverse, so that they count pages)."""
+        half = [h for h in sampled if not h[4] & 1]
+        x = 2 * scale
+        hits["slru"] = x * self._shadows["slru"].run(half)
+        hits["lfu"] = x * self._shadows["lfu"].run(half)
 
     def _duel_step(self, hits: dict, real: int, n: int) -> None:
         """Per request: each fixed-order shadow hit ``hits[order]`` of the ``n`` references the
