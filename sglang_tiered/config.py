@@ -182,7 +182,7 @@ def _whole(field: str, value, lo: int, hi: int) -> None:
 
 def _pages(env, field: str, lo: int, hi: int) -> Optional[int]:
     v = env.get(ENV[field], "").strip()
-    if v and not v.isdigit():
+    if v and not (v.isascii() and v.isdigit()):  # (str.isdigit takes "²", which int() refuses)
         raise ConfigError(f"{ENV[field]}={v!r}: {_whole_why(lo, hi)}")
     return int(v) if v else None
 

@@ -198,3 +198,81 @@ def test_config_rejects_non_finite_and_absurd_sizes(var, value):
 
     with pytest.raises(ConfigError):
         load_config({var: value})
+
+
+# ---------------------------------------------------------------- session 17 review findings
+def _tenant_app(monkeypatch, **env):
+    """An ASGI app with SGLang's route shapes (POST and PUT where SGLang serves both) behind the
+    hint middleware in tenant-header mode; each route echoes the salt it received."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from sglang_tiered.integration.http import HintMiddleware
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+    async def echo(request):
+        body = await request.json() if request.method != "GET" else {}
+        return JSONResponse({"salt": body.get("cache_salt", (body.get("parameters") or {}).get("cache_salt"))})
+
+    routes = [Route("/generate", echo, methods=["GET", "POST", "PUT"]),  # sglang http_server.py:930
+              Route("/encode", echo, methods=["POST", "PUT"]),  # :993
+              Route("/predict", echo, methods=["POST"])]  # Vertex's route, renamed (:2215)  # fmt: skip
+    return TestClient(Starlette(routes=routes, middleware=[Middleware(HintMiddleware, tenant_header="x-tenant-id")]))
+
+
+def test_tenant_header_holds_for_every_method_and_renamed_route(monkeypatch):
+    """PUT reaches the same routes as POST: the header's tenant replaces the client's salt there
+    too, routes without a salt are refused on PUT as on POST, and so are the routes SGLang lets
+    the operator rename (AIP_PREDICT_ROUTE)."""
+    c = _tenant_app(monkeypatch, AIP_PREDICT_ROUTE="/predict")
+    hdr = {"x-tenant-id": "acme"}
+    for method in ("POST", "PUT"):
+        r = c.request(method, "/generate", json={"text": "hi", "cache_salt": "victim"}, headers=hdr)
+        assert r.status_code == 200 and r.json() == {"salt": "acme"}, (method, r.text)
+        r = c.request(method, "/generate", json={"text": "hi", "cache_salt": "victim"})
+        assert r.status_code == 200 and r.json() == {"salt": None}, (method, r.text)
+        r = c.request(method, "/encode", json={"text": "hi"}, headers=hdr)
+        assert r.status_code == 403 and "tenant" in r.json()["error"]["message"], (method, r.text)
+    r = c.post("/predict", json={"instances": [{"text": "hi"}], "parameters": {"cache_salt": "victim"}}, headers=hdr)
+    assert r.status_code == 403, r.text
+    assert c.get("/generate", headers=hdr).status_code != 403  # bodyless methods pass as before
+
+
+def test_surrogate_salt_never_raises_in_the_scheduler():
+    """JSON allows lone surrogates, and SGLang hands a client's cache_salt to the scheduler as
+    it came: eviction into T1 and tenant invalidation must hash it, not raise (an exception in
+    the scheduler takes the server down)."""
+    from sglang_tiered.core.tenants import name_hash
+
+    salt = "\ud800bad"
+    cache = TieredRadixCache.create_simulated(capacity_tokens=8 * PAGE, page_size=PAGE, host_pages=64)
+    for i in range(6):
+        cache.driver.run(list(range(i * 100, i * 100 + 3 * PAGE)), tenant=salt)  # evicts into T1
+    res = cache.invalidate(tenant_hash=name_hash(salt))
+    assert res["dropped_tokens"] > 0
+    assert cache.driver.run(list(range(500, 500 + 3 * PAGE)), tenant=salt).cached_len == 0
+
+
+def test_invalidation_key_without_nonce_is_applied_not_raised():
+    """SGLang's own /set_internal_state can send our invalidation key alone (no nonce first)."""
+    cache = TieredRadixCache.create_simulated(capacity_tokens=1024, page_size=PAGE)
+    cache.driver.run(list(range(64)), tenant="t")
+    cache.apply_invalidation_key("sglang_tiered_invalidate_all", 1)
+    assert cache.invalidation.last["dropped_tokens"] == 64 and cache.invalidation.last["nonce"] is None
+    assert cache.evictable_size_ == 0
+    cache.apply_invalidation_key("sglang_tiered_invalidate_nonce", 7)
+    assert cache.invalidation.last == {"nonce": 7, "dropped_tokens": 0, "deferred_tokens": 0}
+
+
+@pytest.mark.parametrize("value", ["²", "١٢", "12\u00b3"])
+def test_config_page_counts_take_ascii_digits_only(value):
+    from sglang_tiered.config import ConfigError, load_config
+
+    for var in ("SGLANG_TIERED_STORE_QUEUE_PAGES", "SGLANG_TIERED_LRU_TREE_PAGES"):
+        with pytest.raises(ConfigError, match="whole number"):
+            load_config({var: value})

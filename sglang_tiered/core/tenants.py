@@ -34,8 +34,9 @@ def tenant_label(tenant: str) -> str:
 
 def name_hash(name: str) -> int:
     """A stable 62-bit integer for a tenant or version name (SGLang's set_internal_state carries
-    numbers only)."""
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 2
+    numbers only). A client's ``cache_salt`` may hold lone surrogates (JSON allows them): they
+    are hashed as they are (``surrogatepass``), never raised on in the scheduler."""
+    return int.from_bytes(hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little") >> 2
 
 
 @dataclass

@@ -15,6 +15,7 @@ it; with only ``--api-key`` they need that.
 import itertools
 import json
 import logging
+import os
 import time
 
 import msgspec
@@ -130,6 +131,18 @@ UNSALTED_PATHS = (
     "/classify", "/v1/classify", "/v1/score", "/v1/rerank", "/v1/decisions", "/v1/systemone",
     "/v1/audio/transcriptions",
 )  # fmt: skip
+# Routes SGLang lets the operator rename (sglang/srt/entrypoints/http_server.py: Vertex's predict
+# route and the Ollama routes): their configured names are refused as well.
+RENAMED_UNSALTED = (("AIP_PREDICT_ROUTE", "/vertex_generate"), ("SGLANG_OLLAMA_CHAT_ROUTE", "/api/chat"),
+                    ("SGLANG_OLLAMA_GENERATE_ROUTE", "/api/generate"))  # fmt: skip
+# Methods that carry no body to the scheduler: passed through. Every other method is checked as
+# POST is (SGLang serves /generate, /encode, /classify and /v1/rerank on PUT too).
+BODYLESS_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
+def unsalted_paths() -> frozenset:
+    """``UNSALTED_PATHS`` plus the names the environment gives the renamable ones."""
+    return frozenset(UNSALTED_PATHS) | {os.environ.get(var, default) for var, default in RENAMED_UNSALTED}
 
 
 class BadRequest(ValueError):
@@ -153,13 +166,14 @@ class HintMiddleware:
     def __init__(self, app, tenant_header: str | None = None):
         self.app = app
         self.tenant_header = (tenant_header or "").lower().encode() or None
+        self.unsalted = unsalted_paths()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST":
+        if scope["type"] != "http" or scope.get("method") in BODYLESS_METHODS:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         tenant_mode = self.tenant_header is not None
-        if tenant_mode and path in UNSALTED_PATHS:
+        if tenant_mode and path in self.unsalted:
             return await _error(403, f"{path} cannot carry a tenant and is disabled while SGLANG_TIERED_TENANT_HEADER "
                                 "is set (tenants would share one cache namespace)")(scope, receive, send)  # fmt: skip
         if path not in SALT_PATHS:

@@ -84,7 +84,11 @@ class Invalidation:
             res = self.invalidate(version_hash=value)
         else:
             res = self.invalidate(everything=bool(value))
-        inv = self.last
+        # SGLang's own ``/set_internal_state`` can send a key without our nonce first: it is
+        # applied all the same and reported under no nonce (a missing nonce must not raise in the
+        # scheduler, which would take the server down)
+        inv = self.last if "dropped_tokens" in self.last else {"nonce": None, "dropped_tokens": 0, "deferred_tokens": 0}
+        self.last = inv
         inv["dropped_tokens"] += res["dropped_tokens"]
         inv["deferred_tokens"] += res["deferred_tokens"]
         logger.info("sglang-tiered: invalidation %s: %s", key, res)
