@@ -291,3 +291,15 @@ def shm_dir(env=None) -> pathlib.Path:
     default /dev/shm. Read once, when tier/host_pool.py is imported."""
     env = os.environ if env is None else env
     return pathlib.Path(env.get("SGLANG_TIERED_SHM_DIR") or "/dev/shm")
+
+
+# Routes SGLang lets the operator rename (sglang/srt/entrypoints/http_server.py: Vertex's predict
+# route and the Ollama routes): (variable, SGLang's default name).
+SGLANG_RENAMABLE_ROUTES = (("AIP_PREDICT_ROUTE", "/vertex_generate"), ("SGLANG_OLLAMA_CHAT_ROUTE", "/api/chat"),
+                           ("SGLANG_OLLAMA_GENERATE_ROUTE", "/api/generate"))  # fmt: skip
+
+
+def sglang_route_names(env=None) -> frozenset:
+    """The names SGLang's server gives its renamable routes in this environment."""
+    env = os.environ if env is None else env
+    return frozenset(env.get(var, default) for var, default in SGLANG_RENAMABLE_ROUTES)

@@ -15,14 +15,13 @@ it; with only ``--api-key`` they need that.
 import itertools
 import json
 import logging
-import os
 import time
 
 import msgspec
 from fastapi import Request
 from typing import Optional
 
-from sglang_tiered.config import load_config
+from sglang_tiered.config import load_config, sglang_route_names
 from sglang_tiered.integration.protocol import STATE_KEY, invalidation_args
 from sglang_tiered.stats import aggregate
 
@@ -131,18 +130,15 @@ UNSALTED_PATHS = (
     "/classify", "/v1/classify", "/v1/score", "/v1/rerank", "/v1/decisions", "/v1/systemone",
     "/v1/audio/transcriptions",
 )  # fmt: skip
-# Routes SGLang lets the operator rename (sglang/srt/entrypoints/http_server.py: Vertex's predict
-# route and the Ollama routes): their configured names are refused as well.
-RENAMED_UNSALTED = (("AIP_PREDICT_ROUTE", "/vertex_generate"), ("SGLANG_OLLAMA_CHAT_ROUTE", "/api/chat"),
-                    ("SGLANG_OLLAMA_GENERATE_ROUTE", "/api/generate"))  # fmt: skip
 # Methods that carry no body to the scheduler: passed through. Every other method is checked as
 # POST is (SGLang serves /generate, /encode, /classify and /v1/rerank on PUT too).
 BODYLESS_METHODS = ("GET", "HEAD", "OPTIONS")
 
 
 def unsalted_paths() -> frozenset:
-    """``UNSALTED_PATHS`` plus the names the environment gives the renamable ones."""
-    return frozenset(UNSALTED_PATHS) | {os.environ.get(var, default) for var, default in RENAMED_UNSALTED}
+    """``UNSALTED_PATHS`` plus the names the environment gives the renamable ones (Vertex's and
+    Ollama's routes: ``config.sglang_route_names``)."""
+    return frozenset(UNSALTED_PATHS) | sglang_route_names()
 
 
 class BadRequest(ValueError):
