@@ -136,3 +136,20 @@ def test_no_page_is_overwritten_while_its_copy_is_in_flight():
                 assert not (t0 < t < t1), "page reused while its copy was in flight"
     q.check_invariants()
     assert q.depth_pages == 0
+
+
+def test_finished_jobs_do_not_accumulate():
+    """The drop heap keeps only queued jobs' entries (bounded), however many jobs were written:
+    a queue that never fills used to keep every job ever offered, with its pages, hashes and ctx."""
+    written = []
+    q = StoreQueue(64, lambda job: written.append(len(job.pages)), threaded=False)
+    for i in range(10_000):
+        assert q.offer([2 * i, 2 * i + 1], [b"a", b"b"], value=1.0 + i % 7)
+        if i % 3 == 0:
+            q.drain()
+        q.check_invariants()
+    q.drain()
+    assert sum(written) == 20_000
+    assert len(q._lo) <= q._lo_limit <= 2 * 32 + 64  # at most 32 two-page jobs queued at once
+    q.offer([1, 2], [b"x", b"y"], value=5.0)
+    q.check_invariants()

@@ -74,6 +74,9 @@ class StoreQueue:
         self._cv = threading.Condition()
         self._hi: list = []  # (-value, seq, job): next to write
         self._lo: list = []  # (value, -seq, job): next to drop (newest of equal value first)
+        # _hi is drained by the worker, _lo only by a full queue's drops: past this length its
+        # finished jobs (pages, hashes, a CUDA event each) are compacted away
+        self._lo_limit = 64
         self._page_job: dict = {}  # device page -> its pending job
         self._seq = itertools.count()
         self.stats = StoreQueueStats()
@@ -114,6 +117,8 @@ class StoreQueue:
             st.queued_pages += n
             heapq.heappush(self._hi, (-value, job.seq, job))
             heapq.heappush(self._lo, (value, -job.seq, job))
+            if len(self._lo) > self._lo_limit:
+                self._compact_lo()
             self._cv.notify_all()
             return True
 
@@ -252,6 +257,13 @@ class StoreQueue:
             heapq.heappop(self._lo)
         return None
 
+    def _compact_lo(self) -> None:
+        """Keep only the queued jobs' entries in ``_lo``; the next compaction waits until it has
+        doubled (amortized O(1) per offer, and at most 2 x the live jobs + 64 entries)."""
+        self._lo = [e for e in self._lo if e[2].state == QUEUED and e[2].pages]
+        heapq.heapify(self._lo)
+        self._lo_limit = 2 * len(self._lo) + 64
+
     def _unlink(self, job: StoreJob, state: int) -> None:
         for p in job.pages:
             if self._page_job.get(p) is job:
@@ -272,3 +284,4 @@ class StoreQueue:
                     assert self._page_job[p] is j, "page in two jobs"
             assert all(j.state != QUEUED or j.pages == [] or any(e[2] is j for e in self._hi) for j in pending), \
                 "queued job not reachable by the worker"
+            assert len(self._lo) <= self._lo_limit, "finished jobs kept in the drop heap"
