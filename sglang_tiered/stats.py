@@ -149,6 +149,7 @@ class IndexStats(msgspec.Struct, kw_only=True):
     refreshes: int = 0
     queued_events: int = 0
     held_pages: int = 0
+    resyncs: int = 0  # a removal was dropped: every claim withdrawn and forgotten, published afresh
 
 
 class CacheStats(msgspec.Struct, kw_only=True):

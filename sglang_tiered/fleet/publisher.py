@@ -2,7 +2,11 @@
 
 Runs in the scheduler process of TP rank 0. The scheduler thread only appends to a bounded queue
 (``on_store`` / ``on_remove`` / ``on_clear``: a ``put_nowait``; a full queue drops the event and
-counts it). A daemon thread drains the queue in batches into one Redis pipeline, beats the
+counts it). A dropped store only leaves a page unclaimed; a dropped removal (or clear) makes the
+thread start over (``resyncs``): it discards what is queued, withdraws every claim it holds and
+forgets them, and publishes again only what is stored after (otherwise the page would stay in the
+held set, refreshed every TTL/2: a stale claim kept alive for ever). Locality until the held pages
+are stored again is the price. A daemon thread drains the queue in batches into one Redis pipeline, beats the
 server's heartbeat, and re-publishes everything it believes the server holds every TTL/2 so live
 entries never expire. Redis down or slow costs the request path nothing: the thread counts the
 error, backs off, reconnects, and re-publishes the whole held set once Redis is back.
@@ -44,8 +48,9 @@ class IndexPublisher:
         self._stop = threading.Event()
         self._client = None
         self._resync = True  # publish the whole held set on the next (re)connection
+        self._overflowed = threading.Event()  # a removal was dropped: start over (_forget_all)
         self.stats = {"published_pages": 0, "removed_pages": 0, "dropped_events": 0, "errors": 0,
-                      "batches": 0, "refreshes": 0}  # fmt: skip
+                      "batches": 0, "refreshes": 0, "resyncs": 0}  # fmt: skip
         self.connected = False
         self.last_error = ""
         self._thread = None
@@ -65,6 +70,8 @@ class IndexPublisher:
             self._q.put_nowait(item)
         except queue.Full:
             self.stats["dropped_events"] += 1
+            if item[0] != "s":  # a lost store costs a claim; a lost removal would leave one standing
+                self._overflowed.set()
 
     def on_store(self, hashes) -> None:
         self._put(("s", list(hashes)))
@@ -103,6 +110,23 @@ class IndexPublisher:
             items.append(it)
             n += len(it[1] or ()) + 1
         return items
+
+    def _forget_all(self) -> list:
+        """After a dropped removal: discard the queue and the held set; return the pages to withdraw.
+
+        The flag is cleared before the queue is emptied, so every event queued before the drop
+        (a store of the page whose removal was dropped, say) is discarded with it, and a drop
+        during this is seen on the next round. Stores queued after it only lose their claim."""
+        self._overflowed.clear()
+        while True:
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                break
+        forgotten = list(self._held)
+        self._held.clear()
+        self.stats["resyncs"] += 1
+        return forgotten
 
     def _apply_local(self, items) -> tuple[list, list]:
         """Fold events into the held set; return (stored, removed) page hashes to send: each page's
@@ -158,6 +182,8 @@ class IndexPublisher:
         backoff = 0.1
         last_refresh = 0.0
         while not self._stop.is_set():
+            # withdrawn once, best effort: with Redis down they age out instead (never refreshed)
+            forgotten = self._forget_all() if self._overflowed.is_set() else []
             items = self._drain(BATCH_PAGES)
             stored, removed = self._apply_local(items)
             try:
@@ -165,6 +191,8 @@ class IndexPublisher:
                     self._client = self._connect()
                     self.connected = True
                     self._resync = True
+                for i in range(0, len(forgotten), BATCH_PAGES):
+                    self._send([], forgotten[i : i + BATCH_PAGES])
                 now = time.monotonic()
                 if self._resync or now - last_refresh >= self.ttl_s / 2:
                     # refresh (also after reconnecting): everything held, in batches

@@ -7,7 +7,11 @@ land on the wrong worker. One loopback hop costs well under a millisecond here.
 
 Per request (``/generate``, ``/v1/completions``, ``/v1/chat/completions``, streaming included):
 
-1. tenant = the trusted header (``--tenant-header``) if configured, else the body's ``cache_salt``;
+1. tenant = the trusted header (``--tenant-header``) if configured, and then only it (stripped;
+   absent or empty: no tenant; repeated or not UTF-8: HTTP 400, as the servers answer), else the
+   body's ``cache_salt``. In header mode the servers drop a client's own ``cache_salt``, so the
+   router must not route or hash by it: a client without the header could otherwise name another
+   tenant's salt and learn from the routing memory whether that tenant sent a prompt;
 2. token ids: ``input_ids`` when given, else the served model's tokenizer (transformers
    AutoTokenizer from the local model path: ``encode(text)`` as SGLang does for text prompts; for
    chat, ``apply_chat_template(messages, add_generation_prompt=True)``, which matches SGLang's
@@ -52,12 +56,15 @@ prompt); the policy takes about 0.02 ms.
 
 A worker that fails health checks or a connection leaves the routing set (its tenants rehome by
 rendezvous, about 1/n of them) until it answers again; a request whose connection fails before
-any byte reached the client is retried once on the next choice.
+any byte reached the client is retried once on the next choice. A client that leaves closes its
+upstream request (``serve()`` cancels the handler), so the worker aborts it; that is counted as
+``client_gone``, never as a worker's failure.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -67,6 +74,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes
+from sglang_tiered.core.tenants import MAX_LABEL_CHARS, tenant_label
 from sglang_tiered.fleet.index import LOOKUP_LUA, LookupConnection, alive_key, ckey_key, matched_from_lookup, page_key
 from sglang_tiered.fleet.routing import AffinityCachePolicy, FleetView, RouteRequest, token_affinity_key
 
@@ -76,6 +84,11 @@ MAX_LOOKUP_PAGES = 512
 SLOW_LOOKUPS_DOWN = 3  # index lookups timing out in a row before the index is treated as down for 1 s
 MEMORY_KEY = CacheKey(model_id="sglang-tiered-router-memory")  # seeds the routing memory's page chain
 DECISIONS_KEPT = 4096  # /router/decisions: the last this many (bounded; about 1 KiB each)
+# request headers not forwarded as they came (aiohttp sets them for the upstream request) ...
+HOP_REQUEST_HEADERS = frozenset(("host", "content-length", "transfer-encoding", "connection"))
+# ... and response headers not copied back (aiohttp's own framing, date and server)
+HOP_RESPONSE_HEADERS = frozenset(("content-length", "transfer-encoding", "connection", "content-encoding", "date",
+                                  "server"))  # fmt: skip
 
 
 @dataclass
@@ -174,15 +187,22 @@ class Router:
         self._slow_lookups = 0  # timeouts in a row
         self._lookup = None  # the registered LOOKUP_LUA script (redis-py: URLs other than redis://)
         self._lookup_conn: Optional[LookupConnection] = None  # the lookups' own connection (redis://)
-        self._session = None
+        self._session = None  # health checks, load polls, /model_info
+        self._proxy = None  # proxied requests
 
     # ------------------------------------------------------------------ setup
     async def start(self):
         import aiohttp
 
+        # Proxied requests have their own session, with no cap on connections (aiohttp's default
+        # is 100 in all): at 100 long generations in flight the next requests waited inside the
+        # router, counted in flight but never sent. Health checks and load polls have another, so a
+        # full proxy pool can never make them time out and mark a healthy worker down.
         # DummyCookieJar: a proxy keeps no cookies (aiohttp's jar filtered and stored them per request)
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=2),
-                                              cookie_jar=aiohttp.DummyCookieJar())  # fmt: skip
+        self._proxy = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=2),
+                                            connector=aiohttp.TCPConnector(limit=0),
+                                            cookie_jar=aiohttp.DummyCookieJar())  # fmt: skip
+        self._session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
         if self.model_path is None:
             self.model_path = await self._model_path_from_workers()
         if self.model_path:
@@ -208,8 +228,9 @@ class Router:
         for task in (self._poll_task, self._ckey_task):
             if task is not None:
                 task.cancel()
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._proxy, self._session):
+            if session is not None:
+                await session.close()
         if self._redis is not None:
             await self._redis.aclose()
         if self._lookup_conn is not None:
@@ -326,11 +347,12 @@ class Router:
     def _chain(self, key: CacheKey, seeds: dict, tokens, tenant) -> list[bytes]:
         """Chained page hashes of the prompt (its first MAX_LOOKUP_PAGES pages) under ``key``'s
         namespace for ``tenant``; ``seeds`` caches the per-tenant seeds (bounded)."""
-        s = seeds.get(tenant)
+        memo = memo_key(tenant)
+        s = seeds.get(memo)
         if s is None:
             if len(seeds) > 4096:
                 seeds.clear()
-            s = seeds[tenant] = key.namespace_seed(tenant, None)
+            s = seeds[memo] = key.namespace_seed(tenant, None)  # the whole tenant, as the servers
         return chain_page_hashes(s, tokens[: MAX_LOOKUP_PAGES * self.page_size], self.page_size)
 
     def hashes_of(self, tokens, tenant) -> list[bytes]:
@@ -394,8 +416,9 @@ class Router:
         view = FleetView(live, {w: r for w, (r, _) in loads.items()},
                          {w: t * self.policy.c_tok_s for w, (_, t) in loads.items()}, matched)  # fmt: skip
         pol = self.policy
-        key = token_affinity_key(tenant, tokens, self.page_size, pol.affinity_pages, pol.per_prefix)
-        req = RouteRequest(len(tokens), hashes, tenant, self.page_size, key=key,
+        label = tenant_label(tenant) if tenant else tenant  # the policy keeps its keys: bounded in length
+        key = token_affinity_key(label, tokens, self.page_size, pol.affinity_pages, pol.per_prefix)
+        req = RouteRequest(len(tokens), hashes, label, self.page_size, key=key,
                            memory_hashes=self.memory_hashes_of(tokens, tenant))  # fmt: skip
         remembered = pol.remembered(req, live)  # before route(): the memory as the policy sees it
         if explain is not None:
@@ -405,10 +428,22 @@ class Router:
 
     # ------------------------------------------------------------------ HTTP
     def _tenant(self, request, body) -> Optional[str]:
+        """The request's tenant. With a tenant header configured it is that header's value and
+        nothing else: the servers drop the body's ``cache_salt`` then, so routing or hashing by it
+        would miss their namespaces and let a client without the header probe another tenant's
+        routing memory. Raises ``ValueError`` (HTTP 400) for a repeated or non-UTF-8 header, as the
+        servers do: forwarded, a gateway's appended copy would decide which tenant is served."""
         if self.tenant_header:
-            v = request.headers.get(self.tenant_header)
-            if v:
-                return v
+            values = request.headers.getall(self.tenant_header, [])
+            if len(values) > 1:
+                raise ValueError(f"the tenant header {self.tenant_header} must appear at most once")
+            if not values:
+                return None
+            try:  # aiohttp keeps bytes that are not UTF-8 as lone surrogates
+                values[0].encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"the tenant header {self.tenant_header} is not valid UTF-8") from None
+            return values[0].strip() or None
         salt = body.get("cache_salt") if isinstance(body, dict) else None
         return salt if isinstance(salt, str) and salt else None
 
@@ -419,16 +454,20 @@ class Router:
         raw = await request.read()
         try:
             body = json.loads(raw) if raw else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
             body = {}
+        try:
+            tenant = self._tenant(request, body)
+        except ValueError as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=400)
+        label = tenant_label(tenant) if tenant else None  # what the decisions log keeps: bounded
         path = request.path
-        tenant = self._tenant(request, body)
         try:  # the prompt only steers locality: anything odd routes by affinity + load instead
             tokens = token_array(self.tokens_of(path, body)) if isinstance(body, dict) else array("q")
         except Exception:  # noqa: BLE001
             tokens = array("q")
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() not in ("host", "content-length", "transfer-encoding", "connection")}  # fmt: skip
+        # pairs, not a dict: a header sent twice reaches the worker twice
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_REQUEST_HEADERS]
         tried: list[str] = []
         for attempt in range(2):
             explain: Optional[dict] = {} if attempt == 0 else None
@@ -436,7 +475,7 @@ class Router:
             ws = self.workers[d.worker]
             if attempt == 0:
                 route_ms = (time.perf_counter() - t0) * 1e3
-                self.decisions.append({"rid": request.headers.get("x-request-id"), "tenant": tenant,
+                self.decisions.append({"rid": request.headers.get("x-request-id"), "tenant": label,
                                        "tokens": len(tokens), **explain, "worker": d.worker, "reason": d.reason,
                                        "matched": d.matched, "route_ms": round(route_ms, 3)})  # fmt: skip
                 self.stats.requests += 1
@@ -456,20 +495,26 @@ class Router:
             started_at = time.monotonic()
             resp = None
             try:
-                async with self._session.request(request.method, ws.url + request.path_qs, data=raw,
-                                                 headers=headers) as up:  # fmt: skip
+                async with self._proxy.request(request.method, ws.url + request.path_qs, data=raw,
+                                               headers=headers) as up:  # fmt: skip
                     resp = web.StreamResponse(status=up.status)
                     for k, v in up.headers.items():
-                        if k.lower() not in ("content-length", "transfer-encoding", "connection",
-                                             "content-encoding", "date", "server"):  # fmt: skip
-                            resp.headers[k] = v
+                        if k.lower() not in HOP_RESPONSE_HEADERS:
+                            resp.headers.add(k, v)  # add: two set-cookie stay two
                     resp.headers["x-sglang-tiered-worker"] = ws.url
-                    await resp.prepare(request)
+                    if not await self._to_client(resp.prepare(request)):
+                        return resp
                     async for chunk in up.content.iter_any():
-                        if not await self._write(resp, chunk):
+                        if not await self._to_client(resp.write(chunk)):
                             return resp
-                    await self._write(resp, None)
+                    await self._to_client(resp.write_eof())
                     return resp
+            except asyncio.CancelledError:
+                # the client left (serve() cancels the handler then): leaving the `async with`
+                # closes the upstream connection, so the worker sees the disconnect and aborts
+                # the request instead of generating to the end for nobody
+                self.stats.client_gone += 1
+                raise
             except Exception as exc:  # noqa: BLE001
                 ws.failures += 1
                 if resp is not None and resp.prepared:
@@ -484,11 +529,12 @@ class Router:
         self.stats.failed += 1
         return web.json_response({"error": {"message": "no worker could serve the request"}}, status=502)
 
-    async def _write(self, resp, chunk) -> bool:
-        """Write a chunk to the client (``None``: end the response); False when the client has gone
-        (e.g. it closed after ``data: [DONE]``): counted, not a worker fault, nothing to retry."""
+    async def _to_client(self, io) -> bool:
+        """Await one write to the client (the headers, a chunk, the end); False when the client has
+        gone (e.g. it closed after ``data: [DONE]``, or before the answer's headers): counted, not a
+        worker fault, nothing to retry."""
         try:
-            await (resp.write(chunk) if chunk is not None else resp.write_eof())
+            await io
             return True
         except ConnectionResetError:
             self.stats.client_gone += 1
@@ -550,6 +596,15 @@ class Router:
         return app
 
 
+def memo_key(tenant: Optional[str]):
+    """The key a tenant's namespace seed is memoised under: the tenant itself, or, past
+    ``MAX_LABEL_CHARS`` characters, a 16-byte digest of it (bytes, so never equal to a short
+    tenant's str key): a client's 1 MiB ``cache_salt`` is hashed whole, not kept."""
+    if tenant is None or len(tenant) <= MAX_LABEL_CHARS:
+        return tenant
+    return hashlib.blake2b(tenant.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 def token_array(ids) -> array:
     """Token ids as ``array('q')``: one conversion that checks them (as ``int(t)`` for each did)
     and that the page hashes and the affinity key then hash without converting again."""
@@ -585,8 +640,11 @@ def serve(workers, redis_url=None, *, host="127.0.0.1", port=30100, **kw) -> Non
     router = Router(workers, redis_url, **kw)
     # shutdown_timeout: aiohttp's default waits up to 60 s for open connections on SIGTERM; a
     # router behind 6 keep-alive clients took 13-20+ s to exit (the live bench's 20 s wait ran out)
+    # handler_cancellation: a client that leaves cancels its handler, which closes the upstream
+    # request (aiohttp's default leaves the handler running): without it a worker kept generating a
+    # non-streamed answer for nobody, and the router counted it in flight until the end
     web.run_app(router.app(), host=host, port=port, print=None, access_log=None, shutdown_timeout=2.0,
-                loop=event_loop())
+                handler_cancellation=True, loop=event_loop())
 
 
 def event_loop() -> asyncio.AbstractEventLoop:
