@@ -382,3 +382,52 @@ def test_deeply_nested_json_body_is_forwarded_as_it_is():
         assert router.stats.requests == 1 and router.stats.failed == 0 and router.decisions[-1]["tokens"] == 0
 
     asyncio.run(main())
+
+
+def test_a_bad_header_is_the_clients_fault_not_the_workers():
+    """A header with bytes that are not UTF-8 gets a 400 from the router; no worker is marked
+    down (before, the upstream request failed to encode it and every worker was blamed in turn)."""
+    import asyncio
+    import json as _json
+
+    from sglang_tiered.fleet.router import Router
+
+    async def main():
+        from aiohttp import web
+
+        async def gen(request):
+            return web.json_response({"ok": True})
+
+        app = web.Application()
+        app.router.add_post("/generate", gen)
+        runners, urls = [], []
+        for _ in range(2):
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        router = Router(urls, None, load_poll_s=0, model_path="", health_interval_s=60)
+        rr = web.AppRunner(router.app())
+        await rr.setup()
+        rsite = web.TCPSite(rr, "127.0.0.1", 0)
+        await rsite.start()
+        port = rsite._server.sockets[0].getsockname()[1]
+        try:
+            body = _json.dumps({"input_ids": list(range(32))}).encode()
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Trace: caf\xe9\r\n"
+                    b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+            await w.drain()
+            status = (await r.read()).split(b"\r\n", 1)[0]
+            w.close()
+            assert b" 400 " in status, status
+            assert all(s.healthy for s in router.workers.values())
+            assert router.stats.retries == 0 and router.stats.failed == 0
+        finally:
+            await rr.cleanup()
+            for x in runners:
+                await x.cleanup()
+
+    asyncio.run(main())

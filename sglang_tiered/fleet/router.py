@@ -468,6 +468,11 @@ class Router:
             tokens = array("q")
         # pairs, not a dict: a header sent twice reaches the worker twice
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_REQUEST_HEADERS]
+        for k, v in headers:  # aiohttp keeps bytes that are not UTF-8 as lone surrogates, which the
+            try:  # upstream request cannot encode: that failure must not pass for the workers'
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return web.json_response({"error": {"message": f"header {k} is not valid UTF-8"}}, status=400)
         tried: list[str] = []
         for attempt in range(2):
             explain: Optional[dict] = {} if attempt == 0 else None
