@@ -303,3 +303,15 @@ def sglang_route_names(env=None) -> frozenset:
     """The names SGLang's server gives its renamable routes in this environment."""
     env = os.environ if env is None else env
     return frozenset(env.get(var, default) for var, default in SGLANG_RENAMABLE_ROUTES)
+
+
+LIFETIME_ENV = "SGLANG_TIERED_LIFETIME_ID"
+
+
+def lifetime_id() -> str:
+    """A random id of this server's lifetime, the same in all its processes: the plugin sets it
+    in the launcher (plugin.register) before the schedulers start, and they inherit it. Part of
+    the identity after a weight update (``TieredRadixCache.on_weights_updated``)."""
+    import uuid
+
+    return os.environ.setdefault(LIFETIME_ENV, uuid.uuid4().hex)

@@ -2,8 +2,13 @@
 
 A page's identity is a chained hash over 16-token pages, seeded by a ``CacheKey`` that holds
 everything that changes the KV a model computes for the same tokens: tenant, model id, the exact
-weights digest, KV dtype, RoPE configuration and attention implementation. The TP degree is *not*
-part of it: T1 stores pages in a TP-independent layout.
+weights digest, KV dtype, RoPE configuration, attention implementation, online quantization, the
+compute dtype and the model revision. The TP degree is *not* part of it: T1 stores pages in a
+TP-independent layout.
+
+The last three fields (``quantization``, ``model_dtype``, ``revision``) were added later: they
+enter the hashed blob only when set (not ``None``), so a key that leaves them unset (``CacheKey()``,
+the simulator's and the benchmarks' key) has exactly the seeds and page hashes it had before.
 
     h[0] = H(seed(CacheKey), tokens[0:16])
     h[i] = H(h[i-1], tokens[16i:16i+16])
@@ -18,7 +23,8 @@ import hashlib
 import json
 import sys
 from array import array
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Optional
 
 DIGEST_SIZE = 16
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -32,14 +38,25 @@ class CacheKey:
     kv_dtype: str = ""
     rope_hash: str = ""
     attn_impl: str = ""
+    # Optional identity fields: hashed only when set (``_identity``), see the module docstring.
+    quantization: Optional[str] = None  # --quantization / modelopt / KV scales (integration/identity.py)
+    model_dtype: Optional[str] = None  # compute dtype (--dtype, resolved): matters when kv_dtype is explicit
+    revision: Optional[str] = None  # --revision (a remote model's weights_digest is its name only)
+
+    def _identity(self) -> dict:
+        """The fields that are hashed: every original field, and the optional ones that are set."""
+        d = asdict(self)
+        for name in _OPTIONAL_FIELDS:
+            if d[name] is None:
+                del d[name]
+        return d
 
     def seed(self) -> bytes:
-        blob = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        blob = json.dumps(self._identity(), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.blake2b(b"sglang-tiered/v1|" + blob, digest_size=DIGEST_SIZE).digest()
 
     def for_tenant(self, tenant: str | None) -> "CacheKey":
-        return CacheKey(tenant or "default", self.model_id, self.weights_digest, self.kv_dtype,
-                        self.rope_hash, self.attn_impl)  # fmt: skip
+        return replace(self, tenant=tenant or "default")
 
     def namespace_seed(self, cache_salt, extra_key) -> bytes:
         """Seed of one radix-tree namespace: (cache_salt or none, extra_key or none).
@@ -51,9 +68,12 @@ class CacheKey:
         (issue #10, finding 4). ``extra_key`` carries SGLang's LoRA id: KV computed under one
         adapter must never serve another."""
         ns = [cache_salt or None, extra_key]
-        blob = json.dumps({"key": asdict(self), "ns": ns}, sort_keys=True, separators=(",", ":"),
+        blob = json.dumps({"key": self._identity(), "ns": ns}, sort_keys=True, separators=(",", ":"),
                           ensure_ascii=True, default=repr)  # fmt: skip
         return hashlib.blake2b(b"sglang-tiered/v2|" + blob.encode(), digest_size=DIGEST_SIZE).digest()
+
+
+_OPTIONAL_FIELDS = ("quantization", "model_dtype", "revision")
 
 
 def _token_bytes(tokens) -> bytes:

@@ -14,6 +14,7 @@ from sglang_tiered.core.policy import PolicyConfig
 def from_build_context(cls, ctx):
     """The cache SGLang's ``create_tree_cache`` builds for ``--radix-cache-backend tiered``."""
     from sglang_tiered.config import load_config, policy_config
+    from sglang_tiered.config import lifetime_id
     from sglang_tiered.integration.identity import cache_key_from_context
 
     cfg = load_config()
@@ -25,10 +26,15 @@ def from_build_context(cls, ctx):
         from sglang_tiered.fleet.publisher import IndexPublisher
 
         cache.attach_index(IndexPublisher.from_config(cfg, key))
+    sa = ctx.server_args
+    cache.weight_version = str(getattr(sa, "weight_version", "") or "")
+    # after a weight update the identity names this server's lifetime (on_weights_updated): the
+    # same on every TP rank (one launcher), unique per start, and apart for engines of one process
+    cache.lifetime_tag = f"{lifetime_id()}:{getattr(sa, 'port', '')}:{getattr(sa, 'nccl_port', '')}"
     cache.invalidation.versions = {
         "model_id": key.model_id,
         "weights_digest": key.weights_digest,
-        "weight_version": str(getattr(ctx.server_args, "weight_version", "") or ""),
+        "weight_version": cache.weight_version,
     }
     return cache
 

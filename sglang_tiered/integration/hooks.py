@@ -5,7 +5,17 @@ Scheduler processes:
     ["sglang_tiered"]`` = the tree's per-rank stats (msgpack-safe), read by ``GET /cache/stats``.
   * AFTER ``SchedulerInternalStateController._update_handlers``: adds numeric update keys
     ``protocol.INVALIDATE_KEYS`` (SGLang's set_internal_state carries numbers only, so names
-    travel as 62-bit hashes) that run ``TieredRadixCache.invalidate``.
+    travel as 62-bit hashes) that run ``TieredRadixCache.invalidate``, and ``PERSIST_KEY`` (= 1)
+    that runs ``TieredRadixCache.persist_to_host`` (the device tree into T1 without emptying
+    it, as ``/flush_cache`` does first). SGLang's own
+    ``POST /set_internal_state {"server_args": {"sglang_tiered_persist_to_host": 1}}`` sends it.
+  * AROUND every ``SchedulerWeightUpdaterManager`` method that changes the served weights
+    (``update_weights_from_disk/_distributed/_tensor/_ipc``, weight_updater.py:138-290, and
+    ``end_weight_update``, :338-349, which finalises weights written by P2P/RDMA without a load
+    call) and AFTER ``Scheduler.record_weight_version_change`` (scheduler.py:5636, also behind
+    ``/update_weight_version``): ``TieredRadixCache.on_weights_updated`` drops T1 and re-seeds
+    the cache identity, whether the call succeeded or not (a failed load may leave the weights
+    half updated), so no KV of the old weights is served from T1 or T2 afterwards.
 HTTP (launcher) process:
   * BEFORE ``http_server._setup_and_run_http_server``: mounts ``/cache/stats`` and
     ``/cache/invalidate`` and the request-hint middleware before uvicorn starts (and before SGLang
@@ -23,13 +33,46 @@ logger = logging.getLogger("sglang_tiered")
 
 _INTERNAL = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 _HTTP = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
+_WEIGHTS = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+PERSIST_KEY = "sglang_tiered_persist_to_host"
+WEIGHT_UPDATE_METHODS = ("update_weights_from_disk", "update_weights_from_distributed", "update_weights_from_tensor",
+                         "update_weights_from_ipc", "end_weight_update")  # fmt: skip
 
 
 def _tiered_cache(controller):
+    """The scheduler's tree cache if it is ours; ``controller`` is a scheduler component (it has
+    ``.scheduler``) or the ``Scheduler`` itself."""
     from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
 
-    cache = getattr(getattr(controller, "scheduler", None), "tree_cache", None)
+    sched = getattr(controller, "scheduler", None) or controller
+    cache = getattr(sched, "tree_cache", None)
     return cache if isinstance(cache, TieredRadixCache) else None
+
+
+def weight_update_hook(method: str):
+    """AROUND hook for ``SchedulerWeightUpdaterManager.<method>``: the weights (may) have changed,
+    whatever the call returned or raised."""
+
+    def around(original, manager, *args, **kwargs):
+        try:
+            return original(manager, *args, **kwargs)
+        finally:
+            cache = _tiered_cache(manager)
+            if cache is not None:
+                req = args[0] if args else kwargs.get("recv_req")
+                cache.on_weights_updated(getattr(req, "weight_version", None), source=method)
+
+    around.__qualname__ = f"sglang_tiered_{method}"
+    return around
+
+
+def _after_weight_version_change(result, scheduler, *args, **kwargs):
+    new_version = args[0] if args else kwargs.get("new_version")
+    cache = _tiered_cache(scheduler)
+    if cache is not None and new_version is not None and str(new_version) != cache.weight_version:
+        cache.on_weights_updated(new_version, source="weight version change")
+    return result
 
 
 def _after_get_internal_state(result, controller, *args, **kwargs):
@@ -58,6 +101,18 @@ def _after_update_handlers(handlers, controller, *args, **kwargs):
 
     for key in INVALIDATE_KEYS:
         handlers[key] = _UpdateHandler(validate, apply)
+
+    def validate_persist(key, value):
+        from sglang.srt.managers.scheduler_components.internal_state import UpdateRejected
+
+        if value != 1 or isinstance(value, bool):
+            raise UpdateRejected(f"{key} takes 1")
+
+    def persist(key, value):
+        logger.info("sglang-tiered: %d tokens persisted to T1", cache.persist_to_host())
+        return None
+
+    handlers[PERSIST_KEY] = _UpdateHandler(validate_persist, persist)
     return handlers
 
 
@@ -87,3 +142,26 @@ def register_hooks() -> None:
     else:
         HookRegistry.register(f"{_INTERNAL}.get_internal_state", _after_get_internal_state, HookType.AFTER)
         HookRegistry.register(f"{_INTERNAL}._update_handlers", _after_update_handlers, HookType.AFTER)
+        for method in WEIGHT_UPDATE_METHODS:
+            HookRegistry.register(f"{_WEIGHTS}.{method}", weight_update_hook(method), HookType.AROUND)
+        HookRegistry.register(f"{_SCHEDULER}.record_weight_version_change", _after_weight_version_change,
+                              HookType.AFTER)  # fmt: skip
+        missing = missing_weight_hook_targets()
+        if missing:  # HookRegistry logs and skips a target it cannot resolve: say what that costs
+            logger.error("sglang-tiered: cannot hook %s: after a weight update T1/T2 could serve KV of the old "
+                         "weights (run with SGLANG_TIERED_HOST=off)", ", ".join(missing))  # fmt: skip
+
+
+def missing_weight_hook_targets() -> list:
+    """The weight-update hook targets the installed SGLang lacks (empty on 0.5.23)."""
+    import pkgutil
+
+    out = []
+    for cls, methods in ((_WEIGHTS, WEIGHT_UPDATE_METHODS), (_SCHEDULER, ("record_weight_version_change",))):
+        try:
+            obj = pkgutil.resolve_name(cls)
+        except Exception:  # noqa: BLE001 - report, never fail the plugin here
+            out.append(cls)
+            continue
+        out += [f"{cls}.{m}" for m in methods if not callable(getattr(obj, m, None))]
+    return out

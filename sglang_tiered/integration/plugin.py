@@ -72,6 +72,9 @@ def register() -> None:
         logger.error(msg)
         print(msg, file=sys.stderr, flush=True)
         raise SystemExit(2) from exc
+    from sglang_tiered.config import lifetime_id
+
+    lifetime_id()  # in the launcher: set before any scheduler starts, so all of them inherit it
     try:
         from sglang_tiered.integration.compat import check_compat
 

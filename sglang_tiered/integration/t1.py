@@ -12,11 +12,16 @@ ARCHITECTURE.md "Adding a tier"):
 | ``on_evict(node)`` | ``evict`` | a device victim's pages go to (or stay in) T1 |
 | ``fence(node, run)`` | before device pages are freed | no store of them may be pending or running |
 | ``invalidate(tenant_hash, everything)`` | invalidation | drops T1 entries, cancels pending writes |
+| ``drop_all()`` | a weight update (and a flush while paused) | drops every T1 entry, cancels pending writes (T2 untouched) |
 | ``after_batch()`` / ``forget(rid)`` | scheduler | offers the next victims (write-ahead), drains the queue / forgets a finished request |
 
 State table of a page (by chained hash): device only -> (evict/refuse, T1 on) -> T1 only ->
 (probe + load_back) -> device + T1 (T1 copy kept as a victim-cache entry; its recency refreshed on
 the next demotion). A failed load is a clean miss: the device pages are freed, nothing partial.
+
+``paused`` (set by ``TieredRadixCache.on_weights_updated`` while the device tree still holds KV of
+the old weights, i.e. SGLang did not flush it): no probe, no store, no demotion, so neither T1 nor
+T2 is read or written under the old identity; cleared when the tree is empty again (re-seeded).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class PendingLoad(NamedTuple):
     node: TreeNode  # the device match's last node; the pages continue from its end
     hashes: list  # chained page hashes of the run, in order
     tokens: list  # the run's tokens (``len(hashes) x page_size``)
+    namespace: tuple = (None, None)  # the request's (extra_key, cache_salt)
 
 
 class Tier(Protocol):
@@ -97,7 +103,8 @@ class T1Tier:
         self.store = store  # StoreQueue, or None: synchronous demotion at eviction
         self.pending: dict[str, PendingLoad] = {}
         self.load_locks: list = []  # promoted nodes held until the batch that uses them ran
-        self.flushing = False  # /flush_cache: everything goes to T1, whatever the queue judged
+        self.flushing = False  # persist_to_host: everything goes to T1, whatever the queue judged
+        self.paused: Optional[str] = None  # why T1 (and T2) are neither read nor written now
         self.already_on_device_tokens = 0  # probed in T1, found on the device at load-back
         self.evicted_since_batch = 0  # device pages evicted since the last batch end
         self.evict_rate = 0.0  # decaying maximum of pages evicted per batch
@@ -144,7 +151,7 @@ class T1Tier:
         holds, and it is the first to make room for one later; when the device evicts the page,
         the copy is adopted like a fresh victim. Once T1 is full nothing is written through:
         ``write_ahead`` writes what the device is about to evict, outside T1's capacity."""
-        if self.store is None:
+        if self.store is None or self.paused:
             return
         cache = self.cache
         room = self.host.pool.free_pages - self.store.stats.queued_pages
@@ -173,6 +180,8 @@ class T1Tier:
         evicts them (``HostPool.reserve`` adopts them): so T1 holds exactly the pages, in the same
         order, that the synchronous store gives it; a wrong guess costs a staging slot, never a
         T1 page. Returns the pages offered."""
+        if self.paused:
+            return 0
         self.evict_rate = max(float(self.evicted_since_batch), EVICT_RATE_DECAY * self.evict_rate)
         self.evicted_since_batch = 0
         target = min(self.store.capacity_pages, self.host.pool.staging, math.ceil(AHEAD_BATCHES * self.evict_rate))
@@ -202,6 +211,8 @@ class T1Tier:
         """Pages the device refused go to T1 instead (the host tier is the victim buffer in which
         frequency evidence accumulates): a later request promotes them like any demoted page.
         Their KV is complete (``checkpoint`` runs after the forward pass that wrote it)."""
+        if self.paused:
+            return
         cache = self.cache
         ps = cache.page_size
         row = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start : start + len(hashes) * ps]
@@ -216,7 +227,11 @@ class T1Tier:
         refused it) is copied now, like the synchronous store does, except a one-shot so far
         while the queue is under pressure (what the queue itself refuses, rule 2); without the
         queue, every leaf is copied now. So T1 receives every victim the synchronous store
-        would, unless the queue is under pressure."""
+        would, unless the queue is under pressure. While ``paused`` nothing is copied."""
+        if self.paused:
+            self.fence(x, run=False)
+            self.cache.index.device_removed(x.tiered_hashes)
+            return
         self._demote_victim(x)
         index = self.cache.index
         if index.listener is not None or index.policy is not None:  # a demoted page stays held, in T1
@@ -246,6 +261,16 @@ class T1Tier:
             return self.host.drop_tenant(tenant_hash) * self.cache.page_size
         return 0
 
+    def drop_all(self) -> int:
+        """Drop every T1 entry (resident and staged) and cancel every pending write, waiting for
+        one in flight, so no write of a device page lands after its page is freed or reused.
+        Probes not yet loaded are forgotten. T2 is not touched (see ``TieredRadixCache.reset``).
+        Returns tokens dropped."""
+        if self.store is not None:
+            self.store.cancel_where(lambda j: True)
+        self.pending.clear()
+        return self.host.clear() * self.cache.page_size
+
     def after_batch(self) -> None:
         if self.store is not None:
             self.write_ahead()
@@ -261,20 +286,26 @@ class T1Tier:
     def probe(self, params, result):
         """Count the pages right after the device match that T1 holds (by chained page hash)."""
         key = params.key
-        if getattr(key, "is_bigram", False):
-            return result
+        rid = getattr(params.req, "rid", None)
         node = result.last_device_node
-        if node.tiered_invalid:
+        if getattr(key, "is_bigram", False) or self.paused or node.tiered_invalid:
+            self.pending.pop(rid, None)  # nothing to load for this match: no earlier probe stays
             return result
         ps = self.cache.page_size
         toks = key.raw_token_ids()
         start = result.device_prefix_len
         n_pages = (len(toks) - start) // ps
         if n_pages <= 0:
+            self.pending.pop(rid, None)
             return result
-        rid = params.req.rid
         pending = self.pending.get(rid)
-        if pending is not None and pending.node is node and all(self.holds(h) for h in pending.hashes):
+        namespace = (key.extra_key, key.cache_salt)
+        # A probe is this request's only if it is for the same node, namespace and tokens: a rid
+        # may be reused once its request is gone, and one aborted while waiting is never released
+        # (its probe, at the root every tenant shares, would load its tokens' KV for another's).
+        if (pending is not None and pending.node is node and pending.namespace == namespace
+                and pending.tokens == toks[start : start + len(pending.tokens)]
+                and all(self.holds(h) for h in pending.hashes)):  # fmt: skip
             # match_prefix runs on every admission attempt: reuse this request's hashes from the
             # last attempt instead of hashing the same pages again.
             return result._replace(host_hit_length=len(pending.hashes) * ps, best_match_node=node)
@@ -284,7 +315,7 @@ class T1Tier:
             return result
         if len(self.pending) >= PENDING_HOST_MAX:  # requests aborted before release: forget the oldest
             del self.pending[next(iter(self.pending))]
-        self.pending[rid] = PendingLoad(node, hashes, toks[start : start + len(hashes) * ps])
+        self.pending[rid] = PendingLoad(node, hashes, toks[start : start + len(hashes) * ps], namespace)
         return result._replace(host_hit_length=len(hashes) * ps, best_match_node=node)
 
     def _held_run(self, node, key, toks, start: int, n_pages: int) -> list:
@@ -319,8 +350,8 @@ class T1Tier:
         cache = self.cache
         node, req = params.best_match_node, params.req
         pending = self.pending.pop(getattr(req, "rid", None), None)
-        if pending is None or pending.node is not node:
-            return 0, node
+        if pending is None or pending.node is not node or pending.namespace != (req.extra_key, req.cache_salt):
+            return 0, node  # (not this request's probe: a clean miss)
         hashes, toks = pending.hashes, pending.tokens
         if len(hashes) * cache.page_size != params.host_hit_length:
             hashes = hashes[: params.host_hit_length // cache.page_size]

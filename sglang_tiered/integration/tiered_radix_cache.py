@@ -14,6 +14,7 @@ concept (see ARCHITECTURE.md):
 | ``_split_node`` | ``page_hashes``, ``invalidation`` |
 | ``sanity_check`` | ``invariants.check_cache`` |
 | ``reset``, ``flush_pending_backups``, ``on_release`` | the modules' ``reset`` / ``after_batch`` / ``forget`` |
+| weight updates (integration/hooks.py) | ``on_weights_updated``: T1 dropped, identity re-seeded |
 
 SGLang's ownership contract is kept intact (admission.py): the tree owns
 ``[0, req.kv.cache_protected_len)`` of a request's row; what ``checkpoint`` does not adopt is
@@ -22,13 +23,17 @@ freed by ``release_kv_cache``. Node state is declared once, in node_state.py.
 
 from __future__ import annotations
 
+import json
+import logging
 import time
+from dataclasses import asdict, replace
 from typing import Optional
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, IncLockRefResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
+from sglang_tiered.config import lifetime_id
 from sglang_tiered.core.keys import CacheKey
 from sglang_tiered.core.policy import AdaptivePolicy, PolicyConfig
 from sglang_tiered.core.tenants import TenantCounters, TenantTable, tenant_of
@@ -43,6 +48,8 @@ from sglang_tiered.integration.page_hashes import PageHashes
 from sglang_tiered.integration.snapshot import stats_snapshot
 from sglang_tiered.integration.t1 import T1Tier, Tier
 
+logger = logging.getLogger("sglang_tiered")
+
 
 class TieredRadixCache(RadixCache):
     """Radix cache backend registered as ``--radix-cache-backend tiered``."""
@@ -53,6 +60,11 @@ class TieredRadixCache(RadixCache):
         # RadixCache.__init__ calls self.reset(): our state must exist before it.
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.cache_key = cache_key or CacheKey()
+        self.base_key = self.cache_key  # the identity at start-up (before any weight update)
+        self.weight_version: Optional[str] = None  # SGLang's --weight-version, then each update's
+        self.weight_updates = 0  # weight updates seen (on_weights_updated)
+        self.lifetime_tag: Optional[str] = None  # this server's lifetime (build.py); else lifetime_id()
+        self._pending_key: Optional[CacheKey] = None  # re-seed waiting for an empty device tree
         self.debug_checks = debug_checks
         if capacity_tokens is None:
             capacity_tokens = getattr(params.token_to_kv_pool_allocator, "size", 0) or 1 << 16
@@ -142,14 +154,21 @@ class TieredRadixCache(RadixCache):
 
     # ------------------------------------------------------------------ SGLang overrides
     def reset(self):
-        # /flush_cache empties the device tree; with T1 on, its pages go to T1 first (so a flush
-        # before shutdown leaves everything in a named T1 for a warm restart).
+        """SGLang's flush (``Scheduler.flush_cache``, managers/scheduler.py:5518-5523; also after
+        every weight update, scheduler_components/weight_updater.py:120-133) empties the device
+        tree. With T1 on, its pages go to T1 first, so a flush before shutdown leaves everything
+        in a named T1 for a warm restart. After a weight update that is undone at once: the
+        update's hook (``on_weights_updated``, integration/hooks.py) runs after the update's own
+        flush, drops T1 and re-seeds the identity, so nothing demoted from the old weights is
+        served. While T1 is paused (a weight update SGLang did not flush) nothing is demoted:
+        T1 is dropped instead."""
         if self.t1 is not None and getattr(self, "root_node", None) is not None:
-            self.t1.flushing = True  # everything goes to T1, whatever the store queue judged
-            try:
-                self.evict(EvictParams(num_tokens=self.evictable_size_))
-            finally:
-                self.t1.flushing = False
+            if self.t1.paused or getattr(self, "_pending_key", None) is not None:
+                self.t1.drop_all()
+                self.t1.load_locks = []  # nodes of the tree being dropped (idle: none normally)
+                self.index.clear()
+            else:
+                self.persist_to_host()
         else:
             self.index.clear()
         super().reset()
@@ -160,6 +179,73 @@ class TieredRadixCache(RadixCache):
         self.invalidation.reset()
         for c in self.tenants.by_name.values():
             c.resident_pages = 0
+        if getattr(self, "_pending_key", None) is not None:
+            self._apply_key(self._pending_key)
+
+    def persist_to_host(self) -> int:
+        """Demote every evictable device page into T1 (what ``/flush_cache`` does first; also
+        the ``sglang_tiered_persist_to_host`` internal-state key). Locked pages stay. Returns the
+        tokens demoted (0 when T1 is off or paused)."""
+        if self.t1 is None or self.t1.paused or self.disable:
+            return 0
+        self.t1.flushing = True  # everything goes to T1, whatever the store queue judged
+        try:
+            return self.evict(EvictParams(num_tokens=self.evictable_size_)).num_tokens_evicted
+        finally:
+            self.t1.flushing = False
+
+    # ------------------------------------------------------------------ weight updates
+    def on_weights_updated(self, weight_version=None, source: str = "weights update") -> None:
+        """The served weights changed (or may have: a failed update can leave them half loaded).
+        Called by the scheduler hooks (integration/hooks.py) after every ``update_weights_from_*``
+        and ``end_weight_update`` of ``SchedulerWeightUpdaterManager`` and every weight-version
+        change (``Scheduler.record_weight_version_change``).
+
+        * T1 is dropped now (pending writes cancelled): nothing in it was computed with the new
+          weights.
+        * The identity is re-seeded: ``weights_digest`` gets ``+update:<server lifetime id>:<n>:
+          <weight_version>``, so every page hash changes and no T2 object (or named-T1 page)
+          stored under an earlier identity, by this server or any other, can match again. The
+          lifetime id (config.lifetime_id) is shared by the TP ranks of one server (they must
+          hash alike) and unique per server start; a weight version alone is a label that may be
+          reused for other weights. Servers updated to the same weights do not share T2 pages.
+        * If SGLang did not flush the device tree (``flush_cache=False`` or a refused flush) it
+          still holds old-weights KV, whose page hashes chain from the old seed: T1 and T2 are
+          paused (no probe, store or demotion) and the new seed applied when the tree is empty
+          again (the next ``reset``, or the batch end after the last node left)."""
+        self.weight_updates += 1
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        base = self.base_key
+        life = self.lifetime_tag or lifetime_id()
+        digest = f"{base.weights_digest}+update:{life}:{self.weight_updates}:{self.weight_version or ''}"
+        key = replace(self.cache_key, weights_digest=digest)
+        dropped = self.t1.drop_all() if self.t1 is not None else 0
+        self.invalidation.versions.update(weights_digest=digest, weight_version=self.weight_version or "")
+        if self.t1 is not None and not self.root_node.children:
+            self.index.clear()  # the T1 pages just dropped (a device tree left is withdrawn at its flush)
+        if self.root_node.children:
+            self._pending_key = key
+            if self.t1 is not None:
+                self.t1.paused = f"{source}: the device tree still holds KV of the old weights (not flushed)"
+        else:
+            self._apply_key(key)
+        paused = "" if self._pending_key is None else "; T1/T2 paused until the device tree is flushed"
+        logger.warning("sglang-tiered: %s (weight_version=%s): T1 dropped (%d tokens), cache identity re-seeded%s",
+                       source, self.weight_version, dropped, paused)  # fmt: skip
+
+    def _apply_key(self, key: CacheKey) -> None:
+        """Re-seed the page hashes (only with an empty device tree: every node's hashes chain
+        from the seed) and resume T1/T2."""
+        assert not self.root_node.children, "re-seeding a non-empty tree"
+        self.cache_key = key
+        self.hashes = PageHashes(key, self.page_size)
+        self._pending_key = None
+        if self.t1 is not None:
+            self.t1.paused = None
+        listener = self.index.listener
+        if listener is not None and hasattr(listener, "key_json"):  # routers hash with the new key
+            listener.key_json = json.dumps(asdict(key), sort_keys=True)
 
     def checkpoint(self, req, *, up_to: int):
         if self.disable:
@@ -223,6 +309,16 @@ class TieredRadixCache(RadixCache):
         self.invalidation.on_unlock(node)
         return result
 
+    def release_aborted_request(self, handle) -> None:
+        """SGLang finishes a request aborted before it ran (``Scheduler._release_aborted_request``
+        -> ``finish(handle, ABORT)``) without ``release_kv_cache``, so ``on_release`` never sees
+        it: its probe and admission state go here (a later request may reuse the rid)."""
+        super().release_aborted_request(handle)
+        rid = getattr(handle, "rid", None)
+        self.admission.forget(rid)
+        if self.t1 is not None:
+            self.t1.forget(rid)
+
     def on_release(self, req, *, checkpointed: bool) -> None:
         self.admission.forget(req.rid)
         if self.t1 is not None:
@@ -239,6 +335,8 @@ class TieredRadixCache(RadixCache):
         """Called by the scheduler after every batch: T1 writes land, promotions are released,
         metrics are published."""
         super().flush_pending_backups()
+        if self._pending_key is not None and not self.root_node.children:
+            self._apply_key(self._pending_key)  # the old-weights tree is gone: resume T1/T2
         if self.t1 is not None:
             self.t1.after_batch()
         if self.metrics is not None:
