@@ -10,9 +10,7 @@ B. The ``CacheKey`` covers online quantization, the compute dtype and the revisi
 
 from __future__ import annotations
 
-import ctypes
 import json
-import re
 from dataclasses import asdict
 from types import SimpleNamespace as NS
 
@@ -24,6 +22,7 @@ from sglang_tiered.dev import simulate
 from sglang_tiered.integration import hooks
 from sglang_tiered.integration.identity import cache_key_from_context
 from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+from tests.test_t2 import ByteStore  # the dict-backed store T2 calls (faults off)
 
 PAGE = 16
 
@@ -267,40 +266,6 @@ def test_plain_flush_demotes_to_t1_and_persist_demotes():
 
 
 # ---------------------------------------------------------------------------------- T2
-class ByteStore:
-    """The calls T2 makes, over a dict (tests/test_t2.py has the faulty variant)."""
-
-    def __init__(self):
-        self.objects: dict[str, bytes] = {}
-
-    def register(self, t):
-        pass
-
-    def exists(self, keys):
-        return [1 if k in self.objects else 0 for k in keys]
-
-    def put(self, keys, ptrs, sizes):
-        for k, p, n in zip(keys, ptrs, sizes):
-            self.objects.setdefault(k, ctypes.string_at(p, n))
-        return [0] * len(keys)
-
-    def get(self, keys, ptrs, sizes):
-        out = []
-        for k, p, n in zip(keys, ptrs, sizes):
-            data = self.objects.get(k)
-            if data is None:
-                out.append(-704)
-                continue
-            ctypes.memmove(p, data, min(n, len(data)))
-            out.append(min(n, len(data)))
-        return out
-
-    def remove_regex(self, pattern):
-        rx = re.compile(pattern)
-        gone = [k for k in self.objects if rx.search(k)]
-        for k in gone:
-            del self.objects[k]
-        return len(gone)
 
 
 def test_weight_update_never_serves_old_kv_from_t2(new_weights):
