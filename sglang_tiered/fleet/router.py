@@ -403,7 +403,7 @@ class Router:
             self._lookup_conn.reset()
         self._redis_down_until = time.monotonic() + 1.0
 
-    async def choose(self, tokens, tenant, exclude=(), explain: Optional[dict] = None):
+    async def choose(self, tokens, tenant, exclude=(), explain: Optional[dict] = None, label=None):
         live = [w for w, s in self.workers.items() if s.healthy and w not in exclude]
         if not live:
             live = [w for w in self.workers if w not in exclude] or list(self.workers)
@@ -416,7 +416,8 @@ class Router:
         view = FleetView(live, {w: r for w, (r, _) in loads.items()},
                          {w: t * self.policy.c_tok_s for w, (_, t) in loads.items()}, matched)  # fmt: skip
         pol = self.policy
-        label = tenant_label(tenant) if tenant else tenant  # the policy keeps its keys: bounded in length
+        if label is None:  # (handle passes the one it computed) the policy keeps its keys: bounded
+            label = tenant_label(tenant) if tenant else tenant
         key = token_affinity_key(label, tokens, self.page_size, pol.affinity_pages, pol.per_prefix)
         req = RouteRequest(len(tokens), hashes, label, self.page_size, key=key,
                            memory_hashes=self.memory_hashes_of(tokens, tenant))  # fmt: skip
@@ -439,11 +440,7 @@ class Router:
                 raise ValueError(f"the tenant header {self.tenant_header} must appear at most once")
             if not values:
                 return None
-            try:  # aiohttp keeps bytes that are not UTF-8 as lone surrogates
-                values[0].encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError(f"the tenant header {self.tenant_header} is not valid UTF-8") from None
-            return values[0].strip() or None
+            return values[0].strip() or None  # (headers that are not UTF-8 were refused in handle)
         salt = body.get("cache_salt") if isinstance(body, dict) else None
         return salt if isinstance(salt, str) and salt else None
 
@@ -456,27 +453,27 @@ class Router:
             body = json.loads(raw) if raw else {}
         except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
             body = {}
+        # pairs, not a dict: a header sent twice reaches the worker twice
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_REQUEST_HEADERS]
+        for k, v in request.headers.items():  # aiohttp keeps bytes that are not UTF-8 as lone
+            try:  # surrogates, which the upstream request cannot encode: that failure must not pass
+                v.encode("utf-8")  # for the workers' (nor a tenant header's bytes for a tenant)
+            except UnicodeEncodeError:
+                return web.json_response({"error": {"message": f"header {k} is not valid UTF-8"}}, status=400)
         try:
             tenant = self._tenant(request, body)
         except ValueError as exc:
             return web.json_response({"error": {"message": str(exc)}}, status=400)
-        label = tenant_label(tenant) if tenant else None  # what the decisions log keeps: bounded
+        label = tenant_label(tenant) if tenant else None  # kept by the policy and the log: bounded
         path = request.path
         try:  # the prompt only steers locality: anything odd routes by affinity + load instead
             tokens = token_array(self.tokens_of(path, body)) if isinstance(body, dict) else array("q")
         except Exception:  # noqa: BLE001
             tokens = array("q")
-        # pairs, not a dict: a header sent twice reaches the worker twice
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_REQUEST_HEADERS]
-        for k, v in headers:  # aiohttp keeps bytes that are not UTF-8 as lone surrogates, which the
-            try:  # upstream request cannot encode: that failure must not pass for the workers'
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return web.json_response({"error": {"message": f"header {k} is not valid UTF-8"}}, status=400)
         tried: list[str] = []
         for attempt in range(2):
             explain: Optional[dict] = {} if attempt == 0 else None
-            d = await self.choose(tokens, tenant, exclude=tried, explain=explain)
+            d = await self.choose(tokens, tenant, exclude=tried, explain=explain, label=label)
             ws = self.workers[d.worker]
             if attempt == 0:
                 route_ms = (time.perf_counter() - t0) * 1e3
