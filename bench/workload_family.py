@@ -43,7 +43,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from trace_replay import PAGE, SGLANG_POLICIES, belady_hits, environment, infinite_hits, page_ids  # noqa: E402
+import trace_replay  # noqa: E402
+from trace_replay import SGLANG_POLICIES, belady_hits, environment, infinite_hits, page_ids  # noqa: E402
 
 FRACTIONS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2]
 # Idealized follow-the-leader oracles over SGLang's fixed policies (``follow_the_leader``): the
@@ -95,8 +96,9 @@ def run_workload(task):
     inf = infinite_hits(pages)
     rows = []
     for frac in fractions:
-        cap_pages = max(int(unique * frac), -(-max_req // PAGE) + 1)
-        cap = cap_pages * PAGE
+        page = trace_replay.PAGE  # --page-size (set before the workers fork)
+        cap_pages = max(int(unique * frac), -(-max_req // page) + 1)
+        cap = cap_pages * page
         row = {"workload": name, "fraction": frac, "requests": len(reqs), "unique_pages": unique,
                "capacity_pages": cap_pages, "infinite": inf / total}  # fmt: skip
         row["belady"] = belady_hits(pages, cap_pages) / total if belady else float("nan")
@@ -145,7 +147,12 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="PolicyConfig overrides for tiered (experiments), e.g. guard_start_lru=False")
     ap.add_argument("--git-sha", default=None, help="record this sha (when run from an exported copy)")
+    ap.add_argument("--page-size", type=int, default=trace_replay.PAGE,
+                    help="tokens per page for every cache (SGLang's --page-size; its default is 1)")
     args = ap.parse_args(argv)
+    if args.page_size < 1:
+        raise SystemExit(f"--page-size must be >= 1, got {args.page_size}")
+    trace_replay.PAGE = args.page_size  # the workers fork after this and inherit it
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     partial = out / f"{args.name}.partial.jsonl"
@@ -190,7 +197,7 @@ def main(argv=None) -> int:
         w.writeheader()
         w.writerows(rows)
     (out / f"{args.name}.json").write_text(json.dumps(
-        {"environment": env, "page_size": PAGE, "wall_s": round(time.time() - t0), "summary": summary,
+        {"environment": env, "page_size": trace_replay.PAGE, "wall_s": round(time.time() - t0), "summary": summary,
          "workload_params": params, "rows": rows}, indent=1, default=str))  # fmt: skip
     _plot(rows, out / f"{args.name}.png", env, summary)
     print(json.dumps(summary, indent=1))
@@ -287,7 +294,8 @@ def _plot(rows, path, env, summary) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"{summary['workloads']} workloads x {len(set(r['fraction'] for r in rows))} capacities; "
+    fig.suptitle(f"{summary['workloads']} workloads x {len(set(r['fraction'] for r in rows))} capacities, "
+                 f"page {trace_replay.PAGE}; "
                  f"SGLang {env['sglang']} RadixCache, git {env['git_sha']}", fontsize=10)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
