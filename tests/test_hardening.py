@@ -110,7 +110,7 @@ def test_promotion_checks_the_slot_hash():
     cache.driver.run(list(range(7000, 7000 + 6 * PAGE)))  # demote toks to T1
     pool = cache.host.pool
     slot = next(iter(pool.lru))
-    pool.index_hashes[slot] = torch.full((16,), 7, dtype=torch.uint8)  # the "other server" wrote here
+    pool.index_heads[slot] = torch.full((pool.layout.kv_heads, 16), 7, dtype=torch.uint8)  # the "other server" wrote here
     failed = cache.host.stats.failed_promotions
     out = cache.driver.run(toks)  # verify_kv would catch foreign KV; the check refuses it first
     assert cache.host.stats.foreign_slots >= 1 and cache.host.stats.failed_promotions > failed

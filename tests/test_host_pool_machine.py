@@ -160,7 +160,7 @@ class HostPoolMachine(RuleBasedStateMachine):
             assert list(pool.staged) == list(self.staged)
             for h, tenant in self.staged.items():  # written, tagged, not valid (never served)
                 s = pool.staged[h]
-                assert not pool.verify([h], [s]) and int(pool.index_tenant[s]) == tenant
+                assert h not in pool.slot_of and not int(pool.index_valid[s]) and int(pool.index_tenant[s]) == tenant
                 assert torch.all(pool.data[0, 0, :, s] == float(h[0]))
         for h, tenant in self.model.items():
             s = pool.slot_of[h]

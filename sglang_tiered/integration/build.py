@@ -50,7 +50,8 @@ def setup_host_tier(cache, ctx, cfg) -> None:
     store = None
     if cfg.store == "async":
         pages = store_queue_pages(cfg, cache.capacity_tokens // cache.page_size)
-        # TP ranks share one T1 and must make identical slot and drop decisions, so with TP > 1
+        # TP ranks' T1s (one named file, or a private one each) must make identical slot and
+        # drop decisions, so with TP > 1
         # the queue drains at the end of every batch in the scheduler thread (same point on
         # every rank) instead of on a free-running worker whose timing differs per rank.
         # On CPU a worker thread only competes with the forward pass for the GIL and the cores

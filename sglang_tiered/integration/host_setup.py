@@ -11,7 +11,6 @@ identical trees. ``on``/``off`` override the measurement. The decision is logged
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -125,12 +124,26 @@ def build_host_tier(cache, ctx, cfg):
     kv = cache.token_to_kv_pool_allocator.get_kvcache()
     if not hasattr(kv, "k_buffer") or not hasattr(kv, "v_buffer"):
         return None, f"off: unsupported KV pool {type(kv).__name__} (MHA pools only)"
+    scales = ("k_scale_buffer", "v_scale_buffer", "native_k_scale_buffer", "native_v_scale_buffer")
+    if any(getattr(kv, a, None) is not None for a in scales):
+        # quantized KV with per-token scales beside the data (e.g. --kv-cache-dtype mxfp8): T1
+        # moves the data only, so a promoted page would meet another page's scales (review,
+        # session 18)
+        return None, f"off: KV pool {type(kv).__name__} keeps scales beside the data (not moved by T1)"
     k0 = kv.k_buffer[0]
+    if k0.dim() != 3:
+        return None, f"off: KV pool {type(kv).__name__} has {k0.dim()}-D buffers ([token, head, dim] only)"
     ps = cache.page_size
     total_heads = ctx.model_config.get_total_num_kv_heads()
-    layout = PoolLayout(1, len(kv.k_buffer), total_heads, ps, k0.shape[2], str(k0.dtype).replace("torch.", ""))
+    name = cfg.host_name
+    # A named T1 is one file of every head for all ranks; without a name each TP rank keeps a
+    # private T1 of its own heads (HostTier.build), and SGLANG_TIERED_HOST_GB is the server's
+    # total, split evenly over the ranks.
+    rank_heads = total_heads if (name or ctx.tp_size == 1) else k0.shape[1]
+    share = 1 if (name or ctx.tp_size == 1) else ctx.tp_size
+    layout = PoolLayout(1, len(kv.k_buffer), rank_heads, ps, k0.shape[2], str(k0.dtype).replace("torch.", ""))
     device_pages = cache.capacity_tokens // ps
-    pages = int(cfg.host_gb * 1e9 // layout.page_bytes) if cfg.host_gb else int(device_pages * cfg.host_ratio)
+    pages = int(cfg.host_gb * 1e9 / share // layout.page_bytes) if cfg.host_gb else int(device_pages * cfg.host_ratio)
     staging = staging_pages(cfg, device_pages, pages)
     if cfg.host_gb:  # the memory budget holds the staging slots too
         pages -= staging
@@ -145,12 +158,18 @@ def build_host_tier(cache, ctx, cfg):
         logger.info("sglang-tiered: T1 %s", decision)
         return None, decision
 
-    name = cfg.host_name or (f"auto-{os.getppid()}" if ctx.tp_size > 1 else None)
     dp = int(getattr(getattr(ctx, "server_args", None), "dp_size", 1) or 1)
+    pp = int(getattr(getattr(ctx, "server_args", None), "pp_size", 1) or 1)
+    if pp > 1 and name:
+        # every pipeline stage would map the one file with a layout of its own layers (review,
+        # session 18); without a name each stage keeps a private T1 of its layers
+        decision = f"off: --pp-size {pp} with a named (shared) T1 is not supported; unset SGLANG_TIERED_HOST_NAME"
+        logger.warning("sglang-tiered: T1 %s", decision)
+        return None, decision
     if dp > 1 and name:
         # Data-parallel ranks run independent trees; one shared T1 would have several writers
         # that do not see each other's slot choices (a slot could be overwritten mid-read).
-        decision = f"off: --dp-size {dp} with a shared T1 ({'named' if cfg.host_name else 'TP > 1'}) is not supported"
+        decision = f"off: --dp-size {dp} with a named (shared) T1 is not supported"
         logger.warning("sglang-tiered: T1 %s", decision)
         return None, decision
     fence = None
@@ -160,7 +179,7 @@ def build_host_tier(cache, ctx, cfg):
     try:
         tier = HostTier.build(kv, page_size=ps, total_kv_heads=total_heads, tp_size=ctx.tp_size,
                               tp_rank=ctx.tp_rank, capacity_pages=pages, name=name, stream_fence=fence,
-                              exclusive=bool(cfg.host_name), staging_pages=staging)  # auto-<launcher pid>: this server's ranks only  # fmt: skip
+                              staging_pages=staging)  # fmt: skip
     except (HostPoolError, ValueError) as exc:
         logger.warning("sglang-tiered: T1 disabled: %s", exc)
         return None, f"off: {exc}"

@@ -337,9 +337,13 @@ class T1Tier:
             # page T1 lacks, onwards): its leading run is fetched into T1 now and then promoted
             # like any T1 hit. The rest of the run is hashed only when T2 is worth asking.
             self.host.touch(hashes)  # making room in T1 for the fetch must not evict these
-            pos = start + (len(hashes) + 1) * ps
-            rest = [h] + chain_page_hashes(h, toks[pos : pos + (min(n_pages - len(hashes), t2.run) - 1) * ps], ps)
-            hashes += rest[: self.host.fetch_t2(rest, tenant)]
+            # ... and it cannot, if the fetch is no longer than the room the other pages leave
+            room = self.host.pool.capacity - len(hashes)
+            want = min(n_pages - len(hashes), t2.run, room)
+            if want > 0:
+                pos = start + (len(hashes) + 1) * ps
+                rest = [h] + chain_page_hashes(h, toks[pos : pos + (want - 1) * ps], ps)
+                hashes += rest[: self.host.fetch_t2(rest, tenant)]
         return hashes
 
     # ------------------------------------------------------------------ promote
@@ -364,6 +368,9 @@ class T1Tier:
             return self._already_on_device(node, key, n)
         lock = cache.lock(node)  # allocation below may evict; keep the matched path
         try:
+            # the device victims the allocation demotes into T1 must not push out the very pages
+            # about to be promoted (they were T1's least recently used: review, session 18)
+            self.host.touch(hashes)
             slots = self._alloc(n)
             if slots is None:  # (the lock is released in ``finally``, once)
                 # the scheduler retries this request later: keep its probe, so the retry's

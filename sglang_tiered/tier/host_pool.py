@@ -4,9 +4,22 @@
   rank of the server maps; rank r reads and writes only the KV heads SGLang gives it (contiguous
   ranges, ``heads_for_rank``). The file outlives the server, so a restart, also at another TP
   degree, finds the pages again (warm restart). Without a name the pool is private memory.
-* The index (page hash -> slot) lives in the same file: a 16-byte hash and a valid byte per slot.
-  Every rank runs the same tree and reaches the same decisions, so each keeps an identical dict
-  and writes identical index entries; data is written before the valid byte.
+* The index (page hash -> slot) lives in the same file: a 16-byte hash, a tenant and a valid byte
+  per slot, and a 16-byte hash per (slot, KV head): the page whose KV that head's slice holds.
+  Every rank runs the same tree and reaches the same decisions, so each keeps an identical dict,
+  but the ranks are not in lock step between forward passes: one may already have reused a slot
+  that another is about to drop or read. So a rank decides from its own records only (this
+  process's slot -> hash and tenant, and the per-head hashes of its own heads, which no other
+  rank writes), never from the shared per-slot entries another rank may have overwritten
+  (review, session 18: a lagging rank's eviction read the leader's new hash and kept a stale
+  entry; the ranks then disagreed on hits). A write zeroes the rank's per-head hashes first, then
+  copies the data, then sets them: a promotion re-checks them before and after its copy.
+* A restart attaches a slot only when every KV head's hash names the same page: a server killed
+  between two ranks' copies (or a copy that failed on one rank) leaves a slot whose heads hold
+  different pages, and that slot is dropped, never served as mixed KV.
+* Ranks that replicate a KV head (TP > KV heads) would write the same bytes out of step: a named
+  T1 refuses them (``HostTier.build``); without a name every TP rank keeps a private T1 of its own
+  heads.
 * Page identity is the chained page hash (sglang_tiered/core/keys.py), which includes the exact
   weights digest, KV dtype and RoPE config: a restart with other weights finds nothing.
 * Each slot's index entry also carries the 62-bit hash of the tenant that stored it, so tenant
@@ -46,7 +59,7 @@ from sglang_tiered.config import shm_dir
 logger = logging.getLogger("sglang_tiered")
 HASH_BYTES = 16
 SHM_DIR = shm_dir()  # SGLANG_TIERED_SHM_DIR (config.py)
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3  # 3: per-head page hashes (session 18)
 OWNER_ENV = "SGLANG_TIERED_T1_OWNER"  # "name:token" of the named T1 this server's launcher owns
 _owned: dict[str, tuple[int, str]] = {}  # name -> (lock fd, token) held by this process
 
@@ -183,9 +196,9 @@ def _align(n: int, a: int = 64) -> int:
 
 class HostPool:
     def __init__(self, layout: PoolLayout, *, name: str | None = None, pin_memory: bool = False,
-                 exclusive: bool = True, staging: int = 0):  # fmt: skip
-        """``exclusive=False`` skips the ownership check: only for names no other server can
-        choose (the per-launcher ``auto-<pid>`` segment that TP ranks share without a name).
+                 staging: int = 0):  # fmt: skip
+        """A named pool maps ``SHM_DIR/sglang-tiered-<name>`` (this process must own the name or
+        belong to the server that does: ``check_owner``); without a name, private memory.
         ``staging``: slots of ``layout.num_pages`` kept outside T1's counted capacity for
         write-ahead copies (``reserve_staging``); T1 holds at most ``num_pages - staging`` pages."""
         if not 0 <= staging < layout.num_pages:
@@ -197,11 +210,11 @@ class HostPool:
         off_hash = _align(layout.data_bytes)
         off_tenant = off_hash + P * HASH_BYTES
         off_valid = off_tenant + P * 8
-        total = off_valid + P
+        off_heads = _align(off_valid + P)
+        total = off_heads + P * H * HASH_BYTES
         self.attached = False
         if name:
-            if exclusive:
-                check_owner(name)
+            check_owner(name)
             path = SHM_DIR / f"sglang-tiered-{name}"
             meta_path = path.with_suffix(".json")
             meta = {"version": LAYOUT_VERSION, **asdict(layout)}
@@ -251,12 +264,19 @@ class HostPool:
         self.data = data.view(2, L, H, P, ps, D)
         self.index_hashes = raw[off_hash:off_tenant].view(P, HASH_BYTES)
         self.index_tenant = raw[off_tenant:off_valid].view(torch.int64)  # tenant hash per slot
-        self.index_valid = raw[off_valid:total]
+        self.index_valid = raw[off_valid : off_valid + P]
+        self.index_heads = raw[off_heads:total].view(P, H, HASH_BYTES)  # page hash per (slot, KV head)
         # numpy views of the same bytes for the per-page index reads and writes (a one-element
         # torch read or write costs microseconds; these run for every page T1 takes or drops)
         self._hashes_np = self.index_hashes.numpy()
         self._tenant_np = self.index_tenant.numpy()
         self._valid_np = self.index_valid.numpy()
+        self._heads_np = self.index_heads.numpy()
+        # the KV heads this process writes and reads (HostTier sets its rank's; all by default)
+        self.own_heads = slice(0, H)
+        # this process's own records of its slots (resident and staged): what it decides from
+        self._hash_of: dict[int, bytes] = {}
+        self._tenant_of: dict[int, int] = {}
         self.slot_of: dict[bytes, int] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # resident slots, least recent first
         self.free: list[int] = []
@@ -277,17 +297,26 @@ class HostPool:
         valid = self.index_valid.tolist() if self.attached else [0] * P
         if not self.attached:
             self.index_valid.zero_()
-        hashes = self.index_hashes.numpy() if self.attached else None
+        if self.attached:
+            # a slot counts only when every KV head holds the page its index names
+            whole = (self._heads_np == self._hashes_np[:, None, :]).all(axis=(1, 2)).tolist()
+        else:
+            self._heads_np[:] = 0
+            whole = []
         for slot in range(P):
-            if valid[slot]:
-                h = bytes(hashes[slot])
+            if valid[slot] and whole[slot]:
+                h = self._hashes_np[slot].tobytes()
                 if h in self.slot_of:  # duplicate entry: keep the first
-                    self.index_valid[slot] = 0
+                    self._valid_np[slot] = 0
                     self.free.append(slot)
                     continue
                 self.slot_of[h] = slot
+                self._hash_of[slot] = h
+                self._tenant_of[slot] = int(self._tenant_np[slot])
                 self.lru[slot] = None
             else:
+                if valid[slot]:
+                    self._valid_np[slot] = 0  # heads of different pages: never served
                 self.free.append(slot)
         self.free.reverse()  # pop() hands out low slots first
         while len(self.slot_of) > self.capacity:  # attached with a larger staging area than before
@@ -376,9 +405,9 @@ class HostPool:
         victim, _ = self.lru.popitem(last=False)
         if victim in self.cold:  # a copy of a page the device still holds: not a victim
             self.cold.discard(victim)
-        elif self.victim_listener is not None and self._valid_np[victim]:
+        elif self.victim_listener is not None:
             # T2: the page is still intact here; the listener copies it out
-            self.victim_listener(self._hashes_np[victim].tobytes(), victim, int(self._tenant_np[victim]))
+            self.victim_listener(self._hash_of[victim], victim, self._tenant_of[victim])
         self._forget(victim)
 
     def reserve_staging(self, hashes: list[bytes]) -> list[tuple[bytes, int]]:
@@ -399,7 +428,16 @@ class HostPool:
     def _drop_staged(self, h: bytes) -> None:
         slot = self.staged.pop(h)
         self.staged_dropped += 1
+        self._hash_of.pop(slot, None)
+        self._tenant_of.pop(slot, None)
         self.free.append(slot)
+
+    def begin_write(self, slots: list[int]) -> None:
+        """Before this process copies its heads into ``slots``: its per-head hashes there go to
+        zero, so neither a promotion racing the copy nor a restart after a crash mid-copy takes
+        the half-written heads for the page named before."""
+        if slots:
+            self._heads_np[slots, self.own_heads] = 0
 
     def has_copy(self, h: bytes) -> bool:
         """T1 holds the page, or has it staged (a write-ahead copy an eviction would adopt)."""
@@ -410,9 +448,14 @@ class HostPool:
         """Publish slots whose data has been written (hash and tenant first, valid byte last).
         ``cold``: at the least recently used end (the first to make room), not the most recent.
         ``staged``: into the staging area (not resident; ``reserve`` adopts them)."""
+        own = self.own_heads
         for h, slot in pairs:
-            self._hashes_np[slot] = np.frombuffer(h, dtype=np.uint8)
+            b = np.frombuffer(h, dtype=np.uint8)
+            self._heads_np[slot, own] = b
+            self._hashes_np[slot] = b
             self._tenant_np[slot] = tenant
+            self._hash_of[slot] = h
+            self._tenant_of[slot] = tenant
             if staged:
                 self.staged[h] = slot
                 continue
@@ -429,22 +472,19 @@ class HostPool:
         self._renew = []
 
     def verify(self, hashes: list[bytes], slots: list[int]) -> bool:
-        """True when every slot is valid and stores exactly the page hash asked for (checked
-        against the shared index itself, not this process's dict)."""
+        """True when every slot holds exactly the page asked for in every KV head this process
+        reads: checked against the per-head hashes in the file itself (which only this process's
+        heads' writer sets), not this process's dict. Another process writing these heads (a
+        second server on the file, a corrupted index) makes it False: a clean miss."""
         if not slots:
             return True
-        idx = torch.tensor(slots, dtype=torch.int64)
-        if not bool(torch.all(self.index_valid[idx] == 1)):
-            return False
-        want = torch.frombuffer(bytearray(b"".join(hashes)), dtype=torch.uint8).view(-1, HASH_BYTES)
-        return bool(torch.equal(self.index_hashes[idx], want))
+        want = np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(-1, 1, HASH_BYTES)
+        return bool((self._heads_np[slots, self.own_heads] == want).all())
 
     def slots_of_tenant(self, tenant: int) -> list[int]:
         """Slots of a tenant's pages: resident, then staged."""
-        held = torch.tensor(list(self.lru) + list(self.staged.values()), dtype=torch.int64)
-        if not len(held):
-            return []
-        return held[self.index_tenant[held] == tenant].tolist()
+        tenant_of = self._tenant_of
+        return [s for s in list(self.lru) + list(self.staged.values()) if tenant_of.get(s) == tenant]
 
     def abort(self, pairs: list[tuple[bytes, int]]) -> None:
         for _, slot in pairs:
@@ -459,12 +499,13 @@ class HostPool:
     victim_listener = None  # T2: told (hash, slot, tenant) of each page ``reserve`` is about to reuse
 
     def _forget(self, slot: int) -> None:
-        h = self._hashes_np[slot].tobytes()
-        if self.forget_listener is not None and self._valid_np[slot]:
+        h = self._hash_of.pop(slot, None)
+        self._tenant_of.pop(slot, None)
+        if self.forget_listener is not None and h is not None:
             self.forget_listener(h)
         self._valid_np[slot] = 0
         self.cold.discard(slot)
-        if self.slot_of.get(h) == slot:
+        if h is not None and self.slot_of.get(h) == slot:
             del self.slot_of[h]
         self.free.append(slot)
 
@@ -477,8 +518,8 @@ class HostPool:
                 self._forget(slot)
                 n += 1
             else:
-                h = self._hashes_np[slot].tobytes()
-                if self.staged.get(h) == slot:
+                h = self._hash_of.get(slot)
+                if h is not None and self.staged.get(h) == slot:
                     self._drop_staged(h)
         return n
 
@@ -514,6 +555,8 @@ class HostPool:
         assert not set(self.free) & held
         assert not set(self.staged.values()) & (held | set(self.free))
         assert not set(self.staged) & set(self.slot_of)
+        assert {s: h for h, s in self.slot_of.items()} | {s: h for h, s in self.staged.items()} == self._hash_of
+        assert set(self._tenant_of) == set(self._hash_of)
 
     def close(self, unlink: bool = False) -> None:
         if unlink and self.path is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_tiered.kernels.kv_pages import gather_pages, scatter_pages
-from sglang_tiered.tier.host_pool import HostPool, PoolLayout, heads_for_rank
+from sglang_tiered.tier.host_pool import HostPool, HostPoolError, PoolLayout, heads_for_rank
 
 logger = logging.getLogger("sglang_tiered")
 
@@ -49,6 +49,16 @@ class HostTier:
         self.heads = heads_for_rank(total_kv_heads, tp_size, tp_rank)
         if len(self.heads) != k_buffers[0].shape[1]:
             raise ValueError(f"rank {tp_rank} holds {k_buffers[0].shape[1]} KV heads, expected {len(self.heads)}")
+        # where this rank's heads sit in the pool: the canonical layout holds every KV head (a
+        # named T1, or TP 1); a rank's private T1 holds its own heads only
+        if pool.layout.kv_heads == total_kv_heads:
+            self.h0 = self.heads.start
+        elif pool.layout.kv_heads == len(self.heads):
+            self.h0 = 0
+        else:
+            raise ValueError(f"T1 holds {pool.layout.kv_heads} KV heads: neither all {total_kv_heads} nor rank "
+                             f"{tp_rank}'s {len(self.heads)}")  # fmt: skip
+        pool.own_heads = slice(self.h0, self.h0 + len(self.heads))
         self.layer_offset = layer_offset
         self.stream_fence = stream_fence  # callable: order copies after the forward stream (CUDA)
         self.stats = HostTierStats()
@@ -63,15 +73,27 @@ class HostTier:
 
     @classmethod
     def build(cls, kvcache, *, page_size: int, total_kv_heads: int, tp_size: int, tp_rank: int,
-              capacity_pages: int, name: str | None, stream_fence=None, exclusive: bool = True,
+              capacity_pages: int, name: str | None, stream_fence=None,
               staging_pages: int = 0) -> "HostTier":  # fmt: skip
         """``staging_pages``: slots beyond ``capacity_pages`` for the store queue's write-ahead
-        copies (``HostPool.reserve_staging``)."""
+        copies (``HostPool.reserve_staging``).
+
+        Without a ``name`` and with TP > 1 every rank keeps a private T1 of its own heads (the
+        ranks decide alike, so their T1s hold the same pages; nothing is shared that one rank
+        could change under another). A named T1 is one file for every rank, in the canonical
+        layout of all heads; ranks that replicate a KV head (TP > KV heads) cannot share it (two
+        writers of the same bytes out of step) and are refused."""
         k0 = kvcache.k_buffer[0]
         dtype = str(k0.dtype).replace("torch.", "")
-        layout = PoolLayout(capacity_pages + staging_pages, len(kvcache.k_buffer), total_kv_heads, page_size,
+        heads = heads_for_rank(total_kv_heads, tp_size, tp_rank)
+        if name and tp_size > total_kv_heads:
+            raise HostPoolError(f"a named T1 cannot be shared by TP {tp_size} ranks that replicate {total_kv_heads} "
+                                "KV heads (two writers of the same bytes); unset SGLANG_TIERED_HOST_NAME "
+                                "for a private T1 per rank")  # fmt: skip
+        pool_heads = total_kv_heads if (name or tp_size == 1) else len(heads)
+        layout = PoolLayout(capacity_pages + staging_pages, len(kvcache.k_buffer), pool_heads, page_size,
                             k0.shape[2], dtype)  # fmt: skip
-        pool = HostPool(layout, name=name, pin_memory=k0.is_cuda, exclusive=exclusive, staging=staging_pages)
+        pool = HostPool(layout, name=name, pin_memory=k0.is_cuda, staging=staging_pages)
         if k0.is_cuda and not pool.raw.is_pinned():  # a named (shared-memory) T1: register it
             from sglang_tiered.kernels.kv_pages import pin_host_memory, unpin_host_memory
 
@@ -137,7 +159,8 @@ class HostTier:
         pos = {h: i for i, h in enumerate(hashes)}
         src = device_pages[[pos[h] for h, _ in pairs]].to(torch.int64)
         dst = self._host_ids([s for _, s in pairs])
-        h0 = self.heads.start
+        h0 = self.h0
+        pool.begin_write([s for _, s in pairs])
         try:
             if ready is not None:
                 torch.cuda.current_stream().wait_event(ready)
@@ -178,7 +201,7 @@ class HostTier:
             return self._foreign_slots(len(hashes))
         slots = self._host_ids(slot_list)
         pages = device_pages.to(torch.int64)
-        h0 = self.heads.start
+        h0 = self.h0
         try:
             self._fence()
             for layer, (kb, vb) in enumerate(zip(self.k_buffers, self.v_buffers)):
