@@ -19,6 +19,7 @@ environment on every call (live), unless given to the constructor.
 from __future__ import annotations
 
 import copy
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
@@ -48,9 +49,12 @@ def _env_num(name: str, kind):
     if v is None or not v.strip():
         return DEFAULTS[name]
     try:
-        return kind(v)
+        x = kind(v)
     except ValueError:
         raise ValueError(f"{name}={v!r} is not a valid {kind.__name__}") from None
+    if not math.isfinite(x) or x < 0:
+        raise ValueError(f"{name}={v!r} must be a finite number >= 0")
+    return x
 
 
 @dataclass
@@ -63,17 +67,24 @@ class KVCacheDecision:
     attach: bool = True  # False when the policy is switched off: attach no hint at all
 
 
+def _str(x: Any) -> str:
+    """Text of a value (None: no text)."""
+    return "" if x is None else x if isinstance(x, str) else str(x)
+
+
 def _text_of(message: Any) -> str:
     if isinstance(message, str):
         return message
     if isinstance(message, Mapping):
         content = message.get("content", "")
-        if isinstance(content, str):
-            return content
+        if content is None or isinstance(content, str):
+            return _str(content)
+        if isinstance(content, Mapping):  # one content part
+            return _str(content.get("text"))
         if isinstance(content, Iterable):  # OpenAI content parts
-            return "".join(p.get("text", "") if isinstance(p, Mapping) else str(p) for p in content)
+            return "".join(_str(p.get("text")) if isinstance(p, Mapping) else _str(p) for p in content)
         return str(content)
-    return str(message)
+    return _str(message)
 
 
 def _prior_turns(history: Sequence[Any]) -> int:
@@ -120,8 +131,8 @@ class KVCacheLayeringPolicy:
     @property
     def chars_per_token(self) -> float:
         cpt = self._cpt if self._cpt is not None else _env_num("KV_CACHE_CHARS_PER_TOKEN", float)
-        if cpt <= 0:
-            raise ValueError("KV_CACHE_CHARS_PER_TOKEN must be positive")
+        if not (math.isfinite(cpt) and cpt > 0):
+            raise ValueError(f"KV_CACHE_CHARS_PER_TOKEN must be a finite number > 0, got {cpt!r}")
         return cpt
 
     def estimate_tokens(self, text: str) -> int:
@@ -139,10 +150,10 @@ class KVCacheLayeringPolicy:
             return KVCacheDecision(True, False, 0.0, ["policy disabled (KV_CACHE_LAYERING=false)"],
                                    {}, attach=False)  # fmt: skip
         history = list(message_history or [])
-        rag = rag_context if isinstance(rag_context, str) else "".join(rag_context or [])
-        prefix_tokens = self.estimate_tokens(system_prompt or "")
+        rag = rag_context if isinstance(rag_context, str) else "".join(_str(d) for d in (rag_context or []))
+        prefix_tokens = self.estimate_tokens(_str(system_prompt))
         history_tokens = sum(self.estimate_tokens(_text_of(m)) for m in history)
-        context_tokens = prefix_tokens + history_tokens + self.estimate_tokens(user_prompt or "") + self.estimate_tokens(rag)
+        context_tokens = prefix_tokens + history_tokens + self.estimate_tokens(_str(user_prompt)) + self.estimate_tokens(rag)
         turns = _prior_turns(history)
         t_prefix, t_ctx, t_turns = self.min_prefix_tokens, self.min_context_tokens, self.min_history_turns
         signals = {
@@ -189,7 +200,8 @@ def fold_kv_hint(extra_body: Optional[Mapping[str, Any]], decision: KVCacheDecis
     body = copy.deepcopy(dict(extra_body or {}))
     if not decision.attach:
         return body
-    kv = dict(body.get("kv_transfer_params") or {})
+    old = body.get("kv_transfer_params")
+    kv = dict(old) if isinstance(old, Mapping) else {}  # (anything else is no parameters)
     kv[SKIP_SAVE_KEY] = bool(decision.skip_save)
     body["kv_transfer_params"] = kv
     return body

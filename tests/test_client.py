@@ -93,3 +93,23 @@ def test_rewrite_body_moves_hints_where_sglang_carries_them():
     assert rewrite_body(b"not json", "/generate", None) == b"not json"
     same = json.dumps({"text": "hi"}).encode()
     assert rewrite_body(same, "/generate", None) is same
+
+
+def test_bad_input_is_text_or_a_clear_error(monkeypatch):
+    """Review, session 18: null content parts and RAG items, a dict content, a non-dict
+    kv_transfer_params were TypeErrors or miscounted; nan/inf/negative knobs were accepted."""
+    p = KVCacheLayeringPolicy()
+    d = p.decide(user_prompt=None, message_history=[{"role": "user", "content": [{"type": "text", "text": None}]},
+                                                    {"role": "assistant", "content": None}],
+                 rag_context=["doc", None])  # fmt: skip
+    assert d.signals["rag_tokens"] == p.estimate_tokens("doc")
+    d = p.decide(message_history=[{"role": "assistant", "content": {"type": "text", "text": "y" * 4000}}])
+    assert d.signals["context_tokens"] == p.estimate_tokens("y" * 4000)
+    assert fold_kv_hint({"kv_transfer_params": "x"}, p.decide(user_prompt="hi"))["kv_transfer_params"] == {
+        "lmcache.skip_save": True}
+    for name, value in (("KV_CACHE_CHARS_PER_TOKEN", "nan"), ("KV_CACHE_CHARS_PER_TOKEN", "inf"),
+                        ("KV_CACHE_CHARS_PER_TOKEN", "0"), ("KV_CACHE_MIN_CONTEXT_TOKENS", "-1")):  # fmt: skip
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=name):
+            p.decide(system_prompt="x" * 10)
+        monkeypatch.delenv(name)

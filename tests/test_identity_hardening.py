@@ -276,6 +276,7 @@ def test_weight_update_never_serves_old_kv_from_t2(new_weights):
     cache = TieredRadixCache.create_simulated(8 * PAGE, PAGE, host_pages=8, verify_kv=True, debug_checks=True)
     cfg = T2Config(master="127.0.0.1:1", queue_pages=64, max_run_pages=8, timeout_ms=30_000, lease_ms=0)
     t2 = T2Tier(ByteStore(), cache.host.pool, cache.host.lock, cfg=cfg, model_tag="m")
+    t2.start()
     t2.queue.close()
     t2.queue = StoreQueue(cfg.queue_pages, t2._put_job, threaded=False)
     t2.MISS_MEMO_S = 0.0  # (the fill's misses must not hide what T2 holds afterwards)

@@ -119,6 +119,7 @@ class T2Machine(RuleBasedStateMachine):
 
         cfg = T2Config(master="127.0.0.1:1", queue_pages=8, max_run_pages=4, timeout_ms=20, min_gbps=1e4, lease_ms=0)
         self.t2 = T2Tier(self.store, self.pool, threading.RLock(), cfg=cfg, model_tag="m")
+        self.t2.start()
         self.t2._backoff = 0.0  # no breaker pauses inside a test step (still counted as failures)
         # Deterministic writes for Hypothesis replays: the queue drains when a rule says so
         # (the tier's worker thread is exercised by the Mooncake tests below).

@@ -60,6 +60,7 @@ def attach_t2(cache, cfg: T2Config, *, attach: bool = True) -> T2Tier:
                 model_tag=model_tag(cache.cache_key), value_of=cache.policy.counted_frequency)  # fmt: skip
     if attach:
         cache.t1.host.t2 = t2
+        t2.start()
     return t2
 
 
@@ -73,10 +74,20 @@ def build_t2(cache, ctx, cfg: T2Config) -> str:
         decision = f"off: TP {ctx.tp_size} (T2 supports TP = 1; ranks would have to agree on every probe)"
         logger.warning("sglang-tiered: T2 %s", decision)
         return decision
+    pp = int(getattr(getattr(ctx, "server_args", None), "pp_size", 1) or 1)
+    if pp > 1:
+        # each pipeline stage holds its own layers, and keys and headers name no stage: one
+        # stage would take another's layers as its own (review, session 18)
+        decision = f"off: --pp-size {pp} (T2 keys name no pipeline stage)"
+        logger.warning("sglang-tiered: T2 %s", decision)
+        return decision
+    t2 = None
     try:
         t2 = attach_t2(cache, cfg, attach=False)
         w_gbps, r_gbps = measure_t2_gbps(t2)
     except Exception as exc:  # noqa: BLE001 - T2 is an optimisation: serve without it
+        if t2 is not None:
+            t2.close()
         decision = f"off: {cfg.url} unavailable ({exc})"
         logger.warning("sglang-tiered: T2 %s", decision)
         return decision
@@ -93,5 +104,6 @@ def build_t2(cache, ctx, cfg: T2Config) -> str:
         return decision
     t2.decision = decision
     cache.t1.host.t2 = t2
+    t2.start()
     logger.info("sglang-tiered: T2 %s", decision)
     return decision

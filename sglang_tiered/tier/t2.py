@@ -24,9 +24,15 @@
   failing). A staging buffer whose call timed out is not reused until that call returns, so a late
   transfer can never land in a buffer another request reads.
 * **Limits.** TP = 1 only (ranks of a TP > 1 server would have to agree on every probe, which needs
-  a collective on the request path; T2 turns off there with a warning). Mooncake keeps a read
-  object leased for its lease TTL (10 s by default): an invalidation retries the removal after it,
-  and this server stops reading an invalidated tenant's or model's pages from T2 for that time.
+  a collective on the request path; T2 turns off there with a warning), and one pipeline stage
+  (keys name no stage). Mooncake keeps a read object leased for its lease TTL (10 s by default)
+  and a peer that keeps reading renews it, so a removal may never succeed. So every object's
+  header carries its write time, and after an invalidation this server refuses the tenant's (or
+  every) object written before it (``stale_pages``), however long the object survives; the
+  removal is still retried after the lease (space), and reads pause for that time (review,
+  session 18: the invalidated tenant's pages were served again once the pause ended). Write
+  times are the writers' wall clocks: a peer's clock ahead of this one by more than the time
+  between its write and the invalidation would let that object through.
 """
 
 from __future__ import annotations
@@ -49,7 +55,9 @@ logger = logging.getLogger("sglang_tiered")
 
 HEADER_BYTES = 64
 MAGIC = b"SGT2"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the write time after the tenant (session 18)
+_ID_BYTES = 40  # magic, version, pad, layout digest, page hash, tenant: what a read must match
+_INVALIDATIONS = 65536  # tenants whose invalidation time is kept (older ones: the floor for all)
 KEY_ROOT = "sgt"
 
 
@@ -62,6 +70,7 @@ class T2Stats:
     fetched_bytes: int = 0
     fetch_seconds: float = 0.0  # exists + get + verify + copy into T1
     bad_pages: int = 0  # short reads or headers that did not match: treated as misses
+    stale_pages: int = 0  # written before an invalidation of their tenant here: treated as misses
     offered_pages: int = 0  # T1 victims offered (after the value filter)
     filtered_pages: int = 0  # T1 victims below min_freq
     stored_pages: int = 0  # written by the worker
@@ -118,6 +127,8 @@ class T2Tier:
         self._down_until = 0.0
         self._backoff = 1.0
         self._no_read: dict = {}  # tenant hash (or None: all) -> monotonic time reads resume
+        self._invalidated: OrderedDict = OrderedDict()  # tenant hash -> time.time_ns() of its last invalidation
+        self._invalidated_all = 0  # objects written before this (ns) are refused for every tenant
         self._calls = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sglang-tiered-t2")
         self._read = [_Staging(self._alloc(self.run)) for _ in range(2)]
         self._write = _Staging(self._alloc(self.run))
@@ -125,8 +136,12 @@ class T2Tier:
         self._closed = False
         self._missed: OrderedDict = OrderedDict()  # first page hashes T2 just said it lacks
         self._victims: list = []  # (hash, tenant, frequency, page data) copied out of T1
-        pool.victim_listener = self.on_victim
         self.queue = StoreQueue(cfg.queue_pages, self._put_job, threaded=True, name="sglang-tiered-t2-store")
+
+    def start(self) -> None:
+        """Take T1's victims from now on (only once the tier is attached and on: a tier built and
+        then refused, e.g. slower than recompute, must not copy victims nobody drains)."""
+        self.pool.victim_listener = self.on_victim
 
     def _alloc(self, pages: int) -> torch.Tensor:
         t = torch.zeros(pages * self.obj_bytes, dtype=torch.uint8)
@@ -137,9 +152,10 @@ class T2Tier:
     def key(self, h: bytes, tenant: int) -> str:
         return f"{KEY_ROOT}/{self.model_tag}/{tenant & (2**64 - 1):016x}/{h.hex()}"
 
-    def _headers(self, hashes: list, tenant: int) -> torch.Tensor:
+    def _headers(self, hashes: list, tenant: int, written_ns: int = 0) -> torch.Tensor:
+        stamp = written_ns.to_bytes(8, "little")
         rows = [MAGIC + FORMAT_VERSION.to_bytes(2, "little") + b"\0\0" + self.digest + h
-                + (tenant & (2**64 - 1)).to_bytes(8, "little") for h in hashes]  # fmt: skip
+                + (tenant & (2**64 - 1)).to_bytes(8, "little") + stamp for h in hashes]  # fmt: skip
         hdr = torch.zeros(len(hashes), HEADER_BYTES, dtype=torch.uint8)
         filled = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8).view(len(hashes), -1)
         hdr[:, : filled.shape[1]] = filled
@@ -270,9 +286,18 @@ class T2Tier:
             return 0
         good = next((i for i, g in enumerate(got) if g != ob), len(got))
         if good:
-            ok = (stage.buf[:good, :HEADER_BYTES] == self._headers(hashes[:good], tenant)).all(dim=1).tolist()
+            want = self._headers(hashes[:good], tenant)[:, :_ID_BYTES]
+            ok = (stage.buf[:good, :_ID_BYTES] == want).all(dim=1).tolist()
             good = ok.index(False) if False in ok else good
-        self.stats.bad_pages += n - good
+        bad = n - good
+        floor = max(self._invalidated_all, self._invalidated.get(tenant, 0))
+        if good and floor:
+            stamps = stage.buf[:good, _ID_BYTES : _ID_BYTES + 8].tolist()
+            fresh = [int.from_bytes(bytes(b), "little") >= floor for b in stamps]
+            if False in fresh:
+                self.stats.stale_pages += good - fresh.index(False)
+                good = fresh.index(False)
+        self.stats.bad_pages += bad
         if good:
             self._ok()
         return good
@@ -289,6 +314,7 @@ class T2Tier:
                 src = self._data_view(staging, len(hashes))  # [n, kv, layer, head, token, dim]
                 if rows != list(range(len(hashes))):  # some pages were already in T1
                     src = src[torch.tensor(rows, dtype=torch.int64)]
+                pool.begin_write(slots.tolist())
                 pool.data.index_copy_(3, slots, src.permute(1, 2, 3, 0, 4, 5))
                 pool.commit(pairs, tenant)
             self.flush()
@@ -340,7 +366,7 @@ class T2Tier:
             if not st.free:  # the last put missed its deadline and may still read the buffer
                 self.stats.dropped_pages += n
                 return
-            st.buf[:n, :HEADER_BYTES] = self._headers(job.hashes, job.tenant)
+            st.buf[:n, :HEADER_BYTES] = self._headers(job.hashes, job.tenant, time.time_ns())
             view = self._data_view(st.buf, n)
             for i, page in enumerate(data):
                 view[i].copy_(page)
@@ -369,6 +395,16 @@ class T2Tier:
         if tenant is None and not everything:
             return 0
         self.stats.invalidations += 1
+        now = time.time_ns()
+        if everything:
+            self._invalidated_all = now
+            self._invalidated.clear()
+        else:
+            inv = self._invalidated
+            inv.pop(tenant, None)
+            inv[tenant] = now
+            if len(inv) > _INVALIDATIONS:  # the oldest's time becomes everyone's floor (stricter)
+                self._invalidated_all = max(self._invalidated_all, inv.popitem(last=False)[1])
         lease_s = self.cfg.lease_ms / 1e3 + 1.0
         self._no_read[None if everything else tenant] = time.monotonic() + lease_s
         self.queue.cancel_where(lambda j: everything or j.tenant == tenant)
@@ -429,5 +465,15 @@ class T2Tier:
 
     def close(self) -> None:
         self._closed = True
+        if self.pool.victim_listener == self.on_victim:
+            self.pool.victim_listener = None
         self.queue.close(drain=False)
         self._calls.shutdown(wait=False, cancel_futures=True)
+
+        def unmount():  # after a call still running returns (it may be using the client)
+            self._calls.shutdown(wait=True)
+            close = getattr(self.client, "close", None)
+            if close is not None:
+                close()
+
+        threading.Thread(target=unmount, name="sglang-tiered-t2-close", daemon=True).start()

@@ -54,12 +54,17 @@ def _number(k: str, v: str, cast):
 
 def parse_t2_url(url: str) -> T2Config:
     """Parse and validate the T2 option; raises ``T2ConfigError`` with what is wrong."""
-    u = urllib.parse.urlsplit(url)
+    try:
+        u = urllib.parse.urlsplit(url)
+        port = u.port  # raises on a port out of range or not a number
+    except ValueError as exc:
+        raise T2ConfigError(f"SGLANG_TIERED_T2 {url!r}: {exc}") from None
     if u.scheme != "mooncake":
         raise T2ConfigError(f"SGLANG_TIERED_T2 must be mooncake://HOST:PORT[?options], got {url!r}")
-    if not u.hostname or not u.port:
+    if not u.hostname or not port:
         raise T2ConfigError(f"SGLANG_TIERED_T2 needs the master's host and port: {url!r}")
-    kw: dict = {"master": f"{u.hostname}:{u.port}"}
+    host = f"[{u.hostname}]" if ":" in u.hostname else u.hostname  # IPv6 keeps its brackets
+    kw: dict = {"master": f"{host}:{port}"}
     for k, vs in urllib.parse.parse_qs(u.query, keep_blank_values=True).items():
         if len(vs) != 1:
             raise T2ConfigError(f"SGLANG_TIERED_T2 option {k!r} given {len(vs)} times")
@@ -78,4 +83,8 @@ def parse_t2_url(url: str) -> T2Config:
             kw[k] = v
         else:
             raise T2ConfigError(f"SGLANG_TIERED_T2: unknown option {k!r} (known: {', '.join(T2Config.__dataclass_fields__)})")
-    return T2Config(**kw)
+    cfg = T2Config(**kw)
+    if cfg.queue_pages < cfg.max_run_pages:  # the queue refuses a run larger than itself
+        raise T2ConfigError(f"SGLANG_TIERED_T2 option queue_pages={cfg.queue_pages} must be at least "
+                            f"max_run_pages={cfg.max_run_pages} (an eviction's run would never be stored)")  # fmt: skip
+    return cfg

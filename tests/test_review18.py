@@ -1,0 +1,213 @@
+"""Findings of the session-18 review of T1's storage and T2, each with the test that failed before
+its fix (TP ranks and T1: tests/test_t1_tp_ranks.py)."""
+
+from __future__ import annotations
+
+import random
+import types
+
+import pytest
+import torch
+
+import sglang_tiered.integration.t2_setup as t2s
+from sglang_tiered.core.keys import CacheKey
+from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+from sglang_tiered.tier.t2_config import T2ConfigError, parse_t2_url
+from tests.test_t2 import ByteStore
+
+PAGE = 16
+
+
+def _cache(host_pages=16):
+    return TieredRadixCache.create_simulated(256, page_size=PAGE, cache_key=CacheKey(model_id="m", weights_digest="w"),
+                                             host_pages=host_pages, verify_kv=True)  # fmt: skip
+
+
+def _traffic(cache, n=30):
+    rng = random.Random(0)
+    for _ in range(n):
+        cache.driver.run([rng.randrange(1, 30000) for _ in range(160)], tenant="acme")
+
+
+@pytest.mark.parametrize("case", ["slow", "error"])
+def test_t2_refused_at_start_takes_no_victims(case, monkeypatch):
+    """A T2 tier built for the start-up measurement and then refused (slower than recompute, or
+    the probe failed) used to stay T1's victim listener: it copied every valued victim into a
+    queue nobody drained (or, after a failed probe, kept writing while the stats said off)."""
+    store = ByteStore()
+    monkeypatch.setattr(t2s, "MooncakeClient", lambda cfg: store)
+    if case == "slow":
+        monkeypatch.setattr(t2s, "break_even_gbps", lambda ctx, kv, k0: (1e9, "forced"))
+    else:
+        monkeypatch.setattr(store, "put", lambda k, p, s: [-1] * len(k))
+    cache = _cache()
+    decision = t2s.build_t2(cache, types.SimpleNamespace(tp_size=1), parse_t2_url("mooncake://127.0.0.1:1?max_run_pages=4&queue_pages=64"))
+    assert decision.startswith("off")
+    pool = cache.t1.host.pool
+    assert cache.t1.host.t2 is None and pool.victim_listener is None
+    _traffic(cache)
+    assert pool.victim_listener is None and cache.t1.host.stats.demoted_pages > 0
+
+
+def test_t2_and_a_named_t1_refuse_pipeline_stages(monkeypatch):
+    """Pipeline stages hold different layers under the same keys (T2) or file (named T1)."""
+    monkeypatch.setattr(t2s, "MooncakeClient", lambda cfg: ByteStore())
+    cache = _cache()
+    ctx = types.SimpleNamespace(tp_size=1, server_args=types.SimpleNamespace(pp_size=2))
+    assert t2s.build_t2(cache, ctx, parse_t2_url("mooncake://127.0.0.1:1")).startswith("off: --pp-size 2")
+    assert cache.t1.host.pool.victim_listener is None
+
+    from sglang_tiered.integration.host_setup import build_host_tier
+
+    from sglang_tiered.config import load_config
+
+    cfg = load_config({"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_NAME": "stage"})
+    tier, decision = build_host_tier(cache, types.SimpleNamespace(tp_size=1, tp_rank=0, server_args=ctx.server_args,
+                                                                  model_config=types.SimpleNamespace(
+                                                                      get_total_num_kv_heads=lambda: 1)), cfg)  # fmt: skip
+    assert tier is None and "--pp-size 2" in decision
+
+
+def test_t1_refuses_a_kv_pool_with_scales_beside_the_data():
+    """--kv-cache-dtype mxfp8: per-block scales beside the fp8 data; T1 moves the data only, so a
+    promoted page would meet the scales of whatever used the device slots last."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
+
+    from sglang_tiered.integration.host_setup import build_host_tier
+
+    kv = MHATokenToKVPoolMXFP8(size=8 * 4, page_size=4, dtype=torch.float8_e4m3fn, head_num=2, head_dim=32,
+                               layer_num=2, device="cpu", enable_memory_saver=False)  # fmt: skip
+    cache = types.SimpleNamespace(token_to_kv_pool_allocator=types.SimpleNamespace(get_kvcache=lambda: kv))
+    tier, decision = build_host_tier(cache, None, types.SimpleNamespace(host_mode="on"))
+    assert tier is None and "scales" in decision
+
+
+def test_t2_fetch_never_evicts_the_t1_run_it_extends(monkeypatch):
+    """T1 (8 pages) holds the first 6 pages of a prompt, T2 all 10: the fetch made room in T1 by
+    evicting the very run it extends, the promotion then failed, and the request recomputed
+    everything (0 tokens, where T1 alone serves 96)."""
+    from sglang_tiered.core.keys import chain_page_hashes
+
+    store = ByteStore()
+    monkeypatch.setattr(t2s, "MooncakeClient", lambda cfg: store)
+    cfg = parse_t2_url("mooncake://127.0.0.1:1?mode=on&max_run_pages=16&timeout_ms=2000")
+    key = CacheKey(model_id="m", weights_digest="w", kv_dtype="float32")
+    rng = random.Random(1)
+    p, q = ([rng.randrange(1, 30000) for _ in range(10 * PAGE + 1)] for _ in range(2))
+
+    def cache(host_pages, with_t2=True):
+        c = TieredRadixCache.create_simulated(1024, page_size=PAGE, cache_key=key, host_pages=host_pages, verify_kv=True)
+        if with_t2:
+            t2s.attach_t2(c, cfg)
+        return c
+
+    b = cache(10)  # B puts all of p's pages into T2 (p demoted to B's T1, pushed out by q)
+    for prompt in (p, q):
+        b.driver.run(prompt, tenant="acme")
+        b.persist_to_host()
+    assert b.t1.host.t2.wait_idle(10)
+
+    def served(with_t2):
+        a = cache(8, with_t2)
+        a.driver.run(p, tenant="acme")
+        a.persist_to_host()
+        ph = chain_page_hashes(a.hashes.seed(None, "acme"), p, PAGE)
+        a.t1.host.pool.drop(ph[6:8])  # A's T1: p's pages 0-5 only, 2 slots free
+        out = a.driver.run(p, tenant="acme")
+        assert a.t1.host.stats.failed_promotions == 0
+        return out.cached_len
+
+    assert served(False) == 6 * PAGE
+    assert served(True) >= 6 * PAGE
+
+
+@pytest.mark.parametrize("url, why", [
+    ("mooncake://127.0.0.1:99999", "out of range"),
+    ("mooncake://127.0.0.1:50o51", "Port"),
+    ("mooncake://[::1:50051", "IPv6"),
+    ("mooncake://127.0.0.1:1?queue_pages=4&max_run_pages=16", "at least max_run_pages"),
+])  # fmt: skip
+def test_bad_t2_urls_are_config_errors(url, why):
+    with pytest.raises(T2ConfigError, match=why):
+        parse_t2_url(url)
+
+
+def test_ipv6_master_keeps_its_brackets():
+    assert parse_t2_url("mooncake://[::1]:50051").master == "[::1]:50051"
+
+
+def test_an_invalidated_tenants_t2_pages_stay_refused_while_a_peer_keeps_them_leased():
+    """Mooncake refuses to remove an object under lease, and a peer that keeps reading it renews
+    the lease: both removals missed it, and once the read pause ended the invalidating server
+    served the tenant's pages from T2 again. Now its header's write time is older than the
+    invalidation: refused (``stale_pages``) for as long as the object lives; pages written after
+    the invalidation are served."""
+    import re
+    import threading
+    import time
+
+    from sglang_tiered.tier.host_pool import HostPool, PoolLayout
+    from sglang_tiered.tier.t2 import T2Tier
+
+    lease = 0.3
+
+    class LeaseStore(ByteStore):
+        """Mooncake's rule: a read leases the object; removal skips leased objects."""
+
+        def __init__(self):
+            super().__init__()
+            self.until = {}
+
+        def get(self, keys, ptrs, sizes):
+            for k in keys:  # (a peer reading it all along keeps renewing it: as one long lease)
+                self.until[k] = time.monotonic() + 60
+            return super().get(keys, ptrs, sizes)
+
+        def remove_regex(self, pattern):
+            rx, now = re.compile(pattern), time.monotonic()
+            gone = [k for k in self.objects if rx.search(k) and self.until.get(k, 0) <= now]
+            for k in gone:
+                del self.objects[k]
+            return len(gone)
+
+    lay = PoolLayout(num_pages=8, layers=2, kv_heads=2, page_size=4, head_dim=4, dtype="float32")
+    cfg = parse_t2_url(f"mooncake://127.0.0.1:1?lease_ms={int(lease * 1000)}&max_run_pages=4&queue_pages=64&timeout_ms=500")
+    store = LeaseStore()
+
+    def server():
+        pool = HostPool(lay)
+        t2 = T2Tier(store, pool, threading.RLock(), cfg=cfg, model_tag="m")
+        t2.start()
+        t2.MISS_MEMO_S = 0.0
+        return pool, t2
+
+    (pa, a), (pb, b) = server(), server()
+    acme, h = 42, bytes(range(16))
+
+    def put_from_a(value):
+        pr = pa.reserve([h])
+        pa.data[:, :, :, pr[0][1]] = value
+        pa.commit(pr, acme)
+        for i in range(8):  # pushed out of A's T1: a victim, written to T2
+            pr = pa.reserve([bytes([100 + i]) * 16])
+            pa.commit(pr, 1)
+        a.flush()
+        assert a.wait_idle(5)
+
+    put_from_a(1.0)
+    assert a.key(h, acme) in store.objects
+    try:
+        assert b.fetch([h], acme) == 1  # the peer reads it: leased
+        a.invalidate(tenant=acme)
+        time.sleep(lease + 1.2)  # past A's read pause and its retried removal
+        assert a.key(h, acme) in store.objects  # the removals missed it
+        assert a.fetch([h], acme) == 0 and a.stats.stale_pages == 1
+        assert b.fetch([h], acme) == 0 or pb.contains(h)  # (the peer was not invalidated: its business)
+        pb.drop([h])
+        store.until.clear()
+        store.remove_regex(".*")
+        put_from_a(2.0)  # written after the invalidation: served
+        assert a.fetch([h], acme) == 1
+    finally:
+        a.close()
+        b.close()
