@@ -136,9 +136,34 @@ def test_differential_soak(soak_server, reference32):
     """Outputs equal the no-cache server's, judged by ``dev.greedy.compare``: same tokens with
     logprobs within 1e-3, or a divergence exactly at a reference near-tie (float32 noise between
     batch shapes; CI at stop 19 saw one prompt with a 6.5e-5 margin flip twice)."""
+    _run_soak(soak_server, reference32, SOAK_REQUESTS)
+
+
+@pytest.fixture(scope="module")
+def soak_server_page1(tiny_model_path, tmp_path_factory):
+    """The soak server at page size 1 (SGLang's default), T1 private."""
+    from sglang_tiered.dev.server import Server, ServerSpec
+
+    spec = ServerSpec(model_path=tiny_model_path, page_size=1, max_total_tokens=4096, dtype="float32",
+                      extra_args=["--max-running-requests", "8"],
+                      env={"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_RATIO": "4",
+                           "SGLANG_TIERED_DEBUG": "1", "SGLANG_TIERED_TENANT_HEADER": HEADER})  # fmt: skip
+    server = Server(spec, tmp_path_factory.mktemp("soak1") / "soak1.log")
+    server.start(timeout_s=300)
+    yield server
+    server.stop()
+
+
+def test_differential_soak_at_page_size_1(soak_server_page1, reference32):
+    """The soak at SGLang's default page size (every other end-to-end test runs at 16; session
+    18): same outputs as no cache, both tiers used, invariants checked after every operation."""
+    _run_soak(soak_server_page1, reference32, max(100, SOAK_REQUESTS // 3))
+
+
+def _run_soak(soak_server, reference32, n: int):
     from sglang_tiered.dev.greedy import LOGPROBS, compare
 
-    work = _soak_workload(SOAK_REQUESTS)
+    work = _soak_workload(n)
     want = {}
     with ThreadPoolExecutor(4) as pool:
         uniq = list({tuple(ids) for _, ids, _ in work})
