@@ -135,6 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=200, help="generated workloads (seeds start..start+n-1)")
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--no-traces", action="store_true", help="skip Mooncake and multi-tenant")
+    ap.add_argument("--traces", nargs="+", choices=["mooncake", "multitenant"], default=["mooncake", "multitenant"],
+                    help="which named traces to run (unless --no-traces)")
     ap.add_argument("--multitenant-requests", type=int, default=4000)
     ap.add_argument("--fractions", type=float, nargs="+", default=FRACTIONS)
     ap.add_argument("--no-belady", action="store_true")
@@ -159,7 +161,7 @@ def main(argv=None) -> int:
 
     specs = []
     if not args.no_traces:
-        specs += [("mooncake", 0), ("multitenant", args.multitenant_requests)]
+        specs += [(t, args.multitenant_requests if t == "multitenant" else 0) for t in args.traces]
     specs += [("family", s) for s in range(args.start, args.start + args.n)]
     overrides = dict(_override(kv) for kv in args.policy)
     _policy_config(overrides)  # a bad name or value fails here, not in a worker
