@@ -211,3 +211,45 @@ def test_an_invalidated_tenants_t2_pages_stay_refused_while_a_peer_keeps_them_le
     finally:
         a.close()
         b.close()
+
+
+def test_a_flush_after_the_kv_pool_is_released_reads_nothing_from_it():
+    """SGLang's release_memory_occupation pauses the KV pool, then flushes the cache: the flush
+    used to demote every device page into T1 from unmapped memory, and after the resume T1 served
+    that as a hit. Now the hooks tell the cache first: the flush drops the device tree, T1 keeps
+    what it held, and nothing read from the released pool is ever served (verify_kv)."""
+    from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput
+
+    from sglang_tiered.integration import hooks
+
+    cache = TieredRadixCache.create_simulated(256, page_size=1, host_pages=256, verify_kv=True, debug_checks=True)
+    manager = types.SimpleNamespace(scheduler=types.SimpleNamespace(tree_cache=cache))
+    old = list(range(1, 41))
+    cache.driver.run(old + [99])
+    cache.persist_to_host()  # (T1 holds them too: it keeps them through the release)
+    new = list(range(500, 540))
+    cache.driver.run(new + [99])  # on the device only
+    kv = cache.driver.allocator.get_kvcache()
+    hooks._before_release_memory(manager, ReleaseMemoryOccupationReqInput(tags=None))
+    for b in kv.k_buffer + kv.v_buffer:  # the pause: its contents are gone
+        b.fill_(float("nan"))
+    cache.reset()  # SGLang's flush_cache
+    for b in kv.k_buffer + kv.v_buffer:  # the resume: fresh memory
+        b.zero_()
+    hooks._after_resume_memory(None, manager, ResumeMemoryOccupationReqInput(tags=["kv_cache"]))
+    assert not cache.kv_released
+    assert cache.driver.run(new + [7]).cached_len == 0  # recomputed, never the released pages
+    assert cache.driver.run(old + [7]).cached_len == 40  # T1 kept its pages (verify_kv: exact)
+    cache.check_invariants()
+
+
+def test_release_without_the_kv_tag_flushes_as_before():
+    from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+
+    from sglang_tiered.integration import hooks
+
+    cache = TieredRadixCache.create_simulated(256, page_size=1, host_pages=256, verify_kv=True)
+    hooks._before_release_memory(types.SimpleNamespace(scheduler=types.SimpleNamespace(tree_cache=cache)),
+                                 ReleaseMemoryOccupationReqInput(tags=["weights"]))  # fmt: skip
+    assert not cache.kv_released
+    assert hooks.missing_weight_hook_targets() == []

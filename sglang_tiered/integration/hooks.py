@@ -16,6 +16,11 @@ Scheduler processes:
     ``/update_weight_version``): ``TieredRadixCache.on_weights_updated`` drops T1 and re-seeds
     the cache identity, whether the call succeeded or not (a failed load may leave the weights
     half updated), so no KV of the old weights is served from T1 or T2 afterwards.
+  * BEFORE ``SchedulerWeightUpdaterManager.release_memory_occupation`` (with the KV cache among
+    its tags) and AFTER ``resume_memory_occupation``: SGLang pauses the KV pool and then flushes
+    the cache (weight_updater.py:365-366); the cache is told first, cancels its pending T1
+    writes while the pool is still readable, and its flush drops the device tree instead of
+    demoting pages from unmapped memory (``TieredRadixCache.kv_released``).
 HTTP (launcher) process:
   * BEFORE ``http_server._setup_and_run_http_server``: mounts ``/cache/stats`` and
     ``/cache/invalidate`` and the request-hint middleware before uvicorn starts (and before SGLang
@@ -65,6 +70,30 @@ def weight_update_hook(method: str):
 
     around.__qualname__ = f"sglang_tiered_{method}"
     return around
+
+
+def _kv_tags(recv_req) -> bool:
+    """Whether a release/resume request covers the KV cache (no tags: every memory type)."""
+    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+
+    tags = getattr(recv_req, "tags", None)
+    return not tags or GPU_MEMORY_TYPE_KV_CACHE in tags
+
+
+def _before_release_memory(manager, *args, **kwargs):
+    cache = _tiered_cache(manager)
+    if cache is not None and _kv_tags(args[0] if args else kwargs.get("recv_req")):
+        if cache.t1 is not None:
+            cache.t1.cancel_pending()  # while the pool is still mapped
+        cache.kv_released = True
+    return None
+
+
+def _after_resume_memory(result, manager, *args, **kwargs):
+    cache = _tiered_cache(manager)
+    if cache is not None and _kv_tags(args[0] if args else kwargs.get("recv_req")):
+        cache.kv_released = False
+    return result
 
 
 def _after_weight_version_change(result, scheduler, *args, **kwargs):
@@ -146,10 +175,13 @@ def register_hooks() -> None:
             HookRegistry.register(f"{_WEIGHTS}.{method}", weight_update_hook(method), HookType.AROUND)
         HookRegistry.register(f"{_SCHEDULER}.record_weight_version_change", _after_weight_version_change,
                               HookType.AFTER)  # fmt: skip
+        HookRegistry.register(f"{_WEIGHTS}.release_memory_occupation", _before_release_memory, HookType.BEFORE)
+        HookRegistry.register(f"{_WEIGHTS}.resume_memory_occupation", _after_resume_memory, HookType.AFTER)
         missing = missing_weight_hook_targets()
         if missing:  # HookRegistry logs and skips a target it cannot resolve: say what that costs
-            logger.error("sglang-tiered: cannot hook %s: after a weight update T1/T2 could serve KV of the old "
-                         "weights (run with SGLANG_TIERED_HOST=off)", ", ".join(missing))  # fmt: skip
+            logger.error("sglang-tiered: cannot hook %s: after a weight update (or a release of the KV pool) T1/T2 "
+                         "could serve KV of the old weights (or of released memory); run with SGLANG_TIERED_HOST=off",
+                         ", ".join(missing))  # fmt: skip
 
 
 def missing_weight_hook_targets() -> list:
@@ -157,7 +189,8 @@ def missing_weight_hook_targets() -> list:
     import pkgutil
 
     out = []
-    for cls, methods in ((_WEIGHTS, WEIGHT_UPDATE_METHODS), (_SCHEDULER, ("record_weight_version_change",))):
+    memory = ("release_memory_occupation", "resume_memory_occupation")
+    for cls, methods in ((_WEIGHTS, WEIGHT_UPDATE_METHODS + memory), (_SCHEDULER, ("record_weight_version_change",))):
         try:
             obj = pkgutil.resolve_name(cls)
         except Exception:  # noqa: BLE001 - report, never fail the plugin here

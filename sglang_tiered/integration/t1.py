@@ -266,10 +266,15 @@ class T1Tier:
         one in flight, so no write of a device page lands after its page is freed or reused.
         Probes not yet loaded are forgotten. T2 is not touched (see ``TieredRadixCache.reset``).
         Returns tokens dropped."""
+        self.cancel_pending()
+        return self.host.clear() * self.cache.page_size
+
+    def cancel_pending(self) -> None:
+        """Cancel every pending write of a device page (waiting for one in flight) and forget the
+        probes: before the device pages may be freed or unreadable; T1's pages stay."""
         if self.store is not None:
             self.store.cancel_where(lambda j: True)
         self.pending.clear()
-        return self.host.clear() * self.cache.page_size
 
     def after_batch(self) -> None:
         if self.store is not None:

@@ -63,6 +63,9 @@ class TieredRadixCache(RadixCache):
         self.base_key = self.cache_key  # the identity at start-up (before any weight update)
         self.weight_version: Optional[str] = None  # SGLang's --weight-version, then each update's
         self.weight_updates = 0  # weight updates seen (on_weights_updated)
+        # SGLang released the KV pool (release_memory_occupation, until resume): its pages
+        # cannot be read, so a flush drops the device tree instead of demoting it (hooks.py)
+        self.kv_released = False
         self.lifetime_tag: Optional[str] = None  # this server's lifetime (build.py); else lifetime_id()
         self._pending_key: Optional[CacheKey] = None  # re-seed waiting for an empty device tree
         self.debug_checks = debug_checks
@@ -161,12 +164,19 @@ class TieredRadixCache(RadixCache):
         update's hook (``on_weights_updated``, integration/hooks.py) runs after the update's own
         flush, drops T1 and re-seeds the identity, so nothing demoted from the old weights is
         served. While T1 is paused (a weight update SGLang did not flush) nothing is demoted:
-        T1 is dropped instead."""
+        T1 is dropped instead. While the KV pool is released (``release_memory_occupation``
+        pauses it before this flush: weight_updater.py:365-366) nothing is read from it: the
+        device tree is dropped, T1 keeps what it holds (review, session 18: demoting then copied
+        unmapped memory, and T1 served it after the resume)."""
         if self.t1 is not None and getattr(self, "root_node", None) is not None:
             if self.t1.paused or getattr(self, "_pending_key", None) is not None:
                 self.t1.drop_all()
                 self.t1.load_locks = []  # nodes of the tree being dropped (idle: none normally)
                 self.index.clear()
+            elif self.kv_released:
+                self.t1.cancel_pending()
+                self.t1.load_locks = []
+                self.index.clear()  # device pages gone; T1's are published again at the next refresh
             else:
                 self.persist_to_host()
         else:
