@@ -3,10 +3,58 @@
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
+import re
 import signal
 import sys
 import time
+
+
+# Argument types (review, session 18: bad values were tracebacks, or nonsense with exit 0)
+def _whole(lo: int, hi: int | None = None):
+    def parse(v: str) -> int:
+        try:
+            x = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{v!r} is not a whole number") from None
+        if x < lo or (hi is not None and x > hi):
+            raise argparse.ArgumentTypeError(f"{v} is not in [{lo}, {hi}]" if hi is not None else f"{v} is below {lo}")
+        return x
+
+    return parse
+
+
+def _number(lo: float, *, above: bool = False):
+    """A finite number >= lo (> lo with ``above``)."""
+
+    def parse(v: str) -> float:
+        try:
+            x = float(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{v!r} is not a number") from None
+        if not math.isfinite(x) or x < lo or (above and x == lo):
+            raise argparse.ArgumentTypeError(f"{v} must be a finite number {'>' if above else '>='} {lo:g}")
+        return x
+
+    return parse
+
+
+def _tier(v: str) -> tuple[str, float]:
+    name, sep, gbps = v.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{v!r}: expected NAME=GB/s")
+    return name, _number(0.0, above=True)(gbps)
+
+
+def _redis_url(v: str) -> str:
+    if not re.fullmatch(r"rediss?://[A-Za-z0-9_.\[\]:@%-]+(/[0-9]{1,2})?", v):
+        raise argparse.ArgumentTypeError(f"{v!r}: expected redis://HOST:PORT[/DB]")
+    return v
+
+
+_PORT = _whole(1, 65535)
+_POSITIVE = _whole(1)
 
 
 def _cmd_build_model(args: argparse.Namespace) -> int:
@@ -72,10 +120,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     cfg = load_config_json(args.model_config)
     params = args.params_b * 1e9 if args.params_b else None
-    shape = ModelShape.from_config(cfg, params)
+    try:
+        shape = ModelShape.from_config(cfg, params)
+    except KeyError as exc:
+        raise ValueError(f"{args.model_config} lacks {exc} (not a transformer config.json?)") from None
     flops = args.flops if args.flops else GPU_BF16_DENSE_FLOPS[args.gpu]
-    tiers = dict(t.split("=", 1) for t in args.tier) if args.tier else None
-    tiers = {k: float(v) for k, v in tiers.items()} if tiers else None
+    tiers = dict(args.tier) if args.tier else None
     out = plan(shape, flops_per_gpu=flops, tp=args.tp, kv_dtype=args.kv_dtype, tiers=tiers, tokens=args.tokens)
     if args.json:
         print(json.dumps({"model": shape.__dict__, "flops_per_gpu": flops, "tp": args.tp, **out}, indent=2))
@@ -121,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="serve a model on CPU with --radix-cache-backend tiered")
     s.add_argument("--model", help="model folder (default: the built-in tiny model)")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=30000)
-    s.add_argument("--page-size", type=int, default=16)
-    s.add_argument("--max-total-tokens", type=int, default=default_max_total_tokens())
-    s.add_argument("--tp", type=int, default=1)
+    s.add_argument("--port", type=_PORT, default=30000)
+    s.add_argument("--page-size", type=_POSITIVE, default=16)
+    s.add_argument("--max-total-tokens", type=_POSITIVE, default=default_max_total_tokens())
+    s.add_argument("--tp", type=_POSITIVE, default=1)
     s.add_argument("--log", help="server log file (default logs/serve.log)")
     s.add_argument("--start-timeout", type=float, default=300.0)
     s.add_argument("sglang_args", nargs=argparse.REMAINDER, help="extra sglang.launch_server args after --")
@@ -132,35 +182,38 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("plan", help="break-even table: when does reading KV from a tier beat recomputing it")
     p.add_argument("--model-config", required=True, help="the model's config.json")
-    p.add_argument("--params-b", type=float, help="parameter count in billions (default: from the config)")
+    p.add_argument("--params-b", type=_number(0.0, above=True), help="parameter count in billions (default: from the config)")
     p.add_argument("--gpu", default="h100", choices=["h100", "h200", "a100", "l40s", "b200"])
-    p.add_argument("--flops", type=float, help="dense bf16 FLOP/s per GPU (overrides --gpu)")
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--flops", type=_number(0.0, above=True), help="dense bf16 FLOP/s per GPU (overrides --gpu)")
+    p.add_argument("--tp", type=_POSITIVE, default=1)
     p.add_argument("--kv-dtype", default="fp16", choices=["fp16", "bf16", "fp8", "fp32"])
-    p.add_argument("--tokens", type=int, default=2000)
-    p.add_argument("--tier", action="append", help="NAME=GB/s (repeatable; default host-pcie5, nvme, network-100g)")
+    p.add_argument("--tokens", type=_POSITIVE, default=2000)
+    p.add_argument("--tier", action="append", type=_tier, help="NAME=GB/s (repeatable; default host-pcie5, nvme, network-100g)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_plan)
 
     r = sub.add_parser("route", help="tenant-affinity + cache-aware router over SGLang servers")
     r.add_argument("--workers", nargs="+", required=True, help="worker URLs (also their ids in the index)")
-    r.add_argument("--redis", help="hint index, redis://127.0.0.1:PORT/DB (default: none: affinity + load)")
+    r.add_argument("--redis", type=_redis_url, help="hint index, redis://127.0.0.1:PORT/DB (default: none: affinity + load)")
     r.add_argument("--host", default="127.0.0.1")
-    r.add_argument("--port", type=int, default=30100)
-    r.add_argument("--k", type=int, default=1, help="minimum rendezvous homes per affinity key (hot keys get more)")
+    r.add_argument("--port", type=_PORT, default=30100)
+    r.add_argument("--k", type=_POSITIVE, default=1, help="minimum rendezvous homes per affinity key (hot keys get more)")
     r.add_argument("--model", help="local model folder for the tokenizer (default: ask the workers)")
     r.add_argument("--tenant-header", help="trusted tenant header (e.g. x-tenant-id); else cache_salt")
-    r.add_argument("--c-tok-us", type=float, default=35.0, help="recompute microseconds per prompt token")
-    r.add_argument("--page-size", type=int, default=16)
-    r.add_argument("--index-ttl-s", type=float, default=30.0)
-    r.add_argument("--index-timeout-ms", type=float, default=50.0)
-    r.add_argument("--load-poll-ms", type=float, default=250.0, help="poll each worker's /v1/loads every this many ms (0: off)")
+    r.add_argument("--c-tok-us", type=_number(0.0), default=35.0, help="recompute microseconds per prompt token")
+    r.add_argument("--page-size", type=_POSITIVE, default=16)
+    r.add_argument("--index-ttl-s", type=_number(0.0, above=True), default=30.0)
+    r.add_argument("--index-timeout-ms", type=_number(0.0, above=True), default=50.0)
+    r.add_argument("--load-poll-ms", type=_number(0.0), default=250.0, help="poll each worker's /v1/loads every this many ms (0: off)")
     r.set_defaults(func=_cmd_route)
 
     args = ap.parse_args(argv)
     if getattr(args, "sglang_args", None) and args.sglang_args[0] == "--":
         args.sglang_args = args.sglang_args[1:]
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (OSError, ValueError) as exc:  # a missing or malformed file, a bad model: say so, no traceback
+        ap.exit(2, f"sglang-tiered {args.cmd}: {exc}\n")
 
 
 if __name__ == "__main__":

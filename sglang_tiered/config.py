@@ -151,6 +151,8 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.guarantee not in ("budget", "strict", "leader"):
             _bad("guarantee", self.guarantee, "expected budget, strict or leader")
         _whole("lru_tree_pages", self.lru_tree_pages, 0, MAX_LRU_TREE_PAGES)
+        if self.t2 is not None and self.host_mode == "off":  # T2 pages are staged in T1
+            _bad("host_mode", self.host_mode, "SGLANG_TIERED_T2 is set and T2 needs T1: unset one of them")
         self._check_index()
 
     def _check_index(self) -> None:

@@ -60,17 +60,24 @@ def _file_digest(path: pathlib.Path) -> str:
 
 def weight_files(folder: pathlib.Path) -> list[pathlib.Path]:
     files = [p for p in folder.rglob("*") if p.is_file() and p.suffix in WEIGHT_SUFFIXES]
-    cfg = folder / "config.json"
-    if cfg.exists():
-        files.append(cfg)
+    for name in ("config.json", "adapter_config.json"):  # (a LoRA adapter's rank and scaling)
+        cfg = folder / name
+        if cfg.exists():
+            files.append(cfg)
     return sorted(files)
 
 
 def weights_digest(model_path: str, threads: int = 4) -> str:
+    """Content digest of a model (or LoRA adapter) folder's weight files and config, or of a
+    single weights file (a GGUF model given by its file: review, session 18, it used to be its
+    path only); ``name:`` + a hash of the name for anything else (a hub name)."""
     folder = pathlib.Path(model_path)
-    if not folder.is_dir():
+    if folder.is_file():
+        files, folder = [folder], folder.parent
+    elif folder.is_dir():
+        files = weight_files(folder)
+    else:
         return "name:" + hashlib.blake2b(str(model_path).encode(), digest_size=16).hexdigest()
-    files = weight_files(folder)
     memo_file = _memo_path()
     with _lock:
         try:

@@ -253,3 +253,92 @@ def test_release_without_the_kv_tag_flushes_as_before():
                                  ReleaseMemoryOccupationReqInput(tags=["weights"]))  # fmt: skip
     assert not cache.kv_released
     assert hooks.missing_weight_hook_targets() == []
+
+
+def test_identity_covers_model_overrides_lora_adapters_and_a_single_gguf_file(tmp_path, monkeypatch):
+    """--json-model-override-args can change any layer's KV; a retrained LoRA adapter at the same
+    path kept its page hashes (SGLang names it by name and path); a GGUF model given as one file
+    was identified by its path. Each now changes the key; the default key is unchanged."""
+    import time
+
+    from sglang_tiered.integration.identity import cache_key_from_context
+    from sglang_tiered.weights_digest import weights_digest
+    from tests.test_identity_hardening import _ctx
+
+    monkeypatch.setenv("SGLANG_TIERED_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"w" * 64)
+    plain = cache_key_from_context(_ctx(model))
+    assert plain.model_overrides is None and plain.lora is None
+    assert cache_key_from_context(_ctx(model, json_model_override_args="{}")).seed() == plain.seed()
+    eps = cache_key_from_context(_ctx(model, json_model_override_args='{"rms_norm_eps": 0.5}'))
+    act = cache_key_from_context(_ctx(model, json_model_override_args='{"hidden_act": "gelu"}'))
+    assert len({plain.seed(), eps.seed(), act.seed()}) == 3
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"A" * 256)
+    keys = []
+    for form in ([f"customer-a={adapter}"], [{"lora_name": "customer-a", "lora_path": str(adapter)}]):
+        keys.append(cache_key_from_context(_ctx(model, lora_paths=form)).seed())
+    assert keys[0] == keys[1] != plain.seed()
+    time.sleep(0.01)
+    (adapter / "adapter_model.safetensors").write_bytes(b"B" * 256)  # retrained, same path
+    assert cache_key_from_context(_ctx(model, lora_paths=[f"customer-a={adapter}"])).seed() != keys[0]
+    (adapter / "adapter_config.json").write_text('{"r": 16}')
+    assert cache_key_from_context(_ctx(model, lora_paths=[f"customer-a={adapter}"])).seed() != keys[0]
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"v1" * 64)
+    d1 = weights_digest(str(gguf))
+    gguf.write_bytes(b"v2" * 64)
+    assert not d1.startswith("name:") and weights_digest(str(gguf)) != d1
+
+
+def test_t2_without_t1_is_refused_or_reported():
+    """SGLANG_TIERED_T2 with SGLANG_TIERED_HOST=off was accepted and the stats said T2 was unset."""
+    from sglang_tiered.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="T2 needs T1"):
+        load_config({"SGLANG_TIERED_HOST": "off", "SGLANG_TIERED_T2": "mooncake://127.0.0.1:50051"})
+    from sglang_tiered.integration import build
+
+    cfg = load_config({"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_RATIO": "1e-9",
+                       "SGLANG_TIERED_T2": "mooncake://127.0.0.1:50051"})  # fmt: skip
+    cache = _cache()
+    cache.t1 = None
+    build.setup_host_tier(cache, types.SimpleNamespace(tp_size=1, tp_rank=0, server_args=None, model_config=types.SimpleNamespace(
+        get_total_num_kv_heads=lambda: 1)), cfg)  # fmt: skip
+    assert cache.t2_decision.startswith("off: T2 needs T1 (T1 off")
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["plan", "--model-config", "/nonexistent/config.json"], "No such file"),
+    (["plan", "--model-config", "{cfg}", "--tp", "0"], "--tp"),
+    (["plan", "--model-config", "{cfg}", "--tier", "host"], "NAME=GB/s"),
+    (["plan", "--model-config", "{cfg}", "--tier", "host=-1"], "finite number > 0"),
+    (["plan", "--model-config", "{cfg}", "--flops", "nan"], "finite number"),
+    (["plan", "--model-config", "{empty}"], "lacks"),
+    (["route", "--workers", "http://127.0.0.1:1", "--port", "70000"], "65535"),
+    (["route", "--workers", "http://127.0.0.1:1", "--redis", "http://x"], "redis://"),
+    (["route", "--workers", "http://127.0.0.1:1", "--load-poll-ms", "-1"], ">= 0"),
+    (["route", "--workers", "http://127.0.0.1:1", "--page-size", "0"], "below 1"),
+    (["serve", "--tp", "0"], "below 1"),
+])  # fmt: skip
+def test_cli_bad_input_is_a_message_and_exit_2(argv, why, tmp_path, capsys):
+    """Bad CLI input was a traceback (missing or malformed config, --tier host, --tp 0), nonsense
+    with exit 0 (negative tokens or bandwidth), or a router on another port than printed."""
+    from sglang_tiered import cli
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64, "intermediate_size": 128, '
+                   '"vocab_size": 100}')  # fmt: skip
+    (tmp_path / "empty.json").write_text("{}")
+    argv = [a.format(cfg=cfg, empty=tmp_path / "empty.json") for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert why in capsys.readouterr().err

@@ -6,7 +6,8 @@ weights digest, KV dtype, RoPE configuration, attention implementation, online q
 compute dtype and the model revision. The TP degree is *not* part of it: T1 stores pages in a
 TP-independent layout.
 
-The last three fields (``quantization``, ``model_dtype``, ``revision``) were added later: they
+The last five fields (``quantization``, ``model_dtype``, ``revision``, ``model_overrides``,
+``lora``) were added later: they
 enter the hashed blob only when set (not ``None``), so a key that leaves them unset (``CacheKey()``,
 the simulator's and the benchmarks' key) has exactly the seeds and page hashes it had before.
 
@@ -42,6 +43,8 @@ class CacheKey:
     quantization: Optional[str] = None  # --quantization / modelopt / KV scales (integration/identity.py)
     model_dtype: Optional[str] = None  # compute dtype (--dtype, resolved): matters when kv_dtype is explicit
     revision: Optional[str] = None  # --revision (a remote model's weights_digest is its name only)
+    model_overrides: Optional[str] = None  # digest of --json-model-override-args (review, session 18)
+    lora: Optional[str] = None  # digests of the --lora-paths adapters' files (review, session 18)
 
     def _identity(self) -> dict:
         """The fields that are hashed: every original field, and the optional ones that are set."""
@@ -73,7 +76,7 @@ class CacheKey:
         return hashlib.blake2b(b"sglang-tiered/v2|" + blob.encode(), digest_size=DIGEST_SIZE).digest()
 
 
-_OPTIONAL_FIELDS = ("quantization", "model_dtype", "revision")
+_OPTIONAL_FIELDS = ("quantization", "model_dtype", "revision", "model_overrides", "lora")
 
 
 def _token_bytes(tokens) -> bytes:

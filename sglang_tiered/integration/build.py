@@ -5,10 +5,13 @@ The adapter's classmethods delegate here, so the adapter holds SGLang's override
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 from sglang_tiered.core.keys import CacheKey
 from sglang_tiered.core.policy import PolicyConfig
+
+logger = logging.getLogger("sglang_tiered")
 
 
 def from_build_context(cls, ctx):
@@ -46,6 +49,9 @@ def setup_host_tier(cache, ctx, cfg) -> None:
 
     host, cache.host_decision = build_host_tier(cache, ctx, cfg)
     if host is None:
+        if cfg.t2 is not None:  # (T2 stages its pages in T1: review, session 18, it said "unset")
+            cache.t2_decision = f"off: T2 needs T1 (T1 {cache.host_decision})"
+            logger.warning("sglang-tiered: T2 %s", cache.t2_decision)
         return
     store = None
     if cfg.store == "async":

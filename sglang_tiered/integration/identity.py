@@ -4,8 +4,11 @@ Besides the weights digest, the key holds every server argument that changes the
 the same weights: ``--kv-cache-dtype`` (with ``auto``, the compute dtype), online quantization
 (``--quantization``, ``--modelopt-quant``, the KV scales of ``--quantization-param-path``), the
 compute dtype itself (always: with an explicit ``--kv-cache-dtype`` the KV dtype alone no longer
-shows it) and ``--revision``. A named T1 kept across restarts, or a T2 shared by a fleet, can so
-never serve KV computed under other settings.
+shows it), ``--revision``, ``--json-model-override-args`` (it can change any layer: norm eps,
+activation, ...) and the files of the ``--lora-paths`` adapters (SGLang names an adapter by its
+name and path only, so a retrained adapter at the same path kept its page hashes; review, session
+18). A named T1 kept across restarts, or a T2 shared by a fleet, can so never serve KV computed
+under other settings.
 """
 
 from __future__ import annotations
@@ -43,6 +46,45 @@ def quantization_of(sa, mc) -> str | None:
     return "|".join(parts) or None
 
 
+def overrides_of(sa) -> str | None:
+    """Digest of ``--json-model-override-args`` (None when empty)."""
+    raw = getattr(sa, "json_model_override_args", None)
+    if not raw or raw in ("{}", {}):
+        return None
+    try:
+        norm = json.dumps(json.loads(raw) if isinstance(raw, str) else raw, sort_keys=True, default=str)
+    except ValueError:
+        norm = str(raw)
+    return "blake2b:" + hashlib.blake2b(norm.encode(), digest_size=16).hexdigest()
+
+
+def _lora_items(paths):
+    """(name, path) of each ``--lora-paths`` entry, whatever form SGLang keeps it in."""
+    if not paths:
+        return []
+    if isinstance(paths, dict):
+        return [(str(k), str(v)) for k, v in paths.items()]
+    out = []
+    for item in paths:
+        if hasattr(item, "lora_path"):
+            out.append((str(getattr(item, "lora_name", "") or ""), str(item.lora_path)))
+        elif isinstance(item, dict):
+            out.append((str(item.get("lora_name", "")), str(item.get("lora_path", item.get("path", "")))))
+        else:
+            name, sep, path = str(item).partition("=")
+            out.append((name, path) if sep else (name, name))
+    return out
+
+
+def lora_of(sa) -> str | None:
+    """Digest of every startup adapter's files (None without ``--lora-paths``)."""
+    items = _lora_items(getattr(sa, "lora_paths", None))
+    if not items:
+        return None
+    parts = sorted(f"{name}={weights_digest(path)}" for name, path in items)
+    return "blake2b:" + hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
+
+
 def cache_key_from_context(ctx) -> CacheKey:
     sa = ctx.server_args
     mc = ctx.model_config
@@ -71,6 +113,8 @@ def cache_key_from_context(ctx) -> CacheKey:
         quantization=quantization_of(sa, mc),
         model_dtype=str(model_dtype if model_dtype is not None else getattr(sa, "dtype", "auto")),
         revision=str(revision) if revision else None,
+        model_overrides=overrides_of(sa),
+        lora=lora_of(sa),
     )
     logger.info("sglang-tiered: cache identity %s", key)
     return key
