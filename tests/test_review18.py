@@ -342,3 +342,16 @@ def test_cli_bad_input_is_a_message_and_exit_2(argv, why, tmp_path, capsys):
         cli.main(argv)
     assert exc.value.code == 2
     assert why in capsys.readouterr().err
+
+
+def test_eviction_never_takes_a_node_twice_at_page_size_1():
+    """family-096 at 0.5 % and page size 1 (found by the page-size-1 family run): the victim
+    queue's rebuild re-queued a leaf the running eviction had already held back, the leaf was
+    taken twice, and SGLang's tree asserted ("parent does not have child key")."""
+    from sglang_tiered.dev import workload_family as wf
+
+    reqs = wf.generate(wf.draw(96))
+    cache = TieredRadixCache.create_simulated(1722, 1)
+    for r in reqs[:420]:  # (the crash was at request 412)
+        cache.driver.run(r.tokens, tenant=r.tenant)
+    cache.check_invariants()

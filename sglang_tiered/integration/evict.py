@@ -96,9 +96,17 @@ class Eviction:
             return False
 
         num_evicted = 0
+        # Nodes this run already took (held back, pinned or removed). The victim queue may hand
+        # one out again: a rebuild of its heaps (too many stale entries) re-queues every
+        # evictable leaf, a held or pinned one too, and a node removed twice corrupted SGLang's
+        # tree (found at page size 1, family-096 at 0.5 %; session 18).
+        taken = set()
         while num_evicted < num_tokens:
             x = queue.pop(boost)
             if x is not None:
+                if x.id in taken:
+                    continue
+                taken.add(x.id)
                 if x.hit_count >= pin_hits and self.is_pinned(x, pinned_pages):
                     pinned_pages += node_pages(x, ps)
                     heapq.heappush(pinned, (x.last_access_time, x.id, x))
