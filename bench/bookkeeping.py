@@ -60,7 +60,7 @@ def load(name: str):
 
 # the snapshot fields of modes (session 13: strict, the default since session 15; 14: leader),
 # keyed by the mode's flag
-MODE_FIELDS = {"strict_guarantee": ("strict_guarantee", "cap_spared", "cap_admitted", "cap_over_pages"),
+MODE_FIELDS = {"strict_guarantee": ("strict_guarantee", "cap_spared", "cap_admitted", "cap_over_pages", "cap_over_kept"),
                "follow_leader": ("follow_leader", "leader_switches")}  # fmt: skip
 
 

@@ -132,6 +132,7 @@ class PolicyReport(msgspec.Struct, kw_only=True):
     cap_spared: int = 0  # victim leaves the cap passed over (their pages are SGLang lru's)
     cap_admitted: int = 0  # pages admitted that admission would have refused, to stay within the cap
     cap_over_pages: int = 0  # pages of lru's evicted beyond the cap (nothing else was evictable)
+    cap_over_kept: int = 0  # ... that SGLang lru's cache still held after the same request (the bound's O)
     # follow the leader (SGLANG_TIERED_GUARANTEE=leader): no bound against lru
     follow_leader: bool = False
     leader_switches: int = 0  # times the real cache switched to the order whose shadow led
@@ -149,6 +150,7 @@ class IndexStats(msgspec.Struct, kw_only=True):
     batches: int = 0
     refreshes: int = 0
     queued_events: int = 0
+    queued_pages: int = 0  # page hashes in the queued events (bounded: 2^20; past it events drop)
     held_pages: int = 0
     resyncs: int = 0  # a removal was dropped: every claim withdrawn and forgotten, published afresh
 

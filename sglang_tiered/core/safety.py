@@ -92,6 +92,9 @@ class SafetyDuel:
         # must cover it: the switch back is paid for before it is needed. On once the real
         # cache reports its pages (``track_real_pages``).
         self._div: Divergence | None = None
+        # pages evicted over the cap since the lru tree's last step (``over_cap``): those lru's
+        # tree still holds after its own step for the request are the bound's overshoot
+        self._over: list = []
         # Follow the leader (``guard_leader``): each fixed order's shadow hits, decayed per request
         self._leader = dict.fromkeys(FIXED_ORDERS, 0.0) if cfg.guard_leader else None
         if self._guard and (cfg.guard_start_lru or cfg.guard_leader):
@@ -111,6 +114,8 @@ class SafetyDuel:
             hits = {"lru": sh["lru"].run(pages, tail, start)}
             tb, own = self._shard_tb, pages[start:]
             self._model_hits(hits, [h for h in own if h[2:4] < tb] if tb else own, 65536 / self._shard_t)
+        if self._over:
+            self._settle_over()
         tr = self._trial
         if tr is not None:
             hits["trial"] = tr[1].run(pages, tail, start)
@@ -325,6 +330,24 @@ class SafetyDuel:
         if dv is None or not dv.counting or self.following == "lru" or not self.cfg.guard_div_cap:
             return None
         return self._budget() - dv.only_l
+
+    def over_cap(self, hashes, cost: int) -> None:
+        """The real cache evicted ``hashes`` beyond the cap (``cost`` of them lru's tree holds):
+        nothing else was evictable and a request needed the room."""
+        self.stats.cap_over_pages += cost
+        self._over.extend(hashes)
+
+    def _settle_over(self) -> None:
+        """After lru's tree took its step for a request: the pages evicted over the cap that it
+        still holds (and the real cache does not) are the overshoot (``cap_over_kept``). Those lru
+        dropped too, making room for the same request, never diverged."""
+        dv = self._div
+        over = set(self._over)
+        self._over.clear()
+        if dv is not None:
+            over &= dv.L
+            over -= dv.R
+            self.stats.cap_over_kept += len(over)
 
     def div_cost(self, hashes) -> int:
         """Pages of ``hashes`` (a real leaf's) that lru's tree holds: evicting them diverges."""
