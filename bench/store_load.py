@@ -80,7 +80,8 @@ def main(argv=None) -> int:
                      "ahead_offered_pages", "through_offered_pages", "staged_used_pages", "staged_dropped_pages")  # fmt: skip
     try:
         for name, env in configs.items():
-            env = {**env, "SGLANG_TIERED_HOST_RATIO": str(args.host_ratio)}
+            if env["SGLANG_TIERED_HOST"] != "off":  # (a T1 size with T1 off is refused)
+                env = {**env, "SGLANG_TIERED_HOST_RATIO": str(args.host_ratio)}
             spec = ServerSpec(model_path=model, backend="tiered", max_total_tokens=args.pool_tokens,
                               dtype="float32", env=env)  # fmt: skip
             servers[name] = Server(spec, logs / f"{args.name}-{name}.log").start(timeout_s=300)

@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--model", help="local model folder for the tokenizer (default: ask the workers)")
     r.add_argument("--tenant-header", help="trusted tenant header (e.g. x-tenant-id); else cache_salt")
     r.add_argument("--c-tok-us", type=_number(0.0), default=35.0, help="recompute microseconds per prompt token")
-    r.add_argument("--page-size", type=_POSITIVE, default=16)
+    r.add_argument("--page-size", type=_POSITIVE, default=None,
+                   help="the servers' --page-size (default: read from their /server_info; 16 until one answers)")
     r.add_argument("--index-ttl-s", type=_number(0.0, above=True), default=30.0)
     r.add_argument("--index-timeout-ms", type=_number(0.0, above=True), default=50.0)
     r.add_argument("--load-poll-ms", type=_number(0.0), default=250.0, help="poll each worker's /v1/loads every this many ms (0: off)")

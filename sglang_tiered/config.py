@@ -29,6 +29,12 @@ environment; ``TieredConfig.__post_init__`` validates every field, so a config b
 Not configuration, and so not here: ``SGLANG_TIERED_T1_OWNER`` (tier/host_pool.py), the token a
 launcher hands its own scheduler processes to prove it owns a named T1; and the client library's
 ``KV_CACHE_*`` knobs (client.py), read in the client's process, not the server's.
+
+Fail fast (``load_config``): any other ``SGLANG_TIERED_*`` name is refused with the nearest known
+one (a mistyped ``SGLANG_TIERED_HOST_GBS`` would otherwise leave T1 at its default size, silently),
+and so is an option that does nothing in the chosen setup: ``SERVER_ID`` or ``INDEX_TTL_S``
+without ``INDEX_URL``, ``STORE_QUEUE_PAGES`` with ``STORE=sync``, a T1 size or name with
+``HOST=off``, and ``HOST_RATIO`` beside ``HOST_GB`` (which overrides it).
 """
 
 from __future__ import annotations
@@ -74,6 +80,21 @@ ENV = {  # field -> environment variable
     "guarantee": "SGLANG_TIERED_GUARANTEE",
     "lru_tree_pages": "SGLANG_TIERED_LRU_TREE_PAGES",
 }
+
+
+# Names of the SGLANG_TIERED_ namespace that are not options of this table but are read elsewhere
+# (the launcher's own tokens, file locations, the test and benchmark harnesses); anything else in
+# the namespace is a mistake and stops the launch.
+OTHER_NAMES = {
+    "SGLANG_TIERED_SHM_DIR": "shm_dir()",
+    "SGLANG_TIERED_CACHE": "cache_root()",
+    "SGLANG_TIERED_T1_OWNER": "tier/host_pool.py: the launcher's ownership token",
+    "SGLANG_TIERED_LIFETIME_ID": "lifetime_id(): one server's run",
+    "SGLANG_TIERED_SOAK_REQUESTS": "tests/test_e2e_hardening.py (make soak)",
+    "SGLANG_TIERED_FUZZ_REQUESTS": "tests/test_e2e_hardening.py (make soak)",
+    "SGLANG_TIERED_IN_NETNS": "bench/t2_fleet.py: set inside its loopback-only namespace",
+}
+PREFIX = "SGLANG_TIERED_"
 
 
 class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -234,6 +255,7 @@ def _t2(env) -> Optional[T2Config]:
 def load_config(env=None) -> TieredConfig:
     """Parse the environment (``os.environ`` unless given) into a validated ``TieredConfig``."""
     env = os.environ if env is None else env
+    _check_names(env)
     debug = env.get(ENV["debug"], "0").strip()
     if debug not in ("0", "1"):
         raise ConfigError(f"SGLANG_TIERED_DEBUG={debug!r}: expected 0 or 1")
@@ -262,6 +284,62 @@ def load_config(env=None) -> TieredConfig:
     if cfg.host_gb is not None and phys and cfg.host_gb > phys:
         raise ConfigError(f"SGLANG_TIERED_HOST_GB={cfg.host_gb:g}: more than this machine's memory ({phys:.1f} GB)")
     return cfg
+
+
+def _check_names(env) -> None:
+    """Every ``SGLANG_TIERED_*`` name set is known, and every option set does something."""
+    import difflib
+
+    known = set(ENV.values()) | set(OTHER_NAMES)
+    for name in sorted(k for k in env if k.startswith(PREFIX) and k not in known):
+        # (matched on what follows the prefix, which every name shares)
+        near = difflib.get_close_matches(name[len(PREFIX):], sorted(k[len(PREFIX):] for k in known), n=1, cutoff=0.6)
+        hint = f" (did you mean {PREFIX}{near[0]}?)" if near else ""
+        raise ConfigError(f"{name} is not an sglang-tiered option{hint}; the options: {', '.join(ENV.values())}")
+
+    def given(field: str) -> bool:
+        return bool((env.get(ENV[field]) or "").strip())
+
+    def value(field: str, default: str) -> str:
+        return (env.get(ENV[field]) or default).strip().lower()
+
+    useless = []
+    if not given("index_url"):
+        useless += [(f, "SGLANG_TIERED_INDEX_URL is not set (no fleet index)") for f in ("server_id", "index_ttl_s")]
+    if value("store", "async") == "sync":
+        useless.append(("store_queue_pages", "SGLANG_TIERED_STORE=sync has no store queue"))
+    if value("host_mode", "auto") == "off":
+        useless += [(f, "SGLANG_TIERED_HOST=off (no T1)") for f in ("host_ratio", "host_gb", "host_name")]
+    elif given("host_gb"):
+        useless.append(("host_ratio", "SGLANG_TIERED_HOST_GB sets T1's size and overrides it: set one"))
+    for field, why in useless:
+        if given(field):
+            raise ConfigError(f"{ENV[field]}={env[ENV[field]]!r} does nothing here: {why}")
+
+
+def check_server_args(cfg: TieredConfig, server_args) -> None:
+    """What the environment cannot tell alone: options that SGLang's own arguments make unusable
+    (``server_args``: SGLang's ``ServerArgs``, read by attribute). Called in the launcher before any
+    scheduler starts (integration/hooks.py), so these fail before the model loads instead of being
+    turned off with a warning in every scheduler."""
+    def arg(name: str) -> int:
+        return int(getattr(server_args, name, 1) or 1)
+
+    tp, pp, dp = arg("tp_size"), arg("pp_size"), arg("dp_size")
+    t1 = cfg.host_mode != "off"
+    if t1 and cfg.host_name is not None:
+        for size, flag, why in ((pp, "--pp-size", "every pipeline stage would map the one segment with its own layers"),
+                                (dp, "--dp-size", "data-parallel ranks would write one segment unseen by each other")):
+            if size > 1:
+                _bad("host_name", cfg.host_name, f"a named (shared) T1 with {flag} {size} is not supported ({why}); "
+                     "unset it for a private T1 per rank")  # fmt: skip
+    if cfg.t2 is not None:
+        for size, flag in ((tp, "--tp-size"), (pp, "--pp-size")):
+            if size > 1:
+                raise ConfigError(f"SGLANG_TIERED_T2 is set and T2 supports {flag} 1 only (got {size}): unset it")
+    if cfg.tenant_header is not None and arg("tokenizer_worker_num") > 1:
+        _bad("tenant_header", cfg.tenant_header, "--tokenizer-worker-num > 1 serves HTTP from worker processes "
+             "without the tenant-header middleware (tenant isolation would be off)")  # fmt: skip
 
 
 def policy_config(cfg: TieredConfig):

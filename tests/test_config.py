@@ -75,3 +75,85 @@ def test_stats_schema_covers_what_ranks_send():
     counters = {f.name for f in dataclasses.fields(TenantCounters)}
     assert counters == set(TenantStats.__struct_fields__) - {"token_hit_rate", "request_hit_rate"}
     assert set(PolicyReport.__struct_fields__) <= set(AdaptivePolicy(64).snapshot())
+
+
+@pytest.mark.parametrize("name,near", [
+    ("SGLANG_TIERED_HOST_GBS", "SGLANG_TIERED_HOST_GB"), ("SGLANG_TIERED_GUARANTE", "SGLANG_TIERED_GUARANTEE"),
+    ("SGLANG_TIERED_TENANT_HEADERS", "SGLANG_TIERED_TENANT_HEADER"), ("SGLANG_TIERED_WHATEVER", None),
+])  # fmt: skip
+def test_a_mistyped_name_stops_the_launch_with_the_nearest_option(name, near):
+    """Review, session 18: a mistyped name was ignored, leaving its option at the default."""
+    with pytest.raises(ConfigError, match=name) as err:
+        load_config({name: "1"})
+    assert (f"did you mean {near}?" in str(err.value)) if near else "did you mean" not in str(err.value)
+    assert "SGLANG_TIERED_HOST_RATIO" in str(err.value)  # the options are listed
+
+
+def test_names_read_elsewhere_are_not_refused():
+    from sglang_tiered.config import OTHER_NAMES
+
+    assert load_config(dict.fromkeys(OTHER_NAMES, "1")) == TieredConfig()
+    assert load_config({"PATH": "/bin", "SGLANG_OTHER": "x", "sglang_tiered_host_gbs": "1"}) == TieredConfig()
+
+
+@pytest.mark.parametrize("env,named", [
+    ({"SGLANG_TIERED_SERVER_ID": "http://127.0.0.1:1"}, "SGLANG_TIERED_SERVER_ID"),
+    ({"SGLANG_TIERED_INDEX_TTL_S": "10"}, "SGLANG_TIERED_INDEX_TTL_S"),
+    ({"SGLANG_TIERED_STORE": "sync", "SGLANG_TIERED_STORE_QUEUE_PAGES": "64"}, "SGLANG_TIERED_STORE_QUEUE_PAGES"),
+    ({"SGLANG_TIERED_HOST": "off", "SGLANG_TIERED_HOST_GB": "1"}, "SGLANG_TIERED_HOST_GB"),
+    ({"SGLANG_TIERED_HOST": "OFF", "SGLANG_TIERED_HOST_RATIO": "2"}, "SGLANG_TIERED_HOST_RATIO"),
+    ({"SGLANG_TIERED_HOST": "off", "SGLANG_TIERED_HOST_NAME": "t1"}, "SGLANG_TIERED_HOST_NAME"),
+    ({"SGLANG_TIERED_HOST_GB": "1", "SGLANG_TIERED_HOST_RATIO": "2"}, "SGLANG_TIERED_HOST_RATIO"),
+])  # fmt: skip
+def test_an_option_that_does_nothing_in_the_setup_is_refused(env, named):
+    with pytest.raises(ConfigError, match=f"{named}=.* does nothing here"):
+        load_config(env)
+
+
+def test_the_same_options_in_a_setup_that_uses_them_are_accepted():
+    cfg = load_config({"SGLANG_TIERED_INDEX_URL": "redis://127.0.0.1:6390", "SGLANG_TIERED_SERVER_ID": "s",
+                       "SGLANG_TIERED_INDEX_TTL_S": "10", "SGLANG_TIERED_STORE_QUEUE_PAGES": "64",
+                       "SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_GB": "1", "SGLANG_TIERED_HOST_NAME": "t1"})  # fmt: skip
+    assert (cfg.server_id, cfg.index_ttl_s, cfg.store_queue_pages, cfg.host_gb) == ("s", 10.0, 64, 1.0)
+    assert load_config({"SGLANG_TIERED_HOST_RATIO": "2", "SGLANG_TIERED_STORE": "sync"}).host_ratio == 2.0
+    assert load_config({"SGLANG_TIERED_SERVER_ID": "", "SGLANG_TIERED_HOST": "off"}) == TieredConfig(host_mode="off")
+
+
+def _args(**kw):
+    import types
+
+    return types.SimpleNamespace(**{"tp_size": 1, "pp_size": 1, "dp_size": 1, "tokenizer_worker_num": 1, **kw})
+
+
+@pytest.mark.parametrize("env,args,says", [
+    ({"SGLANG_TIERED_HOST_NAME": "t1"}, {"dp_size": 2}, "SGLANG_TIERED_HOST_NAME='t1': a named .* --dp-size 2"),
+    ({"SGLANG_TIERED_HOST_NAME": "t1"}, {"pp_size": 4}, "--pp-size 4"),
+    ({"SGLANG_TIERED_T2": "mooncake://127.0.0.1:50051"}, {"tp_size": 2}, "T2 supports --tp-size 1 only"),
+    ({"SGLANG_TIERED_T2": "mooncake://127.0.0.1:50051"}, {"pp_size": 2}, "T2 supports --pp-size 1 only"),
+    ({"SGLANG_TIERED_TENANT_HEADER": "x-tenant-id"}, {"tokenizer_worker_num": 2}, "tenant isolation"),
+])  # fmt: skip
+def test_server_args_that_make_an_option_unusable_stop_the_launch(env, args, says):
+    """Review, session 18: these were turned off with a warning in every scheduler after the model
+    loaded (the launcher check saw the environment only)."""
+    from sglang_tiered.config import check_server_args
+
+    with pytest.raises(ConfigError, match=says):
+        check_server_args(load_config(env), _args(**args))
+
+
+def test_server_args_that_leave_the_options_usable_pass():
+    from sglang_tiered.config import check_server_args
+
+    check_server_args(load_config({"SGLANG_TIERED_HOST_NAME": "t1"}), _args(tp_size=8))  # TP: one segment, own heads
+    check_server_args(load_config({}), _args(dp_size=2, pp_size=2, tp_size=2, tokenizer_worker_num=4))  # private T1s
+    check_server_args(load_config({"SGLANG_TIERED_HOST": "off", "SGLANG_TIERED_TENANT_HEADER": "x-t"}), _args(dp_size=2))
+    check_server_args(load_config({}), object())  # attributes SGLang lacks count as 1
+
+
+def test_the_launch_check_hook_target_exists_in_this_sglang():
+    import pkgutil
+
+    from sglang_tiered.integration import hooks
+
+    cls, _, method = hooks._SERVER_ARGS_CHECK.rpartition(".")
+    assert callable(getattr(pkgutil.resolve_name(cls), method))

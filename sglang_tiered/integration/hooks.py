@@ -21,7 +21,11 @@ Scheduler processes:
     the cache (weight_updater.py:365-366); the cache is told first, cancels its pending T1
     writes while the pool is still readable, and its flush drops the device tree instead of
     demoting pages from unmapped memory (``TieredRadixCache.kv_released``).
-HTTP (launcher) process:
+Launcher process:
+  * BEFORE ``ServerArgs.check_server_args`` (engine.py ``_launch_subprocesses``, before any
+    scheduler starts), when the backend is ours: ``config.check_server_args``, the options
+    SGLang's own arguments make unusable (a named T1 with ``--dp-size``/``--pp-size`` > 1, T2 with
+    TP or PP > 1, a tenant header with extra tokenizer workers) stop the launch (exit code 2).
   * BEFORE ``http_server._setup_and_run_http_server``: mounts ``/cache/stats`` and
     ``/cache/invalidate`` and the request-hint middleware before uvicorn starts (and before SGLang
     adds its API-key middleware, which then sees our routes' auth levels).
@@ -31,8 +35,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import sys
 
-from sglang_tiered.integration.protocol import INVALIDATE_KEYS, STATE_KEY
+from sglang_tiered.integration.protocol import BACKEND_NAME, INVALIDATE_KEYS, STATE_KEY
 
 logger = logging.getLogger("sglang_tiered")
 
@@ -40,6 +45,7 @@ _INTERNAL = "sglang.srt.managers.scheduler_components.internal_state.SchedulerIn
 _HTTP = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
 _WEIGHTS = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_SERVER_ARGS_CHECK = "sglang.srt.server_args.ServerArgs.check_server_args"
 PERSIST_KEY = "sglang_tiered_persist_to_host"
 WEIGHT_UPDATE_METHODS = ("update_weights_from_disk", "update_weights_from_distributed", "update_weights_from_tensor",
                          "update_weights_from_ipc", "end_weight_update")  # fmt: skip
@@ -163,11 +169,26 @@ def _before_http_server(*args, **kwargs):
     return None
 
 
+def _before_check_server_args(server_args, *args, **kwargs):
+    from sglang_tiered.config import ConfigError, check_server_args, load_config
+    if getattr(server_args, "radix_cache_backend", None) != BACKEND_NAME:
+        return None
+    try:
+        check_server_args(load_config(), server_args)
+    except ConfigError as exc:
+        msg = f"sglang-tiered: invalid configuration: {exc}"
+        logger.error(msg)
+        print(msg, file=sys.stderr, flush=True)
+        raise SystemExit(2) from exc
+    return None
+
+
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if multiprocessing.current_process().name == "MainProcess":
         HookRegistry.register(_HTTP, _before_http_server, HookType.BEFORE)
+        HookRegistry.register(_SERVER_ARGS_CHECK, _before_check_server_args, HookType.BEFORE)
     else:
         HookRegistry.register(f"{_INTERNAL}.get_internal_state", _after_get_internal_state, HookType.AFTER)
         HookRegistry.register(f"{_INTERNAL}._update_handlers", _after_update_handlers, HookType.AFTER)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import sys
 
-logger = logging.getLogger("sglang_tiered")
+from sglang_tiered.integration.protocol import BACKEND_NAME
 
-BACKEND_NAME = "tiered"
+logger = logging.getLogger("sglang_tiered")
 
 
 def tiered_cache_factory(ctx):

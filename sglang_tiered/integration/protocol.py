@@ -20,6 +20,8 @@ from typing import Optional
 
 from sglang_tiered.core.tenants import name_hash
 
+BACKEND_NAME = "tiered"  # --radix-cache-backend tiered (plugin.py registers it; hooks.py checks it)
+
 STATE_KEY = "sglang_tiered"  # key of our per-rank stats in SGLang's internal_state reply
 _PREFIX = "sglang_tiered_invalidate_"
 
