@@ -638,7 +638,7 @@ def _router_replay(with_index: bool, policy_kw: dict | None = None) -> str:
                 s.inflight = int(load.get(w, 0))
                 s.inflight_tokens = int(100 * load.get(w, 0))
 
-            async def matched(hashes, workers, held=held, no_index=no_index):
+            async def matched(hashes, workers, *_, held=held, no_index=no_index):
                 if not with_index or no_index:
                     return None
                 assert len(hashes) == min(len(tokens), 512 * 16) // 16

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sglang_tiered.fleet.router import Router
+from sglang_tiered.fleet.router import Router, tenant_digest
 from tests.conftest import ROOT
 from tests.test_fleet import _redis_server
 
@@ -92,7 +92,7 @@ def test_tenant_header_alone_names_the_tenant():
 
                 async with s.post(r_url + "/generate", data=secret, headers={"x-tenant-id": " victim "}) as resp:
                     assert resp.status == 200
-                assert router.decisions[-1]["tenant"] == "victim"
+                assert router.decisions[-1]["tenant"] == tenant_digest("victim")  # never the name itself
                 # the same prompt, no header, the victim's salt in the body: no tenant, nothing remembered
                 async with s.post(r_url + "/generate", data=secret) as resp:
                     assert resp.status == 200
@@ -148,8 +148,9 @@ def test_long_tenant_is_stored_as_a_label_and_hashed_whole():
             await w_runner.cleanup()
         labels = [d["tenant"] for d in router.decisions]
         assert len(set(labels)) == 8 and max(map(len, labels)) <= 81
-        assert len(router._seeds) == len(router._memory_seeds) == 8
-        assert max(len(k) for k in [*router._seeds, *router._memory_seeds, *router.policy._window]) <= 100
+        (seeds,) = router._seeds.values()  # one CacheKey
+        assert len(seeds) == len(router._memory_seeds) == 8
+        assert max(len(k) for k in [*(t for t, _ in seeds), *router._memory_seeds, *router.policy._window]) <= 100
 
     asyncio.run(main())
 

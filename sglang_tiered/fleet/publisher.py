@@ -27,6 +27,9 @@ from sglang_tiered.fleet.index import alive_key, ckey_key, page_key
 logger = logging.getLogger("sglang_tiered")
 
 QUEUE_MAX = 65536  # pending events (each a list of page hashes)
+# ... and pending page hashes in them all (about 64 MB): bounded in events alone, 600 events of
+# 2,048 pages took 85 MB and the worst case was 9 GB (review, session 19)
+QUEUE_PAGES = 1 << 20
 HELD_MAX = 1 << 21  # page hashes remembered for refresh (bounded; oldest forgotten first)
 BATCH_PAGES = 4096
 
@@ -44,6 +47,8 @@ class IndexPublisher:
         self.ttl_s = float(ttl_s)
         self.socket_timeout_s = socket_timeout_s
         self._q: queue.Queue = queue.Queue(maxsize=QUEUE_MAX)
+        self._pages_lock = threading.Lock()
+        self._queued_pages = 0  # page hashes in the queue's events (bounded by QUEUE_PAGES)
         self._held: OrderedDict = OrderedDict()
         self._stop = threading.Event()
         self._client = None
@@ -66,8 +71,13 @@ class IndexPublisher:
 
     # ---------------------------------------------------------------- scheduler side (never blocks)
     def _put(self, item) -> None:
+        n = len(item[1] or ())
         try:
-            self._q.put_nowait(item)
+            with self._pages_lock:
+                if self._queued_pages + n > QUEUE_PAGES:
+                    raise queue.Full
+                self._q.put_nowait(item)
+                self._queued_pages += n
         except queue.Full:
             self.stats["dropped_events"] += 1
             if item[0] != "s":  # a lost store costs a claim; a lost removal would leave one standing
@@ -84,6 +94,7 @@ class IndexPublisher:
 
     def snapshot(self) -> dict:
         return {"enabled": True, "connected": self.connected, "queued_events": self._q.qsize(),
+                "queued_pages": self._queued_pages,
                 "held_pages": len(self._held), **self.stats}  # fmt: skip
 
     def close(self) -> None:
@@ -108,7 +119,10 @@ class IndexPublisher:
             except queue.Empty:
                 break
             items.append(it)
-            n += len(it[1] or ()) + 1
+            k = len(it[1] or ())
+            with self._pages_lock:
+                self._queued_pages -= k
+            n += k + 1
         return items
 
     def _forget_all(self) -> list:
@@ -211,6 +225,9 @@ class IndexPublisher:
                 self.connected = False
                 self._client = None
                 self._resync = True
+                # fold everything queued into the held set meanwhile (the resync sends it all): a
+                # batch per back-off drained 4,096 pages per 2 s and the queue filled and dropped
+                self._apply_local(self._drain(QUEUE_PAGES + QUEUE_MAX))
                 self._stop.wait(backoff)
                 backoff = min(2.0, backoff * 2)
                 continue

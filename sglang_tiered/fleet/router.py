@@ -17,9 +17,11 @@ Per request (``/generate``, ``/v1/completions``, ``/v1/chat/completions``, strea
    chat, ``apply_chat_template(messages, add_generation_prompt=True)``, which matches SGLang's
    template path for plain text messages and is approximate otherwise: a mismatch only costs
    locality, never correctness);
-3. the same chained page hashes as the servers (seeded by the ``CacheKey`` the servers publish in
-   the index and the namespace (cache_salt, no extra key)); a background task reads that key (a
-   request never waits for it), and until it has, requests route without the index. The routing
+3. the same chained page hashes as the servers (seeded by the ``CacheKey`` each server publishes
+   in the index and the namespace (tenant, the body's ``extra_key``)); a background task re-reads
+   every worker's key every ``KEY_REFRESH_S`` (a request never waits for it; a weight update
+   re-seeds a server's key), a worker is looked up with the prompt hashed under its own key, and
+   until a key is known, requests route without the index. The routing
    memory is keyed by the router's own chain of the same pages, so it works without the index;
 4. one Redis round trip (``EVALSHA`` of ``index.LOOKUP_LUA`` over the heartbeats and the prompt's
    page keys) gives each worker's matched prefix; a lookup slower than ``--index-timeout-ms``
@@ -40,7 +42,7 @@ Per request (``/generate``, ``/v1/completions``, ``/v1/chat/completions``, strea
    as busy, and the cold rule moved the next request off its home (decisions log of the fleet test).
 
 ``GET /router/decisions`` returns the last ``DECISIONS_KEPT`` routing decisions (per request: its
-``x-request-id``, tenant, prompt tokens, what the index and the routing memory said each worker
+``x-request-id``, its tenant's digest (``tenant_digest``: the route is open, a salt is a secret), prompt tokens, what the index and the routing memory said each worker
 holds, each worker's load and queue estimate, the chosen worker, the policy's reason, the routing
 time), to explain a run after the fact (bench/fleet_live.py joins them with what the servers
 reported as cached).
@@ -69,12 +71,12 @@ import json
 import logging
 import time
 from array import array
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes
-from sglang_tiered.core.tenants import MAX_LABEL_CHARS, tenant_label
+from sglang_tiered.core.tenants import MAX_LABEL_CHARS, name_hash, tenant_label
 from sglang_tiered.fleet.index import LOOKUP_LUA, LookupConnection, alive_key, ckey_key, matched_from_lookup, page_key
 from sglang_tiered.fleet.routing import AffinityCachePolicy, FleetView, RouteRequest, token_affinity_key
 
@@ -83,6 +85,9 @@ ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 MAX_LOOKUP_PAGES = 512
 SLOW_LOOKUPS_DOWN = 3  # index lookups timing out in a row before the index is treated as down for 1 s
 MEMORY_KEY = CacheKey(model_id="sglang-tiered-router-memory")  # seeds the routing memory's page chain
+DEFAULT_PAGE_SIZE = 16  # until the workers' own is known (SGLang's default is 1; CUDA backends often 16+)
+KEY_REFRESH_S = 2.0  # the workers' CacheKeys are re-read this often
+BIG_PROMPT_CHARS = 1 << 16  # prompts longer than this are tokenized off the event loop
 DECISIONS_KEPT = 4096  # /router/decisions: the last this many (bounded; about 1 KiB each)
 # request headers not forwarded as they came (aiohttp sets them for the upstream request) ...
 HOP_REQUEST_HEADERS = frozenset(("host", "content-length", "transfer-encoding", "connection"))
@@ -157,7 +162,7 @@ class RouterStats:
 class Router:
     def __init__(self, workers: list[str], redis_url: Optional[str] = None, *, k: int = 1,
                  model_path: Optional[str] = None, tenant_header: Optional[str] = None,
-                 c_tok_us: float = 35.0, page_size: int = 16, index_ttl_s: float = 30.0,
+                 c_tok_us: float = 35.0, page_size: Optional[int] = 16, index_ttl_s: float = 30.0,
                  index_timeout_ms: float = 50.0, health_interval_s: float = 1.0, health_misses: int = 3,
                  load_poll_s: float = 0.25, policy_kw: Optional[dict] = None):  # fmt: skip
         self.workers = {w.rstrip("/"): WorkerState(w.rstrip("/")) for w in workers}
@@ -166,7 +171,10 @@ class Router:
         self.decisions: deque = deque(maxlen=DECISIONS_KEPT)
         self.model_path = model_path
         self.tenant_header = tenant_header.lower() if tenant_header else None
-        self.page_size = page_size
+        # None: learnt from the workers' /server_info (16 until one answers); a hash chain at
+        # another page size than the servers' never matches their index entries
+        self.page_size_given = page_size is not None
+        self.page_size = page_size or DEFAULT_PAGE_SIZE
         self.index_ttl_s = index_ttl_s
         self.index_timeout_s = index_timeout_ms / 1e3
         self.health_interval_s = health_interval_s
@@ -178,8 +186,12 @@ class Router:
         self.stats = RouterStats()
         self.tokenizer = None
         self._encode = None  # text -> token ids, as SGLang's tokenizer.encode(text)
-        self.cache_key: Optional[CacheKey] = None
-        self._seeds: dict = {}
+        # the servers' cache identities, per worker, re-read from the index every few seconds: a
+        # weight update re-seeds a server's key (with its own lifetime id, so two servers updated
+        # to the same weights still differ) and the router must hash with the new one
+        self.cache_keys: dict[str, CacheKey] = {}
+        self.cache_key: Optional[CacheKey] = None  # the key most workers share (RouteRequest's hashes)
+        self._seeds: dict = {}  # CacheKey -> {namespace memo: seed} (bounded)
         self._memory_seeds: dict = {}
         self._ckey_task = None
         self._redis = None
@@ -203,13 +215,7 @@ class Router:
                                             connector=aiohttp.TCPConnector(limit=0),
                                             cookie_jar=aiohttp.DummyCookieJar())  # fmt: skip
         self._session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
-        if self.model_path is None:
-            self.model_path = await self._model_path_from_workers()
-        if self.model_path:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
-            self._encode = fast_encode(self.tokenizer)
+        await self._learn_from_workers()
         if self.redis_url:
             import redis.asyncio as aredis
 
@@ -237,16 +243,68 @@ class Router:
             self._lookup_conn.close()
 
     async def _model_path_from_workers(self) -> Optional[str]:
+        import aiohttp
+
         for w in self.workers:
             try:
-                async with self._session.get(w + "/model_info") as r:
+                async with self._session.get(w + "/model_info", timeout=aiohttp.ClientTimeout(total=2)) as r:
                     return (await r.json()).get("model_path")
             except Exception:  # noqa: BLE001
                 continue
         return None
 
+    async def _page_size_from_workers(self) -> Optional[int]:
+        import aiohttp
+
+        for w in self.workers:
+            try:
+                async with self._session.get(w + "/server_info", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    ps = (await r.json(content_type=None)).get("page_size") if r.status == 200 else None
+                if isinstance(ps, int) and not isinstance(ps, bool) and ps > 0:
+                    return ps
+            except Exception:  # noqa: BLE001
+                continue
+        return None
+
+    def _learning(self) -> bool:
+        """Whether the tokenizer (unless refused with ``model_path=""``) or the page size is
+        still to be read from the workers."""
+        return (self.tokenizer is None and self.model_path != "") or not self.page_size_given
+
+    async def _learn_from_workers(self) -> None:
+        """The tokenizer (the served model's, unless ``model_path`` was given) and the page size
+        (unless given), from the workers. Called at start and then by the health loop until both
+        are known: a router started before its workers used to route every prompt as 0 tokens
+        for good (review, session 19)."""
+        if self.tokenizer is None and self.model_path != "":  # ("": no tokenizer, by request)
+            path = self.model_path or await self._model_path_from_workers()
+            if path:
+                try:
+                    from transformers import AutoTokenizer
+
+                    self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+                    self._encode = fast_encode(self.tokenizer)
+                    self.model_path = path
+                except Exception as exc:  # noqa: BLE001 - a path this host lacks: route without tokens
+                    if self.model_path:  # given by the operator: say so loudly, once
+                        raise
+                    logger.warning("router: no tokenizer at %s (%s); routing by affinity and load", path, exc)
+                    self.model_path = None
+        if not self.page_size_given:
+            ps = await self._page_size_from_workers()
+            if ps is not None:
+                if ps != self.page_size:
+                    logger.info("router: the workers' page size is %d", ps)
+                self.page_size = ps
+                self.page_size_given = True
+
     async def _health_loop(self):
         while True:
+            if self._learning():
+                try:
+                    await self._learn_from_workers()
+                except Exception:  # noqa: BLE001 - try again next round
+                    pass
             for ws in list(self.workers.values()):
                 try:
                     import aiohttp
@@ -320,13 +378,20 @@ class Router:
         return []
 
     async def _ensure_cache_key(self):
-        if self.cache_key is not None or self._redis is None:
+        """Read every worker's published CacheKey (one MGET). A worker whose key expired (it
+        stopped publishing) keeps its last one."""
+        if self._redis is None:
             return
-        for w in self.workers:
-            raw = await self._redis.get(ckey_key(w))
+        workers = list(self.workers)
+        raws = await self._redis.mget([ckey_key(w) for w in workers])
+        for w, raw in zip(workers, raws):
             if raw:
-                self.cache_key = CacheKey(**json.loads(raw))
-                return
+                try:
+                    self.cache_keys[w] = CacheKey(**json.loads(raw))
+                except (TypeError, ValueError):  # another version's key: its pages are not ours to match
+                    self.cache_keys.pop(w, None)
+        if self.cache_keys:
+            self.cache_key = Counter(self.cache_keys.values()).most_common(1)[0][0]
 
     async def _cache_key_loop(self):
         """Read the servers' CacheKey from the index, off the request path, then load the lookup
@@ -334,40 +399,74 @@ class Router:
         index for 1 s, and the requests in that second had no page hashes (so no index and, before
         the memory had its own keys, no memory); on 2 cores at a load average of 18 the fleet
         test's first routing decision took 95 ms and lookups timed out 3 times in 39 requests."""
-        while self.cache_key is None:
+        loaded = False
+        while True:
             try:
                 await asyncio.wait_for(self._ensure_cache_key(), 2.0)
-                if self.cache_key is not None and self._lookup_conn is None:  # (it loads its own)
+                if self.cache_key is not None and self._lookup_conn is None and not loaded:  # (it loads its own)
                     await asyncio.wait_for(self._redis.script_load(LOOKUP_LUA), 2.0)
+                    loaded = True
             except Exception:  # noqa: BLE001 - Redis down or slow: try again
                 pass
-            if self.cache_key is None:
-                await asyncio.sleep(0.2)
+            # until every worker's key is known, soon; then every KEY_REFRESH_S (a weight update
+            # re-seeds a server's key; until the router reads it, that server's pages do not match)
+            known = len(self.cache_keys) == len(self.workers)
+            await asyncio.sleep(KEY_REFRESH_S if known else 0.2)
 
-    def _chain(self, key: CacheKey, seeds: dict, tokens, tenant) -> list[bytes]:
+    def _chain(self, key: CacheKey, seeds: dict, tokens, tenant, extra_key=None) -> list[bytes]:
         """Chained page hashes of the prompt (its first MAX_LOOKUP_PAGES pages) under ``key``'s
-        namespace for ``tenant``; ``seeds`` caches the per-tenant seeds (bounded)."""
-        memo = memo_key(tenant)
+        namespace (``tenant``, ``extra_key``: SGLang's tree keeps each pair apart, and so do the
+        servers' hashes); ``seeds`` caches the seeds (bounded)."""
+        memo = (memo_key(tenant), memo_key(extra_key))
         s = seeds.get(memo)
         if s is None:
             if len(seeds) > 4096:
                 seeds.clear()
-            s = seeds[memo] = key.namespace_seed(tenant, None)  # the whole tenant, as the servers
+            s = seeds[memo] = key.namespace_seed(tenant, extra_key)  # the whole tenant, as the servers
         return chain_page_hashes(s, tokens[: MAX_LOOKUP_PAGES * self.page_size], self.page_size)
 
-    def hashes_of(self, tokens, tenant) -> list[bytes]:
-        """The servers' page hashes (empty until their CacheKey has been read from the index)."""
-        return [] if self.cache_key is None else self._chain(self.cache_key, self._seeds, tokens, tenant)
+    def _key_seeds(self, key: CacheKey) -> dict:
+        seeds = self._seeds.get(key)
+        if seeds is None:
+            if len(self._seeds) > 64:  # keys of servers long gone
+                self._seeds.clear()
+            seeds = self._seeds[key] = {}
+        return seeds
+
+    def hashes_of(self, tokens, tenant, extra_key=None, key: Optional[CacheKey] = None) -> list[bytes]:
+        """The servers' page hashes under ``key`` (default: the key most workers share; empty
+        until a CacheKey has been read from the index)."""
+        key = key or self.cache_key
+        return [] if key is None else self._chain(key, self._key_seeds(key), tokens, tenant, extra_key)
 
     def memory_hashes_of(self, tokens, tenant) -> list[bytes]:
         """The routing memory's page keys: a chain of the same pages under the router's own seed
         (per tenant, as the servers' namespaces), known whether or not the index is."""
         return self._chain(MEMORY_KEY, self._memory_seeds, tokens, tenant)
 
-    async def matched(self, hashes, workers) -> Optional[dict]:
-        """Matched prefix tokens per worker from the index; None when the index is unavailable."""
+    async def matched(self, hashes, workers, tokens=None, tenant=None, extra_key=None) -> Optional[dict]:
+        """Matched prefix tokens per worker from the index; None when the index is unavailable.
+        ``hashes`` are under ``cache_key``; a worker that publishes another key (``cache_keys``,
+        e.g. after a weight update) is looked up with the prompt hashed under its own, when
+        ``tokens`` are given."""
         if self._redis is None or self.cache_key is None or time.monotonic() < self._redis_down_until:
             return None  # no index, or its CacheKey not read yet (_cache_key_loop)
+        groups: dict = {}
+        for w in workers:
+            groups.setdefault(self.cache_keys.get(w, self.cache_key), []).append(w)
+        if len(groups) == 1 or tokens is None:
+            return await self._matched_one(hashes, workers)
+        parts = await asyncio.gather(*(
+            self._matched_one(hashes if key == self.cache_key else self.hashes_of(tokens, tenant, extra_key, key), ws)
+            for key, ws in groups.items()))  # fmt: skip
+        if any(p is None for p in parts):
+            return None
+        out: dict = {}
+        for p in parts:
+            out.update(p)
+        return out
+
+    async def _matched_one(self, hashes, workers) -> Optional[dict]:
         if not hashes:
             return {}
 
@@ -403,12 +502,12 @@ class Router:
             self._lookup_conn.reset()
         self._redis_down_until = time.monotonic() + 1.0
 
-    async def choose(self, tokens, tenant, exclude=(), explain: Optional[dict] = None, label=None):
+    async def choose(self, tokens, tenant, exclude=(), explain: Optional[dict] = None, label=None, extra_key=None):
         live = [w for w, s in self.workers.items() if s.healthy and w not in exclude]
         if not live:
             live = [w for w in self.workers if w not in exclude] or list(self.workers)
-        hashes = self.hashes_of(tokens, tenant)
-        matched = await self.matched(hashes, live)
+        hashes = self.hashes_of(tokens, tenant, extra_key)
+        matched = await self.matched(hashes, live, tokens, tenant, extra_key)
         if matched is None:
             self.stats.index_unavailable += 1
         max_age = 4 * self.load_poll_s
@@ -454,7 +553,10 @@ class Router:
         except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
             body = {}
         # pairs, not a dict: a header sent twice reaches the worker twice
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_REQUEST_HEADERS]
+        # (content-encoding too when aiohttp decoded the body: ``raw`` is what goes on, decoded)
+        decoded = request.headers.get("content-encoding", "").strip().lower() in ("gzip", "deflate")
+        headers = [(k, v) for k, v in request.headers.items()
+                   if k.lower() not in HOP_REQUEST_HEADERS and not (decoded and k.lower() == "content-encoding")]
         for k, v in request.headers.items():  # aiohttp keeps bytes that are not UTF-8 as lone
             try:  # surrogates, which the upstream request cannot encode: that failure must not pass
                 v.encode("utf-8")  # for the workers' (nor a tenant header's bytes for a tenant)
@@ -464,20 +566,32 @@ class Router:
             tenant = self._tenant(request, body)
         except ValueError as exc:
             return web.json_response({"error": {"message": str(exc)}}, status=400)
-        label = tenant_label(tenant) if tenant else None  # kept by the policy and the log: bounded
+        label = tenant_label(tenant) if tenant else None  # kept by the policy: bounded
         path = request.path
+        extra = body.get("extra_key") if isinstance(body, dict) else None
+        extra = extra if isinstance(extra, str) and extra else None  # (SGLang: empty is none)
         try:  # the prompt only steers locality: anything odd routes by affinity + load instead
-            tokens = token_array(self.tokens_of(path, body)) if isinstance(body, dict) else array("q")
+            if not isinstance(body, dict):
+                tokens = array("q")
+            elif len(raw) > BIG_PROMPT_CHARS and self.tokenizer is not None:
+                # a 4 MiB prompt tokenized on the event loop stalled every stream the router
+                # proxied for 7 s (review, session 19)
+                loop = asyncio.get_running_loop()
+                tokens = token_array(await loop.run_in_executor(None, self.tokens_of, path, body))
+            else:
+                tokens = token_array(self.tokens_of(path, body))
         except Exception:  # noqa: BLE001
             tokens = array("q")
         tried: list[str] = []
         for attempt in range(2):
             explain: Optional[dict] = {} if attempt == 0 else None
-            d = await self.choose(tokens, tenant, exclude=tried, explain=explain, label=label)
+            d = await self.choose(tokens, tenant, exclude=tried, explain=explain, label=label, extra_key=extra)
             ws = self.workers[d.worker]
             if attempt == 0:
                 route_ms = (time.perf_counter() - t0) * 1e3
-                self.decisions.append({"rid": request.headers.get("x-request-id"), "tenant": label,
+                # the tenant as a digest: /router/decisions is open to anyone who can reach the
+                # router, and a cache_salt is the secret that keeps tenants apart (review, session 19)
+                self.decisions.append({"rid": request.headers.get("x-request-id"), "tenant": tenant_digest(tenant),
                                        "tokens": len(tokens), **explain, "worker": d.worker, "reason": d.reason,
                                        "matched": d.matched, "route_ms": round(route_ms, 3)})  # fmt: skip
                 self.stats.requests += 1
@@ -596,6 +710,13 @@ class Router:
         app.on_startup.append(on_startup)
         app.on_cleanup.append(on_cleanup)
         return app
+
+
+def tenant_digest(tenant: Optional[str]) -> Optional[str]:
+    """A tenant as the decisions log shows it: its ``name_hash`` in hex, as the servers' own
+    invalidation keys name it (one tenant's requests stay recognisable; its name, a client's
+    secret salt, is not shown)."""
+    return None if tenant is None else f"{name_hash(tenant):016x}"
 
 
 def memo_key(tenant: Optional[str]):
