@@ -433,16 +433,25 @@ def test_stats_stay_bounded_with_many_long_salts(tiered_server):
     assert len(stats["tenants"]) <= 257 and all(len(n) <= 81 for n in stats["tenants"])
 
 
-@pytest.mark.parametrize("env", [{"SGLANG_TIERED_HOST_GB": "inf"}, {"SGLANG_TIERED_HOST_RATIO": "1e400"}])
-def test_non_finite_config_stops_the_launch(tiny_model_path, tmp_path, env):
-    """Finding 7: these passed validation and crashed the scheduler after the model loaded."""
+@pytest.mark.parametrize("env,args,says", [
+    ({"SGLANG_TIERED_HOST_GB": "inf"}, [], "finite"),
+    ({"SGLANG_TIERED_HOST_RATIO": "1e400"}, [], "finite"),
+    ({"SGLANG_TIERED_HOST_RATO": "2"}, [], "did you mean SGLANG_TIERED_HOST_RATIO"),
+    ({"SGLANG_TIERED_HOST_NAME": "dp-t1"}, ["--dp-size", "2"], "named (shared) T1 with --dp-size 2"),
+])  # fmt: skip
+def test_bad_config_stops_the_launch(tiny_model_path, tmp_path, env, args, says):
+    """Finding 7: the non-finite sizes passed validation and crashed the scheduler after the model
+    loaded; a mistyped name was ignored, and a named T1 with --dp-size 2 was turned off in each
+    scheduler after the model loaded (review, session 18: the launcher saw the environment only;
+    now a hook on SGLang's own argument check sees its arguments too)."""
     from sglang_tiered.dev.server import Server, ServerSpec, ServerStartError
 
     log = tmp_path / "bad.log"
+    spec = ServerSpec(model_path=tiny_model_path, env={"SGLANG_TIERED_HOST": "on", **env}, extra_args=args)
     with pytest.raises(ServerStartError, match="code 2"):
-        Server(ServerSpec(model_path=tiny_model_path, env={"SGLANG_TIERED_HOST": "on", **env}), log).start(timeout_s=120)
+        Server(spec, log).start(timeout_s=120)
     text = log.read_text()
-    assert "sglang-tiered: invalid configuration" in text and "finite" in text
+    assert "sglang-tiered: invalid configuration" in text and says in text
     assert "Load weight" not in text  # stopped before the model loaded
 
 

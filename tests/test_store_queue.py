@@ -39,8 +39,9 @@ class StoreQueueMachine(RuleBasedStateMachine):
         if value <= 0 or n > CAP or (freq <= 1 and 2 * self._depth() >= CAP) or pending & set(pages):
             want = False
         else:
-            want = True
-            while self._depth() + n > CAP:
+            lower = sum(len(j[2]) for j in self.model if j[1] < value)
+            want = self._depth() - lower + n <= CAP  # (else refused, and nothing dropped)
+            while want and self._depth() + n > CAP:
                 low = min(self.model, key=lambda j: (j[1], -j[0]))
                 if low[1] >= value:
                     want = False
@@ -152,4 +153,18 @@ def test_finished_jobs_do_not_accumulate():
     assert sum(written) == 20_000
     assert len(q._lo) <= q._lo_limit <= 2 * 32 + 64  # at most 32 two-page jobs queued at once
     q.offer([1, 2], [b"x", b"y"], value=5.0)
+    q.check_invariants()
+
+
+def test_a_run_that_cannot_fit_drops_nothing():
+    """Review, session 19: a queue of 10 pages holding A (4 pages, value 1) and B (6 pages, value
+    5); C (5 pages, value 3) cannot fit even without A, so A stays and C is refused (A used to be
+    dropped first, and C refused anyway)."""
+    q = StoreQueue(10, lambda job: None, threaded=False)
+    assert q.offer([1, 2, 3, 4], ["a"] * 4, 1.0) and q.offer([5, 6, 7, 8, 9, 10], ["b"] * 6, 5.0)
+    assert not q.offer([11, 12, 13, 14, 15], ["c"] * 5, 3.0)
+    assert set(q._page_job) == set(range(1, 11)) and q.stats.queued_pages == 10
+    assert q.stats.value_dropped_pages == 5  # C's pages, refused
+    assert q.offer([11, 12, 13, 14], ["d"] * 4, 3.0)  # fits once A goes: A dropped
+    assert set(q._page_job) == set(range(5, 15))
     q.check_invariants()

@@ -16,8 +16,9 @@ Rules, and the invariants ``check_invariants`` asserts:
    refused: under pressure one-shots never take a slot (``under_pressure``; the cache applies the
    same rule when it evicts a page the queue has not written: a one-shot is then not copied).
 3. **Value-drop.** When a run does not fit, strictly lower-valued pending runs leave, lowest first,
-   until it fits; if it still does not fit, the new run is the one refused. So a full queue drops
-   its least valuable pending write, never blindly the newest.
+   until it fits; if dropping all of them would still not make room, the new run is refused and
+   nothing is dropped. So a full queue drops its least valuable pending write, never blindly the
+   newest, and never for nothing.
 4. **Page fencing.** A device page is in at most one pending job. ``fence(pages)`` returns only
    when none of ``pages`` is queued or being copied: queued ones are taken out of their job (and,
    with ``run=True``, written inline first), a copy in flight is waited for. The cache fences every
@@ -104,6 +105,14 @@ class StoreQueue:
             if any(p in self._page_job for p in pages):  # already pending: keep the first offer
                 st.filtered_pages += n
                 return False
+            if st.queued_pages + n > self.capacity_pages:
+                # would dropping every strictly lower-valued pending run make room? If not, refuse
+                # now and drop nothing (dropping first lost those writes for nothing; review,
+                # session 19)
+                lower = sum(len(j.pages) for _, _, j in self._lo if j.state == QUEUED and j.pages and j.value < value)
+                if st.queued_pages - lower + n > self.capacity_pages:
+                    st.value_dropped_pages += n
+                    return False
             while st.queued_pages + n > self.capacity_pages:
                 low = self._lowest()
                 if low is None or low.value >= value:

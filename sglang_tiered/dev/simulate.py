@@ -143,7 +143,10 @@ class CacheDriver:
         self._n = 0
         self.host_loaded_tokens = 0
 
-    def run(self, token_ids, *, tenant=None, no_store=False, extra_key=None) -> RequestOutcome:
+    def run(self, token_ids, *, tenant=None, no_store=False, extra_key=None, during=None) -> RequestOutcome:
+        """One request, start to end. ``during``: called where the forward pass runs (after the
+        request's KV is computed, before its checkpoint), e.g. a weight update or an invalidation
+        that arrives while the request is in flight."""
         cache, alloc = self.cache, self.allocator
         self._n += 1
         req = SimReq(f"sim-{self._n}", token_ids, cache_salt=tenant, extra_key=extra_key, no_store=no_store)
@@ -188,6 +191,8 @@ class CacheDriver:
         # --- the forward pass would run here ---
         if self.verify_kv:
             self._forward(req, rt[row, :n], prefix_len)
+        if during is not None:
+            during()
         t1 = time.perf_counter()
         if not req.skip_radix_cache_insert:
             cache.checkpoint(req, up_to=n)

@@ -68,10 +68,13 @@ class Admission:
         cpl = req.kv.cache_protected_len
         aligned = (up_to // ps) * ps
         anchor = req.last_node if req.last_node is not None else cache.root_node
+        # KV computed under an older identity epoch (a weight update or an invalidation since the
+        # request matched) is never adopted: left to the request, freed at its release
+        stale = getattr(req, "tiered_epoch", cache.epoch) != cache.epoch
         refuse_all = no_store(req)
         counted = self._first_sighting(req.rid)
         first = counted is None
-        if refuse_all or anchor.tiered_invalid or cache.invalidation.next_is_invalid(anchor, req, cpl):
+        if refuse_all or stale or anchor.tiered_invalid or cache.invalidation.next_is_invalid(anchor, req, cpl):
             # Refuse: leave row, lock, last_node and cache_protected_len alone; release_kv_cache
             # frees [cache_protected_len, owned). No-store requests leave no trace (not even in
             # the sketch); paths through invalidated entries are never extended.

@@ -172,7 +172,7 @@ def build_host_tier(cache, ctx, cfg):
         decision = f"off: --dp-size {dp} with a named (shared) T1 is not supported"
         logger.warning("sglang-tiered: T1 %s", decision)
         return None, decision
-    fence = None
+    fence = fs = None
     if k0.is_cuda:
         fs = ctx.tp_worker.model_runner.forward_stream
         fence = fs.synchronize
@@ -183,6 +183,7 @@ def build_host_tier(cache, ctx, cfg):
     except (HostPoolError, ValueError) as exc:
         logger.warning("sglang-tiered: T1 disabled: %s", exc)
         return None, f"off: {exc}"
+    tier.forward_stream = fs  # the stream whose kernels write the KV (T1Tier._ready_event)
     restored = tier.pool.resident
     decision += f"; {pages} pages ({pages * layout.page_bytes / 1e9:.2f} GB)"
     if name:

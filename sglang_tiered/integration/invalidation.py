@@ -41,6 +41,7 @@ class Invalidation:
         """Drop matching entries now; entries a running request holds are cut off from matching
         at once and freed when released. Returns what was dropped (tokens)."""
         cache = self.cache
+        cache.epoch += 1  # KV computed before now by requests in flight is not adopted (admission)
         if version_hash is not None and any(name_hash(v) == version_hash for v in self.versions.values() if v):
             everything = True
         targets = []

@@ -9,7 +9,8 @@
   T2 device accounting: ``evictable_size_`` / ``protected_size_`` equal the sums over unlocked /
      locked nodes, and every node has one slot per token;
   plus H1-H2 (page_hashes.py), I1 (core/eviction.py), the host pool's
-  ``free + resident == capacity``, the store queue's and the policy's own checkers.
+  ``free + resident == capacity``, the store queue's and the policy's own checkers, and S4
+  (``check_store_fenced``): a page with a pending T1 write is a page of the tree.
 """
 
 from __future__ import annotations
@@ -42,8 +43,29 @@ def check_cache(cache) -> None:
     cache.hashes.check(cache.root_node)
     cache.policy.check_invariants()  # shadows of the safety duel, learned quantities bounded
     cache.eviction.check_invariants()
+    check_store_fenced(cache)
     check_index_device(cache)
     assert cache.invalidation.count >= 0, "V1 violated: negative invalidated-node count"
+
+
+def check_store_fenced(cache) -> None:
+    """S4 (page fencing, core/store_queue.py) from the cache's side: every device page with a
+    pending T1 write belongs to a node of the tree. A pending write of a freed page would copy
+    whatever the page holds next into T1 under the old hash (review, session 19: no checker saw it)."""
+    store = cache.t1.store if cache.t1 is not None else None
+    if store is None:
+        return
+    with store._cv:
+        pending = set(store._page_job)
+    if not pending:
+        return
+    tree = set()
+    stack = list(cache.root_node.children.values())
+    while stack:
+        n = stack.pop()
+        stack.extend(n.children.values())
+        tree.update(cache.t1._page_ids(n))
+    assert pending <= tree, ("S4 violated: pending T1 writes of pages outside the tree", sorted(pending - tree)[:8])
 
 
 def check_index_device(cache) -> None:

@@ -127,11 +127,14 @@ class T1Tier:
 
     # ------------------------------------------------------------------ stores
     def _ready_event(self):
-        """On CUDA, an event after the forward passes that wrote the pages being offered."""
+        """On CUDA, an event after the forward passes that wrote the pages being offered:
+        recorded on the model runner's forward stream, where those kernels run (on the current
+        stream, SGLang's overlap loop only waits for a forward's shared reads, not its KV writes,
+        when the prefill read-done fast path is on: review, session 19; not yet checked on a GPU)."""
         if not self.host.k_buffers[0].is_cuda:
             return None
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(getattr(self.host, "forward_stream", None))
         return ready
 
     def _offer(self, node, ready, kind: str, pages=None, hashes=None) -> int:

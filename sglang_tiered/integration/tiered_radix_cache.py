@@ -63,6 +63,12 @@ class TieredRadixCache(RadixCache):
         self.base_key = self.cache_key  # the identity at start-up (before any weight update)
         self.weight_version: Optional[str] = None  # SGLang's --weight-version, then each update's
         self.weight_updates = 0  # weight updates seen (on_weights_updated)
+        # Identity epoch: +1 at every weight update and invalidation. A request records it when it
+        # matches holding no KV of its own (``match_prefix``); KV it computed under an older epoch
+        # is never adopted (``Admission.plan``): a request in flight across a weight update (the
+        # in-place pause of RL weight syncs) or an invalidation computed it before (review,
+        # session 19: T1 then served old-weights KV, and a deleted tenant's pages).
+        self.epoch = 0
         # SGLang released the KV pool (release_memory_occupation, until resume): its pages
         # cannot be read, so a flush drops the device tree instead of demoting it (hooks.py)
         self.kv_released = False
@@ -223,6 +229,7 @@ class TieredRadixCache(RadixCache):
           still holds old-weights KV, whose page hashes chain from the old seed: T1 and T2 are
           paused (no probe, store or demotion) and the new seed applied when the tree is empty
           again (the next ``reset``, or the batch end after the last node left)."""
+        self.epoch += 1  # KV that requests in flight computed before now is never adopted (admission)
         self.weight_updates += 1
         if weight_version is not None:
             self.weight_version = str(weight_version)
@@ -272,6 +279,9 @@ class TieredRadixCache(RadixCache):
 
     def match_prefix(self, params):
         self.clock.now()
+        req = params.req
+        if req is not None and getattr(req.kv, "req_pool_idx", None) is None:
+            req.tiered_epoch = self.epoch  # (no KV of its own yet: what it computes is of this epoch)
         result = super().match_prefix(params)
         self.clock.stamp(result.last_device_node, self.root_node)
         result = self.invalidation.cut_match(result)
@@ -333,12 +343,19 @@ class TieredRadixCache(RadixCache):
         self.admission.forget(req.rid)
         if self.t1 is not None:
             self.t1.forget(req.rid)
-        tc = self.tenant(req.cache_salt)
-        tc.requests += 1
-        tc.prompt_tokens += len(req.origin_input_ids)
-        cached = int(getattr(req, "cached_tokens", 0) or 0)
-        tc.cached_tokens += cached
-        tc.requests_hit += cached > 0
+        # A request retracted at decode (out of memory) or preempted is released unfinished and
+        # later re-admitted as the same ``Req`` (schedule_batch.py ``release_req``, then
+        # ``reset_for_retract``): its tenant counts it once, at its first release. (Its pages do
+        # go through the sketch and the duel's shadows again: the re-admission is a real second
+        # reference in SGLang's tree too, which the shadows must replay.)
+        if not getattr(req, "tiered_released", False):
+            req.tiered_released = True
+            tc = self.tenant(req.cache_salt)
+            tc.requests += 1
+            tc.prompt_tokens += len(req.origin_input_ids)
+            cached = int(getattr(req, "cached_tokens", 0) or 0)
+            tc.cached_tokens += cached
+            tc.requests_hit += cached > 0
         super().on_release(req, checkpointed=checkpointed)
 
     def flush_pending_backups(self) -> None:

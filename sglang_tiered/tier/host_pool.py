@@ -552,6 +552,7 @@ class HostPool:
         assert len(self.lru) == self.resident and self.cold <= set(self.lru)
         assert len(set(self.free)) == len(self.free)
         held = set(self.slot_of.values())
+        assert set(self.lru) == held, "the LRU list names other slots than the index"  # (review, session 19)
         assert not set(self.free) & held
         assert not set(self.staged.values()) & (held | set(self.free))
         assert not set(self.staged) & set(self.slot_of)

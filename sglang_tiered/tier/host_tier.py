@@ -61,6 +61,7 @@ class HostTier:
         pool.own_heads = slice(self.h0, self.h0 + len(self.heads))
         self.layer_offset = layer_offset
         self.stream_fence = stream_fence  # callable: order copies after the forward stream (CUDA)
+        self.forward_stream = None  # CUDA: the model runner's forward stream (integration/host_setup.py)
         self.stats = HostTierStats()
         # The store queue's worker demotes while the scheduler promotes, probes and invalidates:
         # every change to the pool's index and every copy runs under this lock.
