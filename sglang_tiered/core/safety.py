@@ -345,8 +345,9 @@ class SafetyDuel:
         over = set(self._over)
         self._over.clear()
         if dv is not None:
-            over &= dv.L
-            over -= dv.R
+            held = dv.held()  # (over the cap means counting: the sources are a safety net)
+            over &= dv.L if held else set(dv.l_pages())
+            over -= dv.R if held else set(dv.r_pages())
             self.stats.cap_over_kept += len(over)
 
     def div_cost(self, hashes) -> int:
@@ -360,13 +361,18 @@ class SafetyDuel:
         The divergence cap can act only then."""
         return self._lru_tree and self.cfg.guard_return_priced and self._leader is None
 
-    def track_real_pages(self) -> None:
+    def track_real_pages(self, real_pages=None) -> None:
         """From now on the real cache (empty now) reports every page it stores and removes, so
-        a switch back to lru can be priced (``prices_divergence``)."""
+        a switch back to lru can be priced (``prices_divergence``). ``real_pages``: a callable
+        returning the real cache's pages now; with it the two sides are read whole when an
+        episode away from lru starts and not kept while lru is followed (``Divergence``)."""
         if not self.prices_divergence() or self._div is not None:
             return
-        dv = self._div = Divergence()
-        dv.L.update(self._shadow.pages())
+        if real_pages is not None:
+            dv = self._div = Divergence(self._shadow.pages, real_pages)
+        else:
+            dv = self._div = Divergence()
+            dv.L.update(self._shadow.pages())
         self._shadow.track = dv
         if self.following != "lru":
             dv.start()

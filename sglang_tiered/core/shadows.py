@@ -193,24 +193,41 @@ class Divergence:
     converged back), also ``only_l = |L - R|`` and ``only_r = |R - L|`` page by page. ``only_l``
     prices a switch back to lru: the pages lru would hit that the real cache must first miss.
 
-    Invariants (``check``): while counting, the counts equal the set differences."""
+    With sources (``l_pages``, ``r_pages``: callables returning each side's pages now) the sets
+    are kept only while counting: ``start`` reads both sides whole, ``stop`` drops them, and the
+    updates in between are ignored. While lru is followed (most requests) that saves two set
+    updates per page stored or dropped on each side (13 % of the cache's time at page size 1,
+    family-090 at 2 %, session 20) for one read of both trees per episode away from lru.
 
-    __slots__ = ("L", "R", "counting", "only_l", "only_r")
+    Invariants (``check``): while counting, the counts equal the set differences (and, with
+    sources, the sets equal what the sources return)."""
 
-    def __init__(self):
+    __slots__ = ("L", "R", "counting", "only_l", "only_r", "l_pages", "r_pages")
+
+    def __init__(self, l_pages=None, r_pages=None):
         self.L: set = set()
         self.R: set = set()
         self.counting = False
         self.only_l = self.only_r = 0
+        self.l_pages, self.r_pages = l_pages, r_pages  # both or neither
+        assert (l_pages is None) == (r_pages is None), "a lazy divergence needs both sources"
+
+    @property
+    def lazy(self) -> bool:
+        return self.l_pages is not None
 
     def start(self) -> None:
         if not self.counting:
+            if self.lazy:
+                self.L, self.R = set(self.l_pages()), set(self.r_pages())
             self.only_l, self.only_r = len(self.L - self.R), len(self.R - self.L)
             self.counting = True
 
     def stop(self) -> None:
         self.counting = False
         self.only_l = self.only_r = 0
+        if self.lazy:
+            self.L, self.R = set(), set()
 
     @staticmethod
     def _apply(pages, mine: set, other: set, add: bool) -> tuple:
@@ -228,7 +245,8 @@ class Divergence:
 
     def l_add(self, pages) -> None:
         if not self.counting:
-            self.L.update(pages)
+            if self.l_pages is None:
+                self.L.update(pages)
             return
         shared, alone = self._apply(pages, self.L, self.R, True)
         self.only_r -= shared
@@ -236,7 +254,8 @@ class Divergence:
 
     def l_remove(self, pages) -> None:
         if not self.counting:
-            self.L.difference_update(pages)
+            if self.l_pages is None:
+                self.L.difference_update(pages)
             return
         shared, alone = self._apply(pages, self.L, self.R, False)
         self.only_r += shared
@@ -244,7 +263,8 @@ class Divergence:
 
     def r_add(self, pages) -> None:
         if not self.counting:
-            self.R.update(pages)
+            if self.l_pages is None:
+                self.R.update(pages)
             return
         shared, alone = self._apply(pages, self.R, self.L, True)
         self.only_l -= shared
@@ -252,7 +272,8 @@ class Divergence:
 
     def r_remove(self, pages) -> None:
         if not self.counting:
-            self.R.difference_update(pages)
+            if self.l_pages is None:
+                self.R.difference_update(pages)
             return
         shared, alone = self._apply(pages, self.R, self.L, False)
         self.only_l += shared
@@ -267,6 +288,14 @@ class Divergence:
         if self.counting:
             assert self.only_l == len(self.L - self.R), ("only_l", self.only_l, len(self.L - self.R))
             assert self.only_r == len(self.R - self.L), ("only_r", self.only_r, len(self.R - self.L))
+            if self.lazy:
+                assert self.L == set(self.l_pages()) and self.R == set(self.r_pages()), "stale sides"
+        elif self.lazy:
+            assert not self.L and not self.R, "a lazy divergence keeps no sets while not counting"
+
+    def held(self) -> bool:
+        """Whether ``L`` and ``R`` are the two sides' pages now (always, unless lazy and idle)."""
+        return self.counting or not self.lazy
 
 
 class _Node:
@@ -494,5 +523,5 @@ class TreeShadow:
                 stack.append(c)
         assert seen == self.used <= self.cap, (seen, self.used, self.cap)
         if self.track is not None:
-            assert self.track.L == self.pages(), "the divergence's L is not the tree's pages"
+            assert not self.track.held() or self.track.L == self.pages(), "the divergence's L is not the tree's pages"
             self.track.check()

@@ -8,6 +8,18 @@ request computes. The listener only queues (never on the request path's critical
 from __future__ import annotations
 
 
+def tree_pages(root) -> set:
+    """The page hashes of every node of the device tree under ``root`` (those that have them:
+    the pages ``IndexHints`` was told of)."""
+    held, stack = set(), list(root.children.values())
+    while stack:
+        n = stack.pop()
+        stack.extend(n.children.values())
+        if n.tiered_hashes:
+            held.update(n.tiered_hashes)
+    return held
+
+
 class IndexHints:
     """I1 (with a listener): ``device`` == the page hashes of the device tree's nodes, so that a
     page T1 drops is reported gone only when the device does not hold it too (T1 keeps copies of

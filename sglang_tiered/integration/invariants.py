@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+from sglang_tiered.integration.index_hints import tree_pages
+
 
 def check_tree(cache) -> None:
     """T1, T2 over the whole device tree."""
@@ -72,15 +74,11 @@ def check_index_device(cache) -> None:
     """I1 of index_hints.py: with a listener, the hint index's device set is the tree's pages;
     and the safety duel's record of the real cache's pages (``Divergence.R``) is too."""
     div = getattr(cache.policy, "_div", None)
+    if div is not None and not div.held():
+        div = None  # (lazy and lru followed: no record kept; it is read from the tree when needed)
     if cache.index.listener is None and div is None:
         return
-    held = set()
-    stack = list(cache.root_node.children.values())
-    while stack:
-        n = stack.pop()
-        stack.extend(n.children.values())
-        if n.tiered_hashes:
-            held.update(n.tiered_hashes)
+    held = tree_pages(cache.root_node)
     if cache.index.listener is not None:
         assert held == cache.index.device, ("I1 violated: index device set", len(held), len(cache.index.device))
     if div is not None:

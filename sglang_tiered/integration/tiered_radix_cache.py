@@ -41,7 +41,7 @@ from sglang_tiered.integration import build, tree_ops
 from sglang_tiered.integration.admission import Admission
 from sglang_tiered.integration.clock import LogicalClock
 from sglang_tiered.integration.evict import Eviction
-from sglang_tiered.integration.index_hints import IndexHints
+from sglang_tiered.integration.index_hints import IndexHints, tree_pages
 from sglang_tiered.integration.invalidation import Invalidation
 from sglang_tiered.integration.invariants import check_cache
 from sglang_tiered.integration.page_hashes import PageHashes
@@ -87,7 +87,7 @@ class TieredRadixCache(RadixCache):
         self.invalidation = Invalidation(self)
         self.index = IndexHints()  # fleet hint index (sglang_tiered.fleet.publisher)
         self.index.policy = self.policy
-        self.policy.track_real_pages()
+        self.policy.track_real_pages(self.device_pages)
         self.t1: Optional[Tier] = None  # the host tier (T1Tier), when on
         self.host_decision = "off"
         self.t2_decision = "off: SGLANG_TIERED_T2 unset"
@@ -97,6 +97,11 @@ class TieredRadixCache(RadixCache):
 
             self.metrics = TieredMetrics()
         super().__init__(params)
+
+    def device_pages(self) -> set:
+        """The page hashes of the device tree now (none before SGLang's ``reset`` built it)."""
+        root = getattr(self, "root_node", None)
+        return set() if root is None else tree_pages(root)
 
     # ------------------------------------------------------------------ construction
     @classmethod
