@@ -67,3 +67,33 @@ def test_estimate_counts_a_key_exactly_without_collisions():
     for _ in range(3):
         s.increment(k)
     assert s.estimate(k) == 4
+
+
+def test_large_caches_sample_harder_and_age_per_reference():
+    """Caches over ``scale_sample_pages`` count one hash bit fewer per doubling (session 20: at
+    page size 1 a page is a token, and a 148k-page cache spent 20 % of its time in the sketch and
+    the miniatures); below it the masks are the defaults. The miniatures' sample stays within the
+    counted one, and the sketch ages after as many references as at the default sample."""
+    import random
+
+    from sglang_tiered.core.policy import AdaptivePolicy, PolicyConfig, sample_shift
+
+    cfg = PolicyConfig()
+    assert [sample_shift(c, cfg) for c in (1, 128, 1 << 15)] == [0, 0, 0]
+    assert [sample_shift(c, cfg) for c in ((1 << 15) + 1, 1 << 16, (1 << 16) + 1, 1 << 30)] == [1, 1, 2, 5]
+    base = AdaptivePolicy(1 << 15)
+    assert (base._sketch_mask, base._duel_mask) == (3, 7)
+    rng = random.Random(0)
+    for cap in (40_000, 150_000, 1 << 21):
+        pol = AdaptivePolicy(cap)
+        x = sample_shift(cap, cfg)
+        assert pol._sketch_mask == (4 << x) - 1 and pol._duel_mask == (8 << x) - 1 <= 255
+        assert pol._sketch_mask & pol._duel_mask == pol._sketch_mask
+        # aging: (10 x width) counted additions at the default 1-in-4, so 40 x width references
+        assert pol.sketch.sample_size * (pol._sketch_mask + 1) == 10 * pol.sketch.width * 4
+        assert pol._mini_cap == cap // (pol._duel_mask + 1)
+        for _ in range(20):  # a few requests: the structures stay consistent
+            pages = [rng.randbytes(16) for _ in range(rng.randrange(1, 300))]
+            pol.begin_request()
+            pol.observe(pages, 0)
+        pol.check_invariants()

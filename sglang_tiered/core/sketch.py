@@ -18,7 +18,9 @@ DEPTH = 4  # rows; the code below is unrolled for four
 
 
 class FrequencySketch:
-    def __init__(self, capacity: int, sample_factor: int = 10):
+    def __init__(self, capacity: int, sample_factor: int = 10, sample_shift: int = 0):
+        """``sample_shift``: the caller counts ``2**sample_shift`` times fewer pages than its
+        default sample; the sketch ages after as many references as it would at that sample."""
         width = 16
         while width < max(16, capacity):
             width <<= 1
@@ -27,7 +29,7 @@ class FrequencySketch:
         self.rows = [bytearray(width) for _ in range(DEPTH)]
         self.door_bits = width * 8
         self.door = bytearray(self.door_bits // 8)
-        self.sample_size = max(64, sample_factor * width)
+        self.sample_size = max(64, (sample_factor * width) >> sample_shift)
         self.additions = 0
         self.resets = 0
 
