@@ -24,6 +24,36 @@ def test_trace_replay_small(tmp_path):
     assert (tmp_path / "trace_replay.png").stat().st_size > 0
 
 
+def test_recheck_cells_replays_the_recorded_cells(tmp_path):
+    """bench/recheck_cells.py replays exactly the recorded cells over its filter: a recorded
+    family row (made here from the same replay) comes back with the same hit rates."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import trace_replay
+
+    from sglang_tiered.dev import workload_family as wf
+
+    reqs = wf.generate(wf.draw(21))
+    total = sum(len(r.tokens) for r in reqs)
+    rows = []
+    for pages in (40, 200):
+        lru = trace_replay.replay_sglang(reqs, pages * 16, "lru")["hit_tokens"] / total
+        tiered = trace_replay.replay_tiered(reqs, pages * 16)["hit_tokens"] / total
+        rows.append({"workload": "family-021", "fraction": pages / 1000, "capacity_pages": pages, "lru": lru,
+                     "tiered": tiered, "best_sglang": max(lru, tiered), "bookkeeping_vs_lru": 1.0})  # fmt: skip
+    src = tmp_path / "family.json"
+    src.write_text(json.dumps({"page_size": 16, "rows": rows}))
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "recheck_cells.py"), str(src), "--page-size", "16",
+                          "--min-pages", "100", "--name", "re", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads((tmp_path / "re.json").read_text())
+    assert [r["capacity_pages"] for r in doc["rows"]] == [200]
+    assert doc["summary"]["hit_rate_changed"] == 0 and doc["summary"]["lru_changed"] == 0
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "recheck_cells.py"), str(src), "--page-size", "1",
+                          "--name", "re", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert bad.returncode != 0 and "page size 16" in bad.stderr
+
+
 def test_kernel_bench_cpu(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_bench.py"), "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=600)  # fmt: skip
