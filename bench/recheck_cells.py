@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--min-pages", type=int, default=0, help="only cells of more pages than this")
     ap.add_argument("--name", required=True)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--git-sha", help="record this sha (when run from an exported copy)")
     args = ap.parse_args(argv)
     recorded = json.loads(pathlib.Path(args.results).read_text())
     if recorded.get("page_size", 16) != args.page_size:
@@ -92,7 +93,10 @@ def main(argv=None) -> int:
         "bookkeeping_max_recorded": max(x["bookkeeping_vs_lru_recorded"] for x in rows),
     }
     out = pathlib.Path(args.out) / f"{args.name}.json"
-    out.write_text(json.dumps({"environment": trace_replay.environment(), "source": pathlib.Path(args.results).name,
+    env = trace_replay.environment()
+    if args.git_sha:
+        env["git_sha"] = args.git_sha
+    out.write_text(json.dumps({"environment": env, "source": pathlib.Path(args.results).name,
                                "page_size": args.page_size, "min_pages": args.min_pages,
                                "wall_s": round(time.time() - t0), "summary": summary, "rows": rows}, indent=1))  # fmt: skip
     print(json.dumps(summary, indent=1))
