@@ -1,7 +1,8 @@
 """Adaptive admission by set dueling (a mixin of ``AdaptivePolicy``): page-level miniatures
 (``core/miniature.py``) that admit everything, admit by TinyLFU, and (the entry gate's yardstick)
-follow plain lru, over a hash-sampled 1-in-8 subset of pages; the real cache filters admissions
-while the TinyLFU miniature wins. See the docstring of ``core/policy.py``.
+follow plain lru, over a hash-sampled 1-in-8 subset of pages (sparser over
+``scale_sample_pages``: ``policy.sample_shift``); the real cache filters admissions while the
+TinyLFU miniature wins. See the docstring of ``core/policy.py``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from sglang_tiered.core.miniature import MiniCache
 class AdmissionDuel:
     def _init_admission(self) -> None:
         """The miniatures and their decayed scores."""
-        # Set dueling on admission: miniatures over a hash-sampled 1-in-8 subset of pages, each
-        # with capacity/8 (SHARDS-style spatial sampling), both under the real eviction order.
+        # Set dueling on admission: miniatures over a hash-sampled 1-in-8 subset of pages (1 in
+        # 16-256 over scale_sample_pages), each with the capacity sampled as much (SHARDS-style
+        # spatial sampling), under the real eviction order.
         self._mini_cap = max(4, self.capacity_pages // (self._duel_mask + 1))
         # the third miniature is plain lru (k = 0): the yardstick adaptive must beat to be followed
         self._minis = [MiniCache(False, self._mini_cap), MiniCache(True, self._mini_cap),
