@@ -6,6 +6,7 @@ workload, at 0.5/1/2/5/10/20 % of each workload's unique pages.
     .venv/bin/python bench/workload_family.py                       # 200 workloads + 2 traces
     .venv/bin/python bench/workload_family.py --n 20 --no-traces    # a quick look
     .venv/bin/python bench/workload_family.py --from-partial         # results of an unfinished run
+    .venv/bin/python bench/workload_family.py --n 0 --no-traces --trace-file my_trace.jsonl   # your own trace
 
 Finished workloads are appended to ``<name>.partial.jsonl`` as they finish, so a run cut short
 still leaves its cells (``--from-partial`` writes the CSV/JSON/PNG from them).
@@ -61,6 +62,11 @@ def _load(spec):
     if kind == "family":
         p = wf.draw(arg)
         return f"family-{arg:03d}", wf.generate(p), p.as_dict()
+    if kind == "file":  # an operator's trace (--trace-file)
+        from sglang_tiered.dev.workloads import load_trace
+
+        path, tpb, bs = arg
+        return pathlib.Path(path).name.split(".")[0], load_trace(path, tpb, bs), {"file": path, "tokens_per_block": tpb, "block_size": bs}
     if kind == "mooncake":
         return "mooncake", load_mooncake(ROOT / "bench" / "data" / "mooncake_conversation_trace.jsonl.gz"), {}
     return "multitenant", multi_tenant(n_requests=arg, seed=0), {"n_requests": arg}
@@ -138,6 +144,15 @@ def main(argv=None) -> int:
     ap.add_argument("--traces", nargs="+", choices=["mooncake", "multitenant"], default=["mooncake", "multitenant"],
                     help="which named traces to run (unless --no-traces)")
     ap.add_argument("--multitenant-requests", type=int, default=4000)
+    ap.add_argument("--trace-file", nargs="+", default=[], metavar="PATH",
+                    help="your own traces (JSONL, .gz too): Mooncake's format (hash_ids, input_length) "
+                         "or token ids (input_ids); optional tenant, timestamp, output_length "
+                         "(sglang_tiered/dev/workloads.py load_trace). Runs with the rest; "
+                         "--n 0 --no-traces runs them alone")  # fmt: skip
+    ap.add_argument("--trace-block-size", type=int, default=512,
+                    help="tokens per hash block in the trace files' hash_ids (Mooncake's: 512)")
+    ap.add_argument("--trace-block-tokens", type=int, default=16,
+                    help="tokens each hash block becomes in the replay (16: one page at page size 16)")
     ap.add_argument("--fractions", type=float, nargs="+", default=FRACTIONS)
     ap.add_argument("--no-belady", action="store_true")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
@@ -162,6 +177,18 @@ def main(argv=None) -> int:
     specs = []
     if not args.no_traces:
         specs += [(t, args.multitenant_requests if t == "multitenant" else 0) for t in args.traces]
+    for path in args.trace_file:  # a bad file fails here, with its line, before any worker starts
+        from sglang_tiered.dev.workloads import load_trace
+
+        try:
+            load_trace(path, args.trace_block_tokens, args.trace_block_size)
+        except (OSError, ValueError) as exc:
+            print(f"workload_family.py: --trace-file {path}: {exc}", file=sys.stderr)
+            return 2
+        specs.append(("file", (str(pathlib.Path(path).resolve()), args.trace_block_tokens, args.trace_block_size)))
+    if len({pathlib.Path(p).name.split(".")[0] for p in args.trace_file}) < len(args.trace_file):
+        print("workload_family.py: --trace-file names must differ before their first dot", file=sys.stderr)
+        return 2
     specs += [("family", s) for s in range(args.start, args.start + args.n)]
     overrides = dict(_override(kv) for kv in args.policy)
     _policy_config(overrides)  # a bad name or value fails here, not in a worker
@@ -266,6 +293,13 @@ def summarize(rows) -> dict:
         "mooncake": {r["fraction"]: {"tiered": round(r["tiered"], 4), "lru": round(r["lru"], 4),
                                      "best_sglang": round(r["best_sglang"], 4),
                                      "bookkeeping_vs_lru": round(r["bookkeeping_vs_lru"], 3)} for r in mc},
+        # every trace that is not a generated workload (the named ones and --trace-file's), per
+        # capacity, and its bookkeeping over the whole replay
+        "traces": {w: {"bookkeeping_vs_lru": round(ratios[w], 3),
+                       "cells": {r["fraction"]: {k: round(r[k], 4) if isinstance(r[k], float) else r[k] for k in (
+                           "capacity_pages", "tiered", "lru", "best_sglang", "best_sglang_policy", "belady",
+                           "margin_vs_lru", "margin_vs_best")} for r in rows if r["workload"] == w}}
+                   for w in ratios if not w.startswith("family-")},
     }  # fmt: skip
 
 

@@ -54,6 +54,58 @@ def test_recheck_cells_replays_the_recorded_cells(tmp_path):
     assert bad.returncode != 0 and "page size 16" in bad.stderr
 
 
+def test_family_runs_an_operators_trace_file(tmp_path):
+    """``workload_family.py --trace-file``: a Mooncake-format trace (hash_ids, tenants) and a
+    token-id trace run through every policy like the named traces; a bad line fails fast with
+    its file and line (exit 2), before any replay."""
+    import random
+
+    rng = random.Random(1)
+    mc, tok = tmp_path / "mine.jsonl", tmp_path / "tokens.jsonl"
+    with open(mc, "w") as f:
+        for i in range(200):
+            doc = rng.randrange(10)
+            ids = [1000 * doc + j for j in range(rng.randrange(2, 10))] + [10**6 + i]
+            f.write(json.dumps({"timestamp": i, "input_length": 512 * (len(ids) - 1) + 9, "hash_ids": ids,
+                                "tenant": f"t{doc % 3}"}) + "\n")  # fmt: skip
+    with open(tok, "w") as f:
+        for i in range(100):
+            f.write(json.dumps({"input_ids": list(range(64 * (1 + i % 3))) + [rng.randrange(9000) for _ in range(40)]}) + "\n")
+    cmd = [sys.executable, str(ROOT / "bench" / "workload_family.py"), "--n", "0", "--no-traces", "--fractions", "0.05",
+           "0.2", "--workers", "1", "--no-belady", "--out", str(tmp_path), "--name", "mine"]  # fmt: skip
+    out = subprocess.run(cmd + ["--trace-file", str(mc), str(tok)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads((tmp_path / "mine.json").read_text())
+    assert {r["workload"] for r in doc["rows"]} == {"mine", "tokens"} and len(doc["rows"]) == 4
+    assert set(doc["summary"]["traces"]) == {"mine", "tokens"}
+    assert all(r["tiered"] >= r["lru"] - 0.002 for r in doc["rows"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [1, 2]}\n{"hash_ids": []}\n')
+    out = subprocess.run(cmd + ["--trace-file", str(bad)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and "bad.jsonl:2: hash_ids must be a non-empty list" in out.stderr, out.stderr
+
+
+def test_load_trace_shapes_and_errors(tmp_path):
+    from sglang_tiered.dev.workloads import load_mooncake, load_trace
+
+    src = ROOT / "bench" / "data" / "mooncake_conversation_trace.jsonl.gz"
+    a, b = load_mooncake(src, limit=50), load_trace(src, limit=50, kind="mooncake")
+    assert [(r.tokens, r.tenant, r.arrival_s) for r in a] == [(r.tokens, r.tenant, r.arrival_s) for r in b]
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"hash_ids": [7, 8], "input_length": 600, "cache_salt": "x"}\n\n{"tokens": [3, 4, 5]}\n')
+    r = load_trace(p, tokens_per_block=4, block_size=512)
+    assert [len(q.tokens) for q in r] == [5, 3] and [q.tenant for q in r] == ["x", None]
+    for line, msg in [("[1]", "JSON object"), ("{}", "needs hash_ids"), ('{"input_ids": [1.5]}', "non-negative"),
+                      ('{"input_ids": [1], "tenant": 3}', "tenant must be a string"), ("{", "not JSON"),
+                      ('{"hash_ids": [1], "input_length": 0}', "input_length")]:  # fmt: skip
+        p.write_text(line + "\n")
+        with pytest.raises(ValueError, match=msg):
+            load_trace(p)
+    p.write_text("\n")
+    with pytest.raises(ValueError, match="no requests"):
+        load_trace(p)
+
+
 def test_kernel_bench_cpu(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_bench.py"), "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=600)  # fmt: skip

@@ -46,30 +46,79 @@ def load_mooncake(path, tokens_per_block: int = 16, limit: int | None = None) ->
     its own id in the trace, so it is never shared)."""
     if not path:
         raise ValueError("load_mooncake needs the trace path (e.g. bench/data/mooncake_conversation_trace.jsonl.gz)")
+    return load_trace(path, tokens_per_block, 512, limit, kind="mooncake")
+
+
+def load_trace(path, tokens_per_block: int = 16, block_size: int = 512, limit: int | None = None,
+               kind: str | None = None) -> list[Request]:  # fmt: skip
+    """Read an operator's request trace (JSONL, optionally gzipped), one request per line, in
+    either of two shapes (a file may mix them):
+
+    - Mooncake's: ``hash_ids`` (one id per ``block_size``-token block of the prompt, equal ids
+      for equal prefixes) and ``input_length``; each block maps to ``tokens_per_block``
+      deterministic tokens (the last, partial block in proportion), as ``load_mooncake`` does;
+    - token ids: ``input_ids`` (or ``tokens``), a list of non-negative integers, used as they are.
+
+    Optional on both: ``tenant`` (or ``cache_salt``), a string, the request's tenant (replayed as
+    its cache salt: tenants never share entries); ``timestamp`` (ms); ``output_length``. A line
+    that is neither shape, or a bad field, raises ``ValueError`` naming the file and line."""
+    if tokens_per_block < 1 or block_size < 1:
+        raise ValueError(f"tokens_per_block and block_size must be >= 1, got {tokens_per_block}, {block_size}")
     path = pathlib.Path(path)
+    kind = kind or path.name.split(".")[0]
     opener = gzip.open if path.suffix == ".gz" else open
     reqs: list[Request] = []
-    cache: dict[int, list[int]] = {}
+    cache: dict = {}
     with opener(path, "rt") as f:
-        for line in f:
+        for lineno, line in enumerate(f, 1):
             if limit is not None and len(reqs) >= limit:
                 break
-            r = json.loads(line)
-            ids = r["hash_ids"]
-            toks: list[int] = []
-            for j, h in enumerate(ids):
-                if h not in cache:
-                    cache[h] = block_tokens(h, tokens_per_block)
-                if j == len(ids) - 1:
-                    rem = r["input_length"] - 512 * (len(ids) - 1)
-                    k = max(1, min(tokens_per_block, math.ceil(rem * tokens_per_block / 512)))
-                    toks += cache[h][:k]
-                else:
-                    toks += cache[h]
-            reqs.append(
-                Request(array("q", toks), None, "mooncake", r["timestamp"] / 1000.0,
-                        max(1, min(r.get("output_length", 1), 64)))
-            )  # fmt: skip
+            if not line.strip():
+                continue
+            where = f"{path.name}:{lineno}"
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+            if not isinstance(r, dict):
+                raise ValueError(f"{where}: a request is a JSON object, got {type(r).__name__}")
+            tenant = r.get("tenant", r.get("cache_salt"))
+            if tenant is not None and not isinstance(tenant, str):
+                raise ValueError(f"{where}: tenant must be a string, got {tenant!r}")
+            ids = r.get("hash_ids")
+            if ids is not None:
+                if not isinstance(ids, list) or not ids:
+                    raise ValueError(f"{where}: hash_ids must be a non-empty list")
+                length = r.get("input_length", block_size * len(ids))
+                if not isinstance(length, int) or length < 1:
+                    raise ValueError(f"{where}: input_length must be a positive integer, got {length!r}")
+                toks: list[int] = []
+                for j, h in enumerate(ids):
+                    if not isinstance(h, (int, str)) or isinstance(h, bool):
+                        raise ValueError(f"{where}: hash_ids holds {h!r} (ids are integers or strings)")
+                    if h not in cache:
+                        cache[h] = block_tokens(h, tokens_per_block)
+                    if j == len(ids) - 1:
+                        rem = length - block_size * (len(ids) - 1)
+                        k = max(1, min(tokens_per_block, math.ceil(rem * tokens_per_block / block_size)))
+                        toks += cache[h][:k]
+                    else:
+                        toks += cache[h]
+            else:
+                raw = r.get("input_ids", r.get("tokens"))
+                if raw is None:
+                    raise ValueError(f"{where}: a request needs hash_ids (Mooncake's format) or input_ids")
+                if (not isinstance(raw, list) or not raw
+                        or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63 for t in raw)):
+                    raise ValueError(f"{where}: input_ids must be a non-empty list of non-negative integers")  # fmt: skip
+                toks = raw
+            ts = r.get("timestamp", 1000.0 * len(reqs))
+            out = r.get("output_length", 1)
+            if not isinstance(ts, (int, float)) or not isinstance(out, int):
+                raise ValueError(f"{where}: timestamp and output_length must be numbers")
+            reqs.append(Request(array("q", toks), tenant, kind, ts / 1000.0, max(1, min(out, 64))))
+    if not reqs:
+        raise ValueError(f"{path.name}: no requests")
     return reqs
 
 
