@@ -14,8 +14,11 @@ Per request (``/generate``, ``/v1/completions``, ``/v1/chat/completions``, strea
    tenant's salt and learn from the routing memory whether that tenant sent a prompt;
 2. token ids: ``input_ids`` when given, else the served model's tokenizer (transformers
    AutoTokenizer from the local model path: ``encode(text)`` as SGLang does for text prompts; for
-   chat, ``apply_chat_template(messages, add_generation_prompt=True)``, which matches SGLang's
-   template path for plain text messages and is approximate otherwise: a mismatch only costs
+   chat, ``apply_chat_template(messages, add_generation_prompt=True)`` over the messages as
+   SGLang hands them to the template (``messages_for_template``: text parts joined or kept as
+   the template's content format asks, null content empty; the request's ``tools`` and
+   ``chat_template_kwargs`` passed on), which matches SGLang's template path for text messages
+   and is approximate otherwise (media, continue_final_message): a mismatch only costs
    locality, never correctness);
 3. the same chained page hashes as the servers (seeded by the ``CacheKey`` each server publishes
    in the index and the namespace (tenant, the body's ``extra_key``)); a background task re-reads
@@ -95,6 +98,89 @@ HOP_REQUEST_HEADERS = frozenset(("host", "content-length", "transfer-encoding", 
 HOP_RESPONSE_HEADERS = frozenset(("content-length", "transfer-encoding", "connection", "content-encoding", "date",
                                   "server"))  # fmt: skip
 
+
+def _reads_content(node) -> bool:
+    """``message['content']`` / ``message.content`` (also of ``msg``, ``m``), through filters,
+    tests and slices: SGLang's ``_is_var_or_elems_access`` (sglang/srt/parser/jinja_template_utils.py)."""
+    import jinja2.nodes as jn
+
+    while True:
+        if isinstance(node, (jn.Filter, jn.Test)) and node.node is not None:
+            node = node.node
+        elif isinstance(node, jn.Getitem) and isinstance(node.arg, jn.Slice):
+            node = node.node
+        else:
+            break
+    if isinstance(node, jn.Getitem):
+        key = node.arg.value if isinstance(node.arg, jn.Const) else None
+    elif isinstance(node, jn.Getattr):
+        key = node.attr
+    else:
+        return False
+    base = node.node
+    return key == "content" and isinstance(base, jn.Name) and base.ctx == "load" and base.name in ("message", "msg", "m")
+
+
+def template_content_format(template) -> str:
+    """What SGLang hands a chat template as a message's content when the request sends a list of
+    parts (``detect_jinja_template_content_format``, sglang 0.5.23): ``"openai"`` (the parts, for
+    templates that loop over the content, and every template naming image, audio, video or
+    vision) or ``"string"`` (the text parts joined by spaces)."""
+    if not isinstance(template, str):
+        return "string"
+    if any(k in template for k in ("image", "audio", "video", "vision")):
+        return "openai"
+    try:
+        try:  # the environment SGLang parses with (transformers' own, with its extensions)
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            ast = _compile_jinja_template(template).environment.parse(template)
+        except ImportError:
+            import jinja2
+
+            ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+        import jinja2.nodes as jn
+
+        return "openai" if any(_reads_content(f.iter) for f in ast.find_all(jn.For)) else "string"
+    except Exception:  # noqa: BLE001 - SGLang falls back to "string" too
+        return "string"
+
+
+_MEDIA = {"image_url": "image", "input_image": "image", "video_url": "video", "audio_url": "audio"}
+
+
+def messages_for_template(msgs: list, fmt: str) -> list:
+    """The messages as SGLang renders them (``process_content_for_template_format``): fields
+    that are None dropped; list content flattened to its text parts joined by spaces (``string``)
+    or normalized parts (``openai``: text kept, media as bare ``{"type": ...}``)."""
+    out = []
+    for m in msgs:
+        if not isinstance(m, dict):
+            out.append(m)
+            continue
+        content = m.get("content")
+        new = {k: v for k, v in m.items() if v is not None}
+        if content is None:
+            new["content"] = ""  # (SGLang's chat path: a null content is an empty one)
+        if isinstance(content, list):
+            texts = [c.get("text") for c in content if isinstance(c, dict) and c.get("type") in ("text", "input_text")]
+            if fmt == "string":
+                new["content"] = " ".join(t for t in texts if isinstance(t, str))
+            else:
+                parts = []
+                for c in content:
+                    if not isinstance(c, dict):
+                        continue
+                    t = c.get("type")
+                    if t in ("text", "input_text"):
+                        parts.append({"type": "text", "text": c.get("text")})
+                    elif t in _MEDIA:
+                        parts.append({"type": _MEDIA[t]})
+                    elif t == "tool_reference":
+                        parts.append(c)
+                new["content"] = parts
+        out.append(new)
+    return out
 
 @dataclass
 class WorkerState:
@@ -186,6 +272,7 @@ class Router:
         self.stats = RouterStats()
         self.tokenizer = None
         self._encode = None  # text -> token ids, as SGLang's tokenizer.encode(text)
+        self._chat_format = None  # (tokenizer, its template's content format: template_content_format)
         # the servers' cache identities, per worker, re-read from the index every few seconds: a
         # weight update re-seeds a server's key (with its own lifetime id, so two servers updated
         # to the same weights still differ) and the router must hash with the new one
@@ -362,7 +449,13 @@ class Router:
             msgs = body.get("messages")
             if isinstance(msgs, list):
                 try:
-                    out = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+                    if self._chat_format is None or self._chat_format[0] is not tok:
+                        self._chat_format = (tok, template_content_format(getattr(tok, "chat_template", None)))
+                    msgs = messages_for_template(msgs, self._chat_format[1])
+                    kw = dict(body["chat_template_kwargs"]) if isinstance(body.get("chat_template_kwargs"), dict) else {}
+                    if isinstance(body.get("tools"), list) and body["tools"]:
+                        kw["tools"] = body["tools"]
+                    out = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, **kw)
                     if hasattr(out, "keys") and "input_ids" in out:  # transformers 5: BatchEncoding
                         out = out["input_ids"]
                     return [int(t) for t in out]
