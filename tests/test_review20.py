@@ -20,15 +20,19 @@ MESSAGES = [
      {"role": "user", "content": "plain text"}],
     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}, {"type": "text", "text": "x"}]}],
     [{"role": "user", "content": []}],
+    [{"role": "tool", "content": [{"type": "text", "text": "42"}, {"type": "text", "text": "degrees"}], "tool_call_id": "a"},
+     {"role": "tool", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}],
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("template", ["tiny", OPENAI_TEMPLATE, "{{ messages | length }} vision"])
 def test_content_format_and_messages_match_sglang(template, tiny_model_path):
     """Against SGLang's own detection and message processing (the generic chat path of
-    serving_chat.py: null content -> "", then process_content_for_template_format)."""
+    serving_chat.py: null content -> "", process_content_for_template_format,
+    normalize_tool_content)."""
     import copy
 
+    from sglang.srt.entrypoints.openai.serving_chat import normalize_tool_content
     from sglang.srt.parser.jinja_template_utils import (
         detect_jinja_template_content_format,
         process_content_for_template_format,
@@ -44,7 +48,9 @@ def test_content_format_and_messages_match_sglang(template, tiny_model_path):
         for m in copy.deepcopy(msgs):
             if m.get("content") is None:
                 m["content"] = ""
-            want.append(process_content_for_template_format(m, fmt, [], [], [], []))
+            got = process_content_for_template_format(m, fmt, [], [], [], [])
+            got["content"] = normalize_tool_content(got["role"], got.get("content"))
+            want.append(got)
         assert messages_for_template(msgs, fmt) == want
 
 

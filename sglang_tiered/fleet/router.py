@@ -150,9 +150,10 @@ _MEDIA = {"image_url": "image", "input_image": "image", "video_url": "video", "a
 
 
 def messages_for_template(msgs: list, fmt: str) -> list:
-    """The messages as SGLang renders them (``process_content_for_template_format``): fields
-    that are None dropped; list content flattened to its text parts joined by spaces (``string``)
-    or normalized parts (``openai``: text kept, media as bare ``{"type": ...}``)."""
+    """The messages as SGLang renders them (``process_content_for_template_format``, then
+    ``normalize_tool_content``): fields that are None dropped, null content empty; list content
+    flattened to its text parts joined by spaces (``string``) or normalized parts (``openai``:
+    text kept, media as bare ``{"type": ...}``; a tool message's all-text parts joined)."""
     out = []
     for m in msgs:
         if not isinstance(m, dict):
@@ -178,6 +179,8 @@ def messages_for_template(msgs: list, fmt: str) -> list:
                         parts.append({"type": _MEDIA[t]})
                     elif t == "tool_reference":
                         parts.append(c)
+                if new.get("role") == "tool" and all(p.get("type") == "text" for p in parts):
+                    parts = " ".join(p.get("text", "") for p in parts)  # SGLang's normalize_tool_content
                 new["content"] = parts
         out.append(new)
     return out
