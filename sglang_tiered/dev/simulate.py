@@ -94,6 +94,10 @@ class SimReqToTokenPool:
         self.free_rows = list(range(max_reqs - 1, -1, -1))
 
     def alloc_row(self) -> int:
+        if not self.free_rows:  # more requests in flight than rows (ConcurrentReplay): grow
+            n = self.req_to_token.shape[0]
+            self.req_to_token = torch.cat([self.req_to_token, torch.zeros_like(self.req_to_token)])
+            self.free_rows = list(range(2 * n - 1, n - 1, -1))
         return self.free_rows.pop()
 
     def free_row(self, row: int) -> None:
@@ -125,6 +129,17 @@ class SimReq:
 
 
 @dataclass
+class InFlight:
+    """A request between ``CacheDriver.begin`` and ``CacheDriver.end``."""
+
+    req: SimReq
+    row: int
+    n: int
+    prefix_len: int
+    seconds: float
+
+
+@dataclass
 class RequestOutcome:
     prompt_len: int
     cached_len: int
@@ -147,6 +162,18 @@ class CacheDriver:
         """One request, start to end. ``during``: called where the forward pass runs (after the
         request's KV is computed, before its checkpoint), e.g. a weight update or an invalidation
         that arrives while the request is in flight."""
+        f = self.begin(token_ids, tenant=tenant, no_store=no_store, extra_key=extra_key)
+        if isinstance(f, RequestOutcome):
+            return f
+        if during is not None:
+            during()
+        return self.end(f)
+
+    def begin(self, token_ids, *, tenant=None, no_store=False, extra_key=None) -> "InFlight | RequestOutcome":
+        """A request's admission, as ``PrefillAdder`` does it: match (and load back from T1), lock,
+        allocate its uncached tokens with eviction, then its forward pass. Returns the request in
+        flight, or an unserved ``RequestOutcome`` when its tokens cannot fit even after eviction
+        (the scheduler would keep it waiting); ``end`` (or ``checkpoint_chunk`` first) finishes it."""
         cache, alloc = self.cache, self.allocator
         self._n += 1
         req = SimReq(f"sim-{self._n}", token_ids, cache_salt=tenant, extra_key=extra_key, no_store=no_store)
@@ -191,8 +218,21 @@ class CacheDriver:
         # --- the forward pass would run here ---
         if self.verify_kv:
             self._forward(req, rt[row, :n], prefix_len)
-        if during is not None:
-            during()
+        return InFlight(req, row, n, prefix_len, spent)
+
+    def checkpoint_chunk(self, f: "InFlight", up_to: int) -> None:
+        """The scheduler's ``cache_unfinished_req`` after a prefill chunk (``--chunked-prefill-size``):
+        the request's tokens up to ``up_to`` go into the tree and its lock moves to their end."""
+        t1 = time.perf_counter()
+        if not f.req.skip_radix_cache_insert:
+            self.cache.checkpoint(f.req, up_to=up_to)
+        f.seconds += time.perf_counter() - t1
+
+    def end(self, f: "InFlight") -> RequestOutcome:
+        """``release_kv_cache``: checkpoint the whole request, free the unadopted tail, unlock,
+        ``on_release``; then the end-of-batch flush."""
+        cache, alloc, req, n, row = self.cache, self.allocator, f.req, f.n, f.row
+        rt = self.req_pool.req_to_token
         t1 = time.perf_counter()
         if not req.skip_radix_cache_insert:
             cache.checkpoint(req, up_to=n)
@@ -201,12 +241,12 @@ class CacheDriver:
             alloc.free_segment(rt[row, cpl:n], start_pos=cpl)
         cache.unlock(req.lock)
         req.lock = None
-        spent += time.perf_counter() - t1
+        spent = f.seconds + time.perf_counter() - t1
         self.req_pool.free_row(row)
-        req.cached_tokens = prefix_len
+        req.cached_tokens = f.prefix_len
         cache.on_release(req, checkpointed=True)
         cache.flush_pending_backups()  # the scheduler calls it after every batch
-        return RequestOutcome(n, prefix_len, spent)
+        return RequestOutcome(n, f.prefix_len, spent)
 
     def _forward(self, req, slots: torch.Tensor, prefix_len: int) -> None:
         """Check the cached prefix holds exactly what recomputation gives, then 'compute' the rest."""
@@ -241,3 +281,49 @@ def make_params(capacity_tokens: int, page_size: int, max_len: int = 1 << 15, ev
         eviction_policy=eviction_policy,
     )
     return params, allocator, pool
+
+
+def replay_concurrent(driver: CacheDriver, requests, *, batch: int, chunk: int = 0, decode_ticks: int = 1):
+    """Replay ``requests`` ((token_ids, tenant) pairs) with up to ``batch`` of them in flight, as
+    SGLang's continuous batching interleaves them: each tick admits waiting requests while fewer
+    than ``batch`` run (``begin``: match, lock, allocate with eviction), then every running
+    request runs one prefill chunk of ``chunk`` tokens (0: the whole prompt), checkpointed as
+    ``cache_unfinished_req`` does when more remains, and a request ``decode_ticks`` ticks past its
+    prefill ends (``release_kv_cache``). So several requests hold locks, match while others'
+    KV is not yet in the tree, and insert the same new prefix twice. A request that cannot fit
+    waits for running ones to end, as the scheduler keeps it queued; one that cannot fit alone is
+    unserved. Each request's whole prompt is allocated at admission (the scheduler's budget
+    counts it whole too). Returns the ``RequestOutcome``s in request order."""
+    from collections import deque
+
+    waiting = deque(enumerate(requests))
+    outcomes: list = [None] * len(requests)
+    running: list = []  # [index, InFlight, tokens done, decode ticks left]
+    while waiting or running:
+        while waiting and len(running) < batch:
+            i, (tokens, tenant) = waiting[0]
+            f = driver.begin(tokens, tenant=tenant)
+            if isinstance(f, RequestOutcome):
+                if running:
+                    break  # waits for running requests to end
+                outcomes[i] = f
+                waiting.popleft()
+                continue
+            waiting.popleft()
+            running.append([i, f, f.prefix_len, decode_ticks])
+        still = []
+        for item in running:
+            i, f, done, left = item
+            if done < f.n:
+                done = f.n if chunk <= 0 else min(done + chunk, f.n)
+                if done < f.n:
+                    driver.checkpoint_chunk(f, done)
+                item[2] = done
+                still.append(item)
+            elif left > 1:
+                item[3] = left - 1
+                still.append(item)
+            else:
+                outcomes[i] = driver.end(f)
+        running = still
+    return outcomes
