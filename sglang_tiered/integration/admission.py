@@ -16,6 +16,7 @@ from typing import NamedTuple, Optional
 
 from sglang_tiered.core.eviction import is_reused
 from sglang_tiered.core.keys import chain_page_hashes
+from sglang_tiered.integration import tree_ops
 from sglang_tiered.integration.clock import bump_hits
 
 COUNTED_MAX = 65536  # requests between their first checkpoint and their release (aborted ones age out)
@@ -95,8 +96,14 @@ class Admission:
         if admit_len <= cpl:
             if first:
                 bump_hits(anchor, cache.root_node)  # still count the prefix reuse
-                cache.clock.now()
-                cache.clock.stamp(anchor, cache.root_node)  # as SGLang's insert of the matched path would
+            # SGLang's checkpoint walks the path (insert, then its re-match) whatever it adds, so
+            # the path is touched at every checkpoint: the first, a later prefill chunk's, and the
+            # release of a request whose last chunk held only a partial page. Between them other
+            # requests run (continuous batching), so skipping the touch reorders eviction
+            # (tests/test_concurrency.py).
+            cache.clock.now()
+            cache.clock.stamp(anchor, cache.root_node)
+            tree_ops.touch_path(cache, anchor)
             return None
         if admit_len >= aligned:
             admit_len = up_to  # admit everything: let SGLang page-align as usual
