@@ -130,6 +130,9 @@ UNSALTED_PATHS = (
     "/classify", "/v1/classify", "/v1/score", "/v1/rerank", "/v1/decisions", "/v1/systemone",
     "/v1/audio/transcriptions",
 )  # fmt: skip
+# Routes whose token ids reach the model's embedding: checked on every server (issue #10; review,
+# session 21: /v1/score's query, items and label_token_ids crash the scheduler the same way).
+ID_PATHS = frozenset(("/generate", "/v1/completions", "/v1/score"))
 # Methods that carry no body to the scheduler: passed through. Every other method is checked as
 # POST is (SGLang serves /generate, /encode, /classify and /v1/rerank on PUT too).
 BODYLESS_METHODS = ("GET", "HEAD", "OPTIONS")
@@ -172,7 +175,7 @@ class HintMiddleware:
         if tenant_mode and path in self.unsalted:
             return await _error(403, f"{path} cannot carry a tenant and is disabled while SGLANG_TIERED_TENANT_HEADER "
                                 "is set (tenants would share one cache namespace)")(scope, receive, send)  # fmt: skip
-        if path not in SALT_PATHS:
+        if path not in SALT_PATHS and path not in ID_PATHS:
             return await self.app(scope, receive, send)
         chunks, more = [], True
         while more:
@@ -184,9 +187,10 @@ class HintMiddleware:
         raw = b"".join(chunks)
         try:
             tenant = self._tenant(scope) if tenant_mode else None
-            # token ids are checked on every server (a bad id crashes stock SGLang's scheduler)
-            ids = (path == "/generate" and b"input_ids" in raw) or (path == "/v1/completions" and b"[" in raw)
-            if tenant_mode or ids or b"kv_transfer_params" in raw:
+            # token ids are checked on every server (a bad id crashes stock SGLang's scheduler):
+            # bodies on those routes are always parsed (a key may be written with JSON escapes,
+            # which a byte search would miss), and any escaped body may hide a hint
+            if tenant_mode or path in ID_PATHS or b"kv_transfer_params" in raw or b"\\u" in raw:
                 new = rewrite_body(raw, path, tenant, tenant_mode)
             else:
                 new = raw
@@ -267,11 +271,48 @@ def _vocab_size() -> int | None:
     return _vocab[0]
 
 
+def _as_sglang_reads(value, model: str, field: str):
+    """``value`` as SGLang's own OpenAI request model coerces it (pydantic, lax): ``5000.0`` and
+    ``"5000"`` in a list of ids become the id 5000, a list of strings stays text. None when that
+    model refuses it (SGLang answers its own 400 then)."""
+    adapter = _adapters.get((model, field))
+    if adapter is None:
+        from pydantic import TypeAdapter
+        from sglang.srt.entrypoints.openai import protocol
+
+        adapter = _adapters[(model, field)] = TypeAdapter(getattr(protocol, model).model_fields[field].annotation)
+    try:
+        return adapter.validate_python(value)
+    except Exception:  # noqa: BLE001 - pydantic's ValidationError: not ours to answer
+        return None
+
+
+_adapters: dict = {}
+
+
+def _plain_ids(value) -> bool:
+    """A list of ints or a list of lists of ints (what the range check reads as it is)."""
+    seqs = value if value and isinstance(value[0], list) else [value]
+    return all(isinstance(seq, list) and all(type(t) is int for t in seq) for seq in seqs)
+
+
+def _check_model_ids(value, what: str, model: str, field: str) -> None:
+    """``_check_token_ids`` on what SGLang's pydantic model will make of ``value`` (review,
+    session 21: ``"prompt": [11, 5000.0]`` passed the check as a float, SGLang read it as the id
+    5000, and the scheduler died)."""
+    if not isinstance(value, list) or not value:
+        return
+    if not _plain_ids(value):
+        value = _as_sglang_reads(value, model, field)
+    _check_token_ids(value, what)
+
+
 def _check_token_ids(value, what: str) -> None:
     """Token ids outside the model's vocabulary reach the embedding and crash the scheduler in stock
     SGLang 0.5.23 (IndexError in vocab_parallel_embedding.py:481, found by the HTTP fuzz test): one
     request takes the server down. Answer 400 instead. Anything that is not a list of integers is
-    left to SGLang's own checks."""
+    left to SGLang's own checks (``/generate`` refuses non-integer ids itself; the OpenAI routes
+    coerce first, ``_check_model_ids``)."""
     if not isinstance(value, list) or not value:
         return
     seqs = value if isinstance(value[0], list) else [value]
@@ -310,7 +351,10 @@ def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool | 
         _check_generate_shape(body)
         _check_token_ids(body.get("input_ids"), "input_ids")
     elif path == "/v1/completions":
-        _check_token_ids(body.get("prompt"), "prompt")
+        _check_model_ids(body.get("prompt"), "prompt", "CompletionRequest", "prompt")
+    elif path == "/v1/score":
+        for field in ("query", "items", "label_token_ids"):
+            _check_model_ids(body.get(field), field, "ScoringRequest", field)
     changed = False
     if "kv_transfer_params" in body:
         kv = body.pop("kv_transfer_params")

@@ -1,0 +1,78 @@
+"""Review findings of session 21, each with the request that showed it (reproduced on a live CPU
+server before the fix; here against the middleware and the cache, which is where they were)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+VOCAB = 1000
+
+
+def _app(monkeypatch, tenant_header=None):
+    """SGLang's route shapes behind the hint middleware; each route echoes the body it got."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from sglang_tiered.integration import http
+
+    monkeypatch.setattr(http, "_vocab", [VOCAB])
+
+    async def echo(request):
+        return JSONResponse({"body": (await request.body()).decode()})
+
+    routes = [Route(p, echo, methods=["POST", "PUT"]) for p in ("/generate", "/v1/completions", "/v1/score",
+                                                                 "/v1/chat/completions")]  # fmt: skip
+    mw = [Middleware(http.HintMiddleware, tenant_header=tenant_header)]
+    return TestClient(Starlette(routes=routes, middleware=mw))
+
+
+@pytest.mark.parametrize("prompt", [[11, 5000.0], [11, "5000"], [[11, " 5000 "]], [11, "+5_000"], [[1], [2, 1e4]]])
+def test_ids_sglang_coerces_are_checked_as_it_reads_them(monkeypatch, prompt):
+    """``"prompt": [11, 5000.0]`` passed the range check (a float) and SGLang's CompletionRequest
+    made it the id 5000: the scheduler died (IndexError in the embedding). Now the ids are read
+    as SGLang's own pydantic model reads them."""
+    c = _app(monkeypatch)
+    r = c.post("/v1/completions", json={"model": "m", "prompt": prompt})
+    assert r.status_code == 400 and "token id" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("prompt", [["11", "5000"], "5000", [11, 999.0], [11, 5000.5]])
+def test_text_prompts_and_valid_ids_still_pass(monkeypatch, prompt):
+    """Strings are text prompts to SGLang (not ids); 999.0 is a valid id; 5000.5 is SGLang's
+    own 400 (its model refuses it), not ours."""
+    c = _app(monkeypatch)
+    r = c.post("/v1/completions", json={"model": "m", "prompt": prompt})
+    assert r.status_code == 200, r.text
+
+
+def test_escaped_key_does_not_bypass_the_id_check(monkeypatch):
+    """``{"\\u0069nput_ids": [11, 5000]}`` is ``input_ids`` to every JSON parser; a byte search
+    for ``input_ids`` missed it and the scheduler died."""
+    c = _app(monkeypatch)
+    raw = b'{"\\u0069nput_ids": [11, 5000], "sampling_params": {"max_new_tokens": 1}}'
+    r = c.post("/generate", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "token id" in r.text, r.text
+    # an escaped hint is seen too (it used to be passed through unread)
+    raw = b'{"text": "x", "kv_transfer_param\\u0073": {"lmcache.skip_save": true}}'
+    r = c.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    body = json.loads(r.json()["body"])
+    assert "kv_transfer_params" not in body and body["custom_params"] == {"lmcache.skip_save": True}
+
+
+@pytest.mark.parametrize("field,value", [("query", [11, 5000]), ("items", [[13, 5000]]),
+                                         ("label_token_ids", [20, 5000]), ("items", [[13, 5000.0]])])  # fmt: skip
+def test_score_ids_are_checked(monkeypatch, field, value):
+    """/v1/score's token ids reach the embedding (query, items) or index the logits
+    (label_token_ids): an out-of-vocabulary one killed the scheduler."""
+    c = _app(monkeypatch)
+    body = {"query": [11, 12], "items": [[13, 14]], "label_token_ids": [20, 21]}
+    body[field] = value
+    r = c.post("/v1/score", json=body)
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    ok = c.post("/v1/score", json={"query": "a question", "items": ["x", "y"], "label_token_ids": [20, 21]})
+    assert ok.status_code == 200
