@@ -180,6 +180,17 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.index_url is not None:
             if not re.fullmatch(r"rediss?://[A-Za-z0-9_.\[\]:@%-]+(/[0-9]{1,2})?", self.index_url):
                 _bad("index_url", self.index_url, "expected redis://HOST:PORT[/DB]")
+            from urllib.parse import urlsplit
+
+            try:  # what redis-py will read (review, session 21: a bad port failed on every publish)
+                parts = urlsplit(self.index_url)
+                port = parts.port
+            except ValueError as exc:
+                _bad("index_url", self.index_url, f"expected redis://HOST:PORT[/DB] ({exc})")
+            if not parts.hostname:
+                _bad("index_url", self.index_url, "no host: expected redis://HOST:PORT[/DB]")
+            if port is not None and not 1 <= port <= 65535:
+                _bad("index_url", self.index_url, "the port must be in [1, 65535]")
             if self.server_id is None:
                 raise ConfigError("SGLANG_TIERED_INDEX_URL is set but SGLANG_TIERED_SERVER_ID is not")
         if self.server_id is not None and not re.fullmatch(r"[A-Za-z0-9_.:/\[\]-]{1,200}", self.server_id):

@@ -306,7 +306,7 @@ def test_t2_without_t1_is_refused_or_reported():
         load_config({"SGLANG_TIERED_HOST": "off", "SGLANG_TIERED_T2": "mooncake://127.0.0.1:50051"})
     from sglang_tiered.integration import build
 
-    cfg = load_config({"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_RATIO": "1e-9",
+    cfg = load_config({"SGLANG_TIERED_HOST": "auto", "SGLANG_TIERED_HOST_RATIO": "1e-9",
                        "SGLANG_TIERED_T2": "mooncake://127.0.0.1:50051"})  # fmt: skip
     cache = _cache()
     cache.t1 = None

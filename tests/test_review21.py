@@ -76,3 +76,57 @@ def test_score_ids_are_checked(monkeypatch, field, value):
     assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
     ok = c.post("/v1/score", json={"query": "a question", "items": ["x", "y"], "label_token_ids": [20, 21]})
     assert ok.status_code == 200
+
+
+def test_control_plane_is_scoped_to_the_callers_tenant(monkeypatch):
+    """In tenant-header mode without --admin-api-key, a tenant read every tenant's names and
+    counters on /cache/stats and could POST /cache/invalidate {"tenant": "<another>"}. The caller
+    is now confined to its own tenant (the header's, ``default`` without it); with an admin key
+    only its holders reach the routes and see everything."""
+    from starlette.requests import Request
+
+    from sglang_tiered.integration.http import BadRequest, caller_tenant
+
+    def req(*headers):
+        return Request({"type": "http", "method": "GET", "path": "/cache/stats",
+                        "headers": [(k.encode(), v) for k, v in headers]})  # fmt: skip
+
+    monkeypatch.setenv("SGLANG_TIERED_TENANT_HEADER", "x-tenant-id")
+    assert caller_tenant(req(("x-tenant-id", b"acme")), None) == "acme"
+    assert caller_tenant(req(("x-tenant-id", "café".encode())), None) == "café"  # as the middleware salts
+    assert caller_tenant(req(), None) == "default"
+    assert caller_tenant(req(("x-tenant-id", b"acme")), "admin-secret") is None  # the operator's view
+    with pytest.raises(BadRequest):
+        caller_tenant(req(("x-tenant-id", b"a"), ("x-tenant-id", b"b")), None)
+    with pytest.raises(BadRequest):
+        caller_tenant(req(("x-tenant-id", b"\xff")), None)
+    monkeypatch.delenv("SGLANG_TIERED_TENANT_HEADER")
+    assert caller_tenant(req(("x-tenant-id", b"acme")), None) is None  # no tenant mode: unchanged
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:99999", "redis://host:abc", "redis://:6379", "redis://127.0.0.1:0"])
+def test_index_url_that_redis_cannot_use_fails_at_launch(url):
+    """``redis://127.0.0.1:99999`` was accepted; the server loaded its model and then every
+    publish failed (``Port out of range``) with nothing in the stats saying why."""
+    from sglang_tiered.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="SGLANG_TIERED_INDEX_URL"):
+        load_config({"SGLANG_TIERED_INDEX_URL": url, "SGLANG_TIERED_SERVER_ID": "s1"})
+    assert load_config({"SGLANG_TIERED_INDEX_URL": "redis://127.0.0.1:6379/2", "SGLANG_TIERED_SERVER_ID": "s1"})
+
+
+def test_explicit_host_on_that_rounds_to_zero_pages_fails():
+    """``SGLANG_TIERED_HOST=on`` with a T1 that rounds to zero pages was turned off silently."""
+    import types
+
+    from sglang_tiered.config import ConfigError, load_config
+    from sglang_tiered.integration.host_setup import build_host_tier
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+
+    cache = TieredRadixCache.create_simulated(64 * 16, 16, verify_kv=True)
+    ctx = types.SimpleNamespace(tp_size=1, tp_rank=0, server_args=None,
+                                model_config=types.SimpleNamespace(get_total_num_kv_heads=lambda: 2))  # fmt: skip
+    with pytest.raises(ConfigError, match="rounds to zero pages"):
+        build_host_tier(cache, ctx, load_config({"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_RATIO": "1e-9"}))
+    tier, decision = build_host_tier(cache, ctx, load_config({"SGLANG_TIERED_HOST": "auto", "SGLANG_TIERED_HOST_RATIO": "1e-9"}))
+    assert tier is None and "zero pages" in decision

@@ -148,6 +148,12 @@ def build_host_tier(cache, ctx, cfg):
     if cfg.host_gb:  # the memory budget holds the staging slots too
         pages -= staging
     if pages <= 0:
+        if cfg.host_mode == "on":  # asked for explicitly: fail before serving, not silently off
+            from sglang_tiered.config import ConfigError
+
+            raise ConfigError(f"SGLANG_TIERED_HOST=on but T1 rounds to zero pages of {layout.page_bytes} bytes "
+                              f"(SGLANG_TIERED_HOST_GB={cfg.host_gb}, SGLANG_TIERED_HOST_RATIO={cfg.host_ratio} "
+                              f"of {device_pages} device pages): give it more, or SGLANG_TIERED_HOST=auto")
         return None, "off: host tier size rounds to zero pages"
 
     decision = "on: SGLANG_TIERED_HOST=on"

@@ -71,6 +71,36 @@ def parse_invalidate(body: bytes) -> InvalidateRequest:
     return req
 
 
+SCOPED = ("with SGLANG_TIERED_TENANT_HEADER set and no --admin-api-key, /cache/stats and "
+          "/cache/invalidate act on the caller's own tenant only (the header's, or 'default' without it); "
+          "set --admin-api-key for the operator's view of every tenant")
+
+
+def caller_tenant(request, admin_api_key) -> Optional[str]:
+    """The tenant a control-plane call is confined to, or None for the operator's whole view.
+
+    With a trusted tenant header configured, tenants reach the server's routes through the same
+    gateway as the operator. Unless SGLang's ``--admin-api-key`` guards these routes (then only
+    its holders get here), a caller sees and invalidates only its own tenant: the header's, or
+    ``default`` without it, as generation requests are salted (review, session 21: any tenant read
+    every tenant's names and counters and could drop another tenant's cache)."""
+    from sglang_tiered.core.tenants import tenant_of
+
+    header = load_config().tenant_header
+    if not header or admin_api_key:
+        return None
+    values = request.headers.getlist(header)
+    if len(values) > 1:
+        raise BadRequest(f"the tenant header {header} must appear at most once")
+    if not values:
+        return tenant_of(None)
+    try:  # (Starlette decodes headers as latin-1; the middleware salts with the UTF-8 name)
+        value = values[0].encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        raise BadRequest(f"the tenant header {header} is not valid UTF-8") from None
+    return tenant_of(value.strip() or None)
+
+
 def add_routes(app) -> None:
     """Add the endpoints as plain routes on the app itself: SGLang's API-key middleware reads each
     route's endpoint ``_auth_level``, which a FastAPI included router would hide behind a wrapper."""
@@ -79,11 +109,25 @@ def add_routes(app) -> None:
     from sglang.srt.managers.io_struct import SetInternalStateReq
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
+    def admin_key() -> Optional[str]:
+        try:
+            return get_global_state().tokenizer_manager.server_args.admin_api_key
+        except Exception:  # noqa: BLE001 - not served (unit tests): no admin key
+            return None
+
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def cache_stats(request: Request):
         tenant = request.query_params.get("tenant")
         if tenant is not None and not tenant.strip():
             return _error(400, "'tenant' must be a non-empty string")
+        try:
+            own = caller_tenant(request, admin_key())
+        except BadRequest as exc:
+            return _error(exc.status, str(exc))
+        if own is not None:
+            if tenant is not None and tenant != own:
+                return _error(403, SCOPED)
+            tenant = own
         ranks = await _rank_stats()
         if not ranks:
             return _error(503, "the tiered cache backend is not active (--radix-cache-backend tiered?)")
@@ -93,8 +137,13 @@ def add_routes(app) -> None:
     async def cache_invalidate(request: Request):
         try:
             req = parse_invalidate(await request.body())
+            own = caller_tenant(request, admin_key())
+        except BadRequest as exc:
+            return _error(exc.status, str(exc))
         except ValueError as exc:
             return _error(400, str(exc))
+        if own is not None and (req.tenant != own or req.model_version is not None or req.all):
+            return _error(403, SCOPED)
         nonce = next(_nonce)
         args = invalidation_args(nonce, tenant=req.tenant, model_version=req.model_version, everything=bool(req.all))
         tm = get_global_state().tokenizer_manager
