@@ -130,3 +130,58 @@ def test_explicit_host_on_that_rounds_to_zero_pages_fails():
         build_host_tier(cache, ctx, load_config({"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_RATIO": "1e-9"}))
     tier, decision = build_host_tier(cache, ctx, load_config({"SGLANG_TIERED_HOST": "auto", "SGLANG_TIERED_HOST_RATIO": "1e-9"}))
     assert tier is None and "zero pages" in decision
+
+
+# ---------------------------------------------------------------- router (review, session 21)
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}}}},
+    {"function": {"description": "d", "name": "add", "strict": True, "parameters": {"b": {}, "a": {}}}, "defer_loading": True},
+    {"type": "function", "function": {"parameters": {}, "name": "z", "extra": 1}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "required", "none", {"type": "function", "function": {"name": "add"}},
+                                    {"type": "function", "function": {"name": "missing"}}])  # fmt: skip
+def test_router_tools_are_what_sglang_renders(choice):
+    """SGLang renders ``Tool.model_dump()`` of each tool, none for ``tool_choice: "none"``, the
+    named one for a named choice (serving_chat.py); the router rendered the raw list always."""
+    from sglang.srt.entrypoints.openai.protocol import Tool
+
+    from sglang_tiered.fleet.router import template_tools
+
+    body = {"tools": TOOLS} if choice is None else {"tools": TOOLS, "tool_choice": choice}
+    dumped = [Tool.model_validate(t).model_dump() for t in TOOLS]
+    if choice == "none":
+        want = None
+    elif isinstance(choice, dict):
+        want = [d for d in dumped if d["function"]["name"] == choice["function"]["name"]] or None
+    else:
+        want = dumped
+    got = template_tools(body)
+    assert got == want
+    if got:  # the client's key order kept, as SGLang's serializer keeps it
+        assert [list(g["function"]) for g in got] == [list(w["function"]) for w in want]
+
+
+def test_router_ignores_template_call_arguments_from_the_client(tiny_model_path):
+    """``chat_template_kwargs`` went straight into ``apply_chat_template``: padding to a length of
+    millions froze or killed the router and stuck in the shared tokenizer (every later prompt
+    padded), truncation cut every later prompt to one token, and a client's own Jinja template
+    ran in the router. Those keys are dropped now; a request's own template is not rendered."""
+    from transformers import AutoTokenizer
+
+    from sglang_tiered.fleet.router import Router, fast_encode
+
+    router = Router(["http://127.0.0.1:9"], None, load_poll_s=0, model_path="")
+    router.tokenizer = AutoTokenizer.from_pretrained(tiny_model_path, local_files_only=True)
+    router._encode = fast_encode(router.tokenizer)  # (as the router sets it when it loads one)
+    plain = {"messages": [{"role": "user", "content": "the shared system prompt and a question"}]}
+    want = router.tokens_of("/v1/chat/completions", plain)
+    text_before = router.tokens_of("/generate", {"text": "Hello world"})
+    for kw in ({"padding": "max_length", "max_length": 100_000}, {"truncation": True, "max_length": 1},
+               {"tokenize": False}, {"return_tensors": "np"}):  # fmt: skip
+        assert router.tokens_of("/v1/chat/completions", {**plain, "chat_template_kwargs": kw}) == want, kw
+        assert router.tokens_of("/generate", {"text": "Hello world"}) == text_before, kw
+    loop = "{% for i in range(10**9) %}{% for j in range(10**9) %}x{% endfor %}{% endfor %}"
+    assert router.tokens_of("/v1/chat/completions", {**plain, "chat_template_kwargs": {"chat_template": loop}}) == []

@@ -185,6 +185,65 @@ def messages_for_template(msgs: list, fmt: str) -> list:
         out.append(new)
     return out
 
+# ``apply_chat_template``'s own parameters: a client's ``chat_template_kwargs`` must not set them
+# (review, session 21: ``padding``/``max_length`` padded every prompt to millions of tokens and
+# stuck in the shared tokenizer; ``truncation`` cut every later prompt to one token; SGLang
+# renders with its own). ``chat_template`` itself is refused by SGLang and not rendered here.
+TEMPLATE_CALL_ARGS = frozenset((
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "return_attention_mask",
+))  # fmt: skip
+_FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")
+
+
+def _tool_as_sglang_dumps(tool) -> Optional[dict]:
+    """``Tool.model_validate(tool).model_dump()`` of SGLang 0.5.23's protocol (the tool as its
+    chat template sees it) without importing it (4.5 s and torch in the router's process):
+    defaults filled, ``strict`` and ``defer_loading`` dropped from the function when unset, the
+    client's key order kept. None when SGLang's model would refuse it (SGLang answers 400)."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+        return None
+    fn = tool["function"]
+    ttype = tool.get("type", "function")
+    if not isinstance(fn.get("name"), str) or not isinstance(ttype, str):
+        return None
+    for k, kinds in (("description", str), ("strict", bool), ("defer_loading", bool)):
+        if fn.get(k) is not None and not isinstance(fn[k], kinds):
+            return None
+    if tool.get("defer_loading") is not None and not isinstance(tool["defer_loading"], bool):
+        return None
+    data = {k: fn.get(k) for k in _FUNCTION_FIELDS}
+    if data["defer_loading"] is None and tool.get("defer_loading") is not None:
+        data["defer_loading"] = tool["defer_loading"]  # (Tool._propagate_defer_loading)
+    for k in ("defer_loading", "strict"):
+        if data[k] is None:
+            del data[k]
+    order = list(fn)
+    data = {k: data[k] for k in order + [k for k in data if k not in order] if k in data}
+    return {"type": ttype, "function": data, "defer_loading": tool.get("defer_loading")}
+
+
+def template_tools(body: dict) -> Optional[list]:
+    """The tools SGLang hands the chat template (serving_chat.py, 0.5.23): none for
+    ``tool_choice: "none"``, only the named one for a named choice, each as SGLang's ``Tool``
+    dumps it (review, session 21: the raw list was rendered, and with ``"none"`` too, so tool
+    prompts never matched the servers' page hashes)."""
+    tools = body.get("tools")
+    if not isinstance(tools, list) or not tools:
+        return None
+    choice = body.get("tool_choice")
+    if choice == "none":
+        return None
+    dumped = [_tool_as_sglang_dumps(t) for t in tools]
+    if any(d is None for d in dumped):
+        return tools  # SGLang refuses the request: nothing to match
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        return [d for d in dumped if d["function"]["name"] == name] or None
+    return dumped
+
+
 @dataclass
 class WorkerState:
     url: str
@@ -455,9 +514,17 @@ class Router:
                     if self._chat_format is None or self._chat_format[0] is not tok:
                         self._chat_format = (tok, template_content_format(getattr(tok, "chat_template", None)))
                     msgs = messages_for_template(msgs, self._chat_format[1])
-                    kw = dict(body["chat_template_kwargs"]) if isinstance(body.get("chat_template_kwargs"), dict) else {}
-                    if isinstance(body.get("tools"), list) and body["tools"]:
-                        kw["tools"] = body["tools"]
+                    client_kw = body.get("chat_template_kwargs")
+                    client_kw = client_kw if isinstance(client_kw, dict) else {}
+                    if "chat_template" in client_kw:
+                        return []  # SGLang refuses a request's own template; never rendered here
+                    kw = {}
+                    if body.get("reasoning_effort") is not None:  # as SGLang: then the client's kwargs
+                        kw["reasoning_effort"] = body["reasoning_effort"]
+                    kw.update((k, v) for k, v in client_kw.items() if k not in TEMPLATE_CALL_ARGS)
+                    tools = template_tools(body)
+                    if tools:
+                        kw["tools"] = tools
                     out = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, **kw)
                     if hasattr(out, "keys") and "input_ids" in out:  # transformers 5: BatchEncoding
                         out = out["input_ids"]
