@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import math
 import pathlib
 import re
@@ -154,7 +155,8 @@ def _cmd_route(args: argparse.Namespace) -> int:
     serve(args.workers, args.redis, host=args.host, port=args.port, k=args.k, model_path=args.model,
           tenant_header=args.tenant_header, c_tok_us=args.c_tok_us, page_size=args.page_size,
           index_ttl_s=args.index_ttl_s, index_timeout_ms=args.index_timeout_ms,
-          load_poll_s=args.load_poll_ms / 1e3)  # fmt: skip
+          load_poll_s=args.load_poll_ms / 1e3, worker_api_key=args.worker_api_key,
+          max_body_mb=args.max_body_mb)  # fmt: skip
     return 0
 
 
@@ -206,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--index-ttl-s", type=_number(0.0, above=True), default=30.0)
     r.add_argument("--index-timeout-ms", type=_number(0.0, above=True), default=50.0)
     r.add_argument("--load-poll-ms", type=_number(0.0), default=250.0, help="poll each worker's /v1/loads every this many ms (0: off)")
+    r.add_argument("--worker-api-key", default=os.environ.get("SGLANG_TIERED_WORKER_API_KEY"),
+                   help="the servers' --api-key (or --admin-api-key), for the router's own calls to them "
+                        "(/model_info, /server_info, /v1/loads); default: $SGLANG_TIERED_WORKER_API_KEY")
+    r.add_argument("--max-body-mb", type=_number(0.0, above=True), default=1024.0,
+                   help="largest request body in MiB (default 1024)")
     r.set_defaults(func=_cmd_route)
 
     args = ap.parse_args(argv)

@@ -386,8 +386,11 @@ def test_deeply_nested_json_body_is_forwarded_as_it_is():
 
 
 def test_a_bad_header_is_the_clients_fault_not_the_workers():
-    """A header with bytes that are not UTF-8 gets a 400 from the router; no worker is marked
-    down (before, the upstream request failed to encode it and every worker was blamed in turn)."""
+    """A header with bytes that are not UTF-8 is dropped (session 21: SGLang serves such a
+    request, and python-requests sends latin-1 values) and the request is served; no worker is
+    marked down (before session 17, the upstream request failed to encode it and every worker
+    was blamed in turn). The tenant header and ``authorization`` still get a 400
+    (test_tenant_header_alone_names_the_tenant)."""
     import asyncio
     import json as _json
 
@@ -423,7 +426,7 @@ def test_a_bad_header_is_the_clients_fault_not_the_workers():
             await w.drain()
             status = (await r.read()).split(b"\r\n", 1)[0]
             w.close()
-            assert b" 400 " in status, status
+            assert b" 200 " in status, status
             assert all(s.healthy for s in router.workers.values())
             assert router.stats.retries == 0 and router.stats.failed == 0
         finally:

@@ -185,3 +185,96 @@ def test_router_ignores_template_call_arguments_from_the_client(tiny_model_path)
         assert router.tokens_of("/generate", {"text": "Hello world"}) == text_before, kw
     loop = "{% for i in range(10**9) %}{% for j in range(10**9) %}x{% endfor %}{% endfor %}"
     assert router.tokens_of("/v1/chat/completions", {**plain, "chat_template_kwargs": {"chat_template": loop}}) == []
+
+
+def test_router_passes_other_routes_through_and_speaks_to_keyed_workers():
+    """Through the router, ``GET /v1/models`` (the OpenAI SDK's ``models.list()``),
+    ``/get_model_info``, ``PUT /generate`` and CORS preflights were 404 or 405; ``/flush_cache``
+    reached no worker; and with workers started with ``--api-key`` the router's own calls got 401
+    and it routed blind, silently. Now other routes are proxied to one healthy worker,
+    ``/flush_cache`` to every worker, and ``worker_api_key`` goes on the router's own calls."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from sglang_tiered.fleet.router import Router
+    from tests.test_fleet_hardening import _serve
+
+    KEY = "sk-test"
+
+    def worker(log):
+        app = web.Application()
+
+        def keyed(handler):
+            async def h(req):
+                log.append((req.method, req.path, req.headers.get("authorization")))
+                if req.headers.get("authorization") != f"Bearer {KEY}":
+                    return web.json_response({"error": "unauthorized"}, status=401)
+                out = handler(req)
+                return await out if asyncio.iscoroutine(out) else out
+            return h
+
+        async def models(_):
+            return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
+
+        async def loads(_):
+            return web.json_response({"loads": [{"num_running_reqs": 1, "num_waiting_reqs": 0}]})
+
+        async def gen(req):
+            return web.json_response({"method": req.method, "len": len(await req.read())})
+
+        async def options(_):
+            return web.Response(headers={"access-control-allow-origin": "*"})
+
+        app.router.add_get("/health", lambda _: web.json_response({}))
+        app.router.add_get("/v1/models", keyed(models))
+        app.router.add_get("/v1/loads", keyed(loads))
+        app.router.add_get("/model_info", keyed(lambda _: web.json_response({"model_path": None})))
+        app.router.add_get("/server_info", keyed(lambda _: web.json_response({"page_size": 16})))
+        app.router.add_post("/flush_cache", keyed(lambda _: web.Response(text="flushed")))
+        app.router.add_route("PUT", "/generate", keyed(gen))
+        app.router.add_route("POST", "/generate", keyed(gen))
+        app.router.add_route("OPTIONS", "/v1/chat/completions", options)
+        return app
+
+    async def main():
+        logs = [[], []]
+        ws = [await _serve(worker(log)) for log in logs]
+        router = Router([u for _, u in ws], None, load_poll_s=0.05, model_path="", worker_api_key=KEY)
+        r_runner, r_url = await _serve(router.app())
+        try:
+            auth = {"authorization": f"Bearer {KEY}"}
+            async with aiohttp.ClientSession(headers=auth) as s:
+                async with s.get(r_url + "/v1/models") as r:
+                    assert r.status == 200 and (await r.json())["data"][0]["id"] == "tiny"
+                async with s.put(r_url + "/generate", json={"input_ids": [1, 2, 3]}) as r:
+                    assert r.status == 200 and (await r.json())["method"] == "PUT"
+                async with s.options(r_url + "/v1/chat/completions") as r:
+                    assert r.status == 200 and r.headers.get("access-control-allow-origin") == "*"
+                async with s.post(r_url + "/flush_cache") as r:
+                    assert r.status == 200 and len(await r.json()) == 2
+                async with s.get(r_url + "/no/such/route") as r:
+                    assert r.status == 404  # the worker's answer, passed on
+            await asyncio.sleep(0.3)
+            assert router.stats.load_polls > 0 and router.stats.load_poll_errors == 0
+            assert all(("POST", "/flush_cache", f"Bearer {KEY}") in log for log in logs)
+        finally:
+            await r_runner.cleanup()
+            for runner, _ in ws:
+                await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_router_drops_hop_by_hop_headers():
+    from multidict import CIMultiDict
+
+    from sglang_tiered.fleet.router import forward_headers
+
+    h = CIMultiDict([("Connection", "keep-alive, X-Secret-Hop"), ("X-Secret-Hop", "1"), ("TE", "trailers"),
+                     ("Upgrade", "h2c"), ("Keep-Alive", "timeout=5"), ("X-Keep", "a"), ("X-Keep", "b"),
+                     ("X-Latin", "caf\udce9")])  # fmt: skip
+    assert forward_headers(h, False, "x-tenant-id") == [("X-Keep", "a"), ("X-Keep", "b")]
+    with pytest.raises(ValueError):
+        forward_headers(CIMultiDict([("X-Tenant-Id", "caf\udce9")]), False, "x-tenant-id")

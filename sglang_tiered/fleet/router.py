@@ -93,7 +93,8 @@ KEY_REFRESH_S = 2.0  # the workers' CacheKeys are re-read this often
 BIG_PROMPT_CHARS = 1 << 16  # prompts longer than this are tokenized off the event loop
 DECISIONS_KEPT = 4096  # /router/decisions: the last this many (bounded; about 1 KiB each)
 # request headers not forwarded as they came (aiohttp sets them for the upstream request) ...
-HOP_REQUEST_HEADERS = frozenset(("host", "content-length", "transfer-encoding", "connection"))
+HOP_REQUEST_HEADERS = frozenset(("host", "content-length", "transfer-encoding", "connection", "te", "upgrade",
+                                 "keep-alive", "proxy-connection", "proxy-authorization", "trailer"))  # fmt: skip
 # ... and response headers not copied back (aiohttp's own framing, date and server)
 HOP_RESPONSE_HEADERS = frozenset(("content-length", "transfer-encoding", "connection", "content-encoding", "date",
                                   "server"))  # fmt: skip
@@ -312,7 +313,8 @@ class Router:
                  model_path: Optional[str] = None, tenant_header: Optional[str] = None,
                  c_tok_us: float = 35.0, page_size: Optional[int] = 16, index_ttl_s: float = 30.0,
                  index_timeout_ms: float = 50.0, health_interval_s: float = 1.0, health_misses: int = 3,
-                 load_poll_s: float = 0.25, policy_kw: Optional[dict] = None):  # fmt: skip
+                 load_poll_s: float = 0.25, policy_kw: Optional[dict] = None,
+                 worker_api_key: Optional[str] = None, max_body_mb: float = 1024.0):  # fmt: skip
         self.workers = {w.rstrip("/"): WorkerState(w.rstrip("/")) for w in workers}
         self.redis_url = redis_url
         self.policy = AffinityCachePolicy(**{"k": k, "c_tok_s": c_tok_us * 1e-6, **(policy_kw or {})})
@@ -350,6 +352,13 @@ class Router:
         self._lookup_conn: Optional[LookupConnection] = None  # the lookups' own connection (redis://)
         self._session = None  # health checks, load polls, /model_info
         self._proxy = None  # proxied requests
+        # the router's own calls to workers started with --api-key (review, session 21: without it
+        # /model_info, /server_info and /v1/loads answered 401 and the router routed blind)
+        self.worker_api_key = worker_api_key
+        self._auth_warned = False
+        if not max_body_mb > 0:
+            raise ValueError(f"max_body_mb must be > 0, got {max_body_mb}")
+        self.max_body = int(max_body_mb * (1 << 20))
 
     # ------------------------------------------------------------------ setup
     async def start(self):
@@ -363,7 +372,8 @@ class Router:
         self._proxy = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=2),
                                             connector=aiohttp.TCPConnector(limit=0),
                                             cookie_jar=aiohttp.DummyCookieJar())  # fmt: skip
-        self._session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
+        auth = {"Authorization": f"Bearer {self.worker_api_key}"} if self.worker_api_key else None
+        self._session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), headers=auth)
         await self._learn_from_workers()
         if self.redis_url:
             import redis.asyncio as aredis
@@ -391,12 +401,21 @@ class Router:
         if self._lookup_conn is not None:
             self._lookup_conn.close()
 
+    def _check_auth(self, url: str, status: int) -> None:
+        """Say once when a worker refuses the router's own calls (--api-key on the servers)."""
+        if status in (401, 403) and not self._auth_warned:
+            self._auth_warned = True
+            logger.warning("sglang-tiered router: %s answers %d to the router's own calls (/model_info, "
+                           "/server_info, /v1/loads): give the servers' key with --worker-api-key "
+                           "(SGLANG_TIERED_WORKER_API_KEY); until then it routes without their loads", url, status)
+
     async def _model_path_from_workers(self) -> Optional[str]:
         import aiohttp
 
         for w in self.workers:
             try:
                 async with self._session.get(w + "/model_info", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    self._check_auth(w, r.status)
                     return (await r.json()).get("model_path")
             except Exception:  # noqa: BLE001
                 continue
@@ -482,6 +501,7 @@ class Router:
                 sent_at = time.monotonic()
                 timeout = aiohttp.ClientTimeout(total=max(0.1, 2 * self.load_poll_s))
                 async with self._session.get(ws.url + "/v1/loads?include=core", timeout=timeout) as r:
+                    self._check_auth(ws.url, r.status)
                     doc = await r.json(content_type=None) if r.status == 200 else None
                 loads = doc.get("loads") if isinstance(doc, dict) else None
                 if not isinstance(loads, list):
@@ -711,20 +731,17 @@ class Router:
 
         t0 = time.perf_counter()
         raw = await request.read()
-        try:
-            body = json.loads(raw) if raw else {}
-        except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
-            body = {}
+        if len(raw) > BIG_PROMPT_CHARS:  # (a 63 MiB body parsed on the loop stalled every stream 1.6 s)
+            body = await asyncio.get_running_loop().run_in_executor(None, _parse_json, raw)
+        else:
+            body = _parse_json(raw)
         # pairs, not a dict: a header sent twice reaches the worker twice
         # (content-encoding too when aiohttp decoded the body: ``raw`` is what goes on, decoded)
         decoded = request.headers.get("content-encoding", "").strip().lower() in ("gzip", "deflate")
-        headers = [(k, v) for k, v in request.headers.items()
-                   if k.lower() not in HOP_REQUEST_HEADERS and not (decoded and k.lower() == "content-encoding")]
-        for k, v in request.headers.items():  # aiohttp keeps bytes that are not UTF-8 as lone
-            try:  # surrogates, which the upstream request cannot encode: that failure must not pass
-                v.encode("utf-8")  # for the workers' (nor a tenant header's bytes for a tenant)
-            except UnicodeEncodeError:
-                return web.json_response({"error": {"message": f"header {k} is not valid UTF-8"}}, status=400)
+        try:
+            headers = forward_headers(request.headers, decoded, self.tenant_header)
+        except ValueError as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=400)
         try:
             tenant = self._tenant(request, body)
         except ValueError as exc:
@@ -844,10 +861,58 @@ class Router:
                         for w, x in self.workers.items()},  # fmt: skip
         }
 
+    async def passthrough(self, request):
+        """Every other route (``/v1/models``, ``/get_model_info``, ``/health_generate``,
+        ``/v1/tokenize``, CORS preflights, ...): proxied as it is to one healthy worker (the least
+        busy), with no routing by cache; ``POST /flush_cache`` goes to every worker (review,
+        session 21: these were 404 or 405 through the router; the OpenAI SDK's
+        ``models.list()`` failed)."""
+        from aiohttp import web
+
+        raw = await request.read()
+        decoded = request.headers.get("content-encoding", "").strip().lower() in ("gzip", "deflate")
+        try:
+            headers = forward_headers(request.headers, decoded, self.tenant_header)
+        except ValueError as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=400)
+        live = [w for w in self.workers.values() if w.healthy] or list(self.workers.values())
+        if request.path == "/flush_cache":
+            async def one(ws):
+                try:
+                    async with self._proxy.request(request.method, ws.url + request.path_qs, data=raw,
+                                                   headers=headers) as up:  # fmt: skip
+                        return ws.url, up.status, (await up.read()).decode("utf-8", "replace")[:1000]
+                except Exception as exc:  # noqa: BLE001
+                    return ws.url, 502, f"{type(exc).__name__}: {exc}"[:1000]
+
+            res = await asyncio.gather(*(one(ws) for ws in self.workers.values()))
+            status = max(st for _, st, _ in res)
+            return web.json_response({u: {"status": st, "body": b} for u, st, b in res}, status=status)
+        ws = min(live, key=lambda w: w.inflight)
+        resp = None
+        try:
+            async with self._proxy.request(request.method, ws.url + request.path_qs, data=raw,
+                                           headers=headers, allow_redirects=False) as up:  # fmt: skip
+                resp = web.StreamResponse(status=up.status)
+                for k, v in up.headers.items():
+                    if k.lower() not in HOP_RESPONSE_HEADERS:
+                        resp.headers.add(k, v)
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            if resp is not None and resp.prepared:
+                return resp
+            return web.json_response({"error": {"message": f"worker {ws.url}: {type(exc).__name__}"}}, status=502)
+
     def app(self):
         from aiohttp import web
 
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=self.max_body)
 
         async def stats(_):
             return web.json_response(self.stats_doc())
@@ -870,9 +935,47 @@ class Router:
         app.router.add_get("/health", health)
         for r in ROUTES:
             app.router.add_post(r, self.handle)
+        app.router.add_put("/generate", self.handle)  # (SGLang serves it on PUT too)
+        app.router.add_route("*", "/{tail:.*}", self.passthrough)
         app.on_startup.append(on_startup)
         app.on_cleanup.append(on_cleanup)
         return app
+
+
+def _parse_json(raw: bytes):
+    try:
+        return json.loads(raw) if raw else {}
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
+        return {}
+
+
+_warned_headers: set = set()
+
+
+def forward_headers(headers, decoded: bool, tenant_header: Optional[str]) -> list:
+    """The request's headers as they go to a worker: pairs (a header sent twice goes twice), less
+    the hop-by-hop ones (and those the ``Connection`` header names) and ``content-encoding`` when
+    aiohttp decoded the body. aiohttp keeps header bytes that are not UTF-8 as lone surrogates,
+    which the upstream request cannot encode: the tenant header and ``authorization`` must then be
+    refused (``ValueError``: a 400), any other such header is dropped with a warning (review,
+    session 21: python-requests sends ``X-End-User: José`` as latin-1, which SGLang serves)."""
+    named = {t.strip().lower() for v in headers.getall("connection", []) for t in v.split(",")}
+    out = []
+    for k, v in headers.items():
+        lk = k.lower()
+        if lk in HOP_REQUEST_HEADERS or lk in named or (decoded and lk == "content-encoding"):
+            continue
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            if lk == tenant_header or lk == "authorization":
+                raise ValueError(f"header {k} is not valid UTF-8") from None
+            if len(_warned_headers) < 64 and lk not in _warned_headers:
+                _warned_headers.add(lk)
+                logger.warning("sglang-tiered router: dropping header %s (not UTF-8)", k)
+            continue
+        out.append((k, v))
+    return out
 
 
 def tenant_digest(tenant: Optional[str]) -> Optional[str]:
