@@ -93,6 +93,7 @@ OTHER_NAMES = {
     "SGLANG_TIERED_SOAK_REQUESTS": "tests/test_e2e_hardening.py (make soak)",
     "SGLANG_TIERED_FUZZ_REQUESTS": "tests/test_e2e_hardening.py (make soak)",
     "SGLANG_TIERED_IN_NETNS": "bench/t2_fleet.py: set inside its loopback-only namespace",
+    "SGLANG_TIERED_WORKER_API_KEY": "sglang-tiered route --worker-api-key (the router's, not a server's)",
 }
 PREFIX = "SGLANG_TIERED_"
 
