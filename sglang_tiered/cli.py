@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import math
 import pathlib
 import re
@@ -194,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_plan)
 
+    from sglang_tiered.config import worker_api_key
+
     r = sub.add_parser("route", help="tenant-affinity + cache-aware router over SGLang servers")
     r.add_argument("--workers", nargs="+", required=True, help="worker URLs (also their ids in the index)")
     r.add_argument("--redis", type=_redis_url, help="hint index, redis://127.0.0.1:PORT/DB (default: none: affinity + load)")
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--index-ttl-s", type=_number(0.0, above=True), default=30.0)
     r.add_argument("--index-timeout-ms", type=_number(0.0, above=True), default=50.0)
     r.add_argument("--load-poll-ms", type=_number(0.0), default=250.0, help="poll each worker's /v1/loads every this many ms (0: off)")
-    r.add_argument("--worker-api-key", default=os.environ.get("SGLANG_TIERED_WORKER_API_KEY"),
+    r.add_argument("--worker-api-key", default=worker_api_key(),
                    help="the servers' --api-key (or --admin-api-key), for the router's own calls to them "
                         "(/model_info, /server_info, /v1/loads); default: $SGLANG_TIERED_WORKER_API_KEY")
     r.add_argument("--max-body-mb", type=_number(0.0, above=True), default=1024.0,

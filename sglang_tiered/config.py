@@ -378,6 +378,13 @@ def cache_root(env=None) -> pathlib.Path:
     return pathlib.Path(base)
 
 
+def worker_api_key(env=None) -> Optional[str]:
+    """The key the router sends on its own calls to workers started with ``--api-key``
+    (``SGLANG_TIERED_WORKER_API_KEY``; ``sglang-tiered route --worker-api-key`` overrides)."""
+    env = os.environ if env is None else env
+    return env.get("SGLANG_TIERED_WORKER_API_KEY") or None
+
+
 def shm_dir(env=None) -> pathlib.Path:
     """Directory of named T1 segments and their lock files (a tmpfs): ``SGLANG_TIERED_SHM_DIR``,
     default /dev/shm. Read once, when tier/host_pool.py is imported."""
