@@ -61,7 +61,9 @@ def load(name: str):
 # the snapshot fields of modes (session 13: strict, the default since session 15; 14: leader),
 # keyed by the mode's flag
 MODE_FIELDS = {"strict_guarantee": ("strict_guarantee", "cap_spared", "cap_admitted", "cap_over_pages", "cap_over_kept"),
-               "follow_leader": ("follow_leader", "leader_switches")}  # fmt: skip
+               "follow_leader": ("follow_leader", "leader_switches"),
+               # requests one at a time (these replays) never overlap: 0, left out as a mode's are
+               "overlapped_requests": ("overlapped_requests",)}  # fmt: skip
 
 
 def capacity_tokens(name: str, frac: float) -> int:

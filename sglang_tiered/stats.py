@@ -136,6 +136,7 @@ class PolicyReport(msgspec.Struct, kw_only=True):
     # follow the leader (SGLANG_TIERED_GUARANTEE=leader): no bound against lru
     follow_leader: bool = False
     leader_switches: int = 0  # times the real cache switched to the order whose shadow led
+    overlapped_requests: int = 0  # requests that started while another was in flight (lru then, strict)
 
 
 class IndexStats(msgspec.Struct, kw_only=True):

@@ -95,6 +95,10 @@ class SafetyDuel:
         # pages evicted over the cap since the lru tree's last step (``over_cap``): those lru's
         # tree still holds after its own step for the request are the bound's overshoot
         self._over: list = []
+        # Requests in flight together (``guard_serial``, strict only): sampled references left in
+        # which the real cache stays at lru after the last overlap (``note_overlap``)
+        self._serial_guard = self._guard and cfg.guard_div_cap and cfg.guard_serial and not cfg.guard_leader
+        self._overlap_left = 0.0
         # Follow the leader (``guard_leader``): each fixed order's shadow hits, decayed per request
         self._leader = dict.fromkeys(FIXED_ORDERS, 0.0) if cfg.guard_leader else None
         if self._guard and (cfg.guard_start_lru or cfg.guard_leader):
@@ -102,6 +106,18 @@ class SafetyDuel:
             # real tree before the adaptive policy is tried (and compared with bias corrected).
             self.following = "lru"
             self._hold = cfg.guard_start_hold * self._shadow.cap
+
+    def note_overlap(self) -> None:
+        """A request started while another was in flight (the cache tells: match_prefix). The
+        shadows model requests one at a time, so under the strict guarantee the real cache goes
+        back to lru, exactly, until a shadow turnover passes without overlap (``guard_serial``)."""
+        self.stats.overlapped_requests += 1
+        if self._serial_guard:
+            self._overlap_left = float(self._shadow.cap)
+            self._trial = None
+            if self.following != "lru":  # now: the next eviction is already lru's
+                self._follow("lru")
+                self._credit = 0.0
 
     def _safety_tree(self, pages: list, start: int, tail: int, real: int, n: int) -> None:
         """The duel's per-request step with the tree shadows (every order's, or lru's alone):
@@ -154,6 +170,14 @@ class SafetyDuel:
             self._max_hit = hits["lru"]
         if self._leader is not None:
             self._leader_step(hits, real, n)
+            return
+        if self._overlap_left > 0:  # requests in flight together: lru, exactly (guard_serial)
+            if self._shadow.full:
+                self._overlap_left -= n
+            self._trial = None
+            if self.following != "lru":
+                self._follow("lru")
+                self._credit = 0.0
             return
         if not self._shadow.full:
             return  # the shadows are not full yet: nothing evicted, nothing to compare

@@ -38,7 +38,7 @@ from sglang_tiered.core.keys import CacheKey
 from sglang_tiered.core.policy import AdaptivePolicy, PolicyConfig
 from sglang_tiered.core.tenants import TenantCounters, TenantTable, tenant_of
 from sglang_tiered.integration import build, tree_ops
-from sglang_tiered.integration.admission import Admission
+from sglang_tiered.integration.admission import COUNTED_MAX as IN_FLIGHT_MAX, Admission
 from sglang_tiered.integration.clock import LogicalClock
 from sglang_tiered.integration.evict import Eviction
 from sglang_tiered.integration.index_hints import IndexHints, tree_pages
@@ -83,6 +83,7 @@ class TieredRadixCache(RadixCache):
         self.hashes = PageHashes(self.cache_key, params.page_size)
         self.clock = LogicalClock(self.policy)
         self.admission = Admission(self)
+        self.in_flight: dict = {}  # rids matched and not yet released (bounded: IN_FLIGHT_MAX)
         self.eviction = Eviction(self)
         self.invalidation = Invalidation(self)
         self.index = IndexHints()  # fleet hint index (sglang_tiered.fleet.publisher)
@@ -287,6 +288,14 @@ class TieredRadixCache(RadixCache):
         req = params.req
         if req is not None and getattr(req.kv, "req_pool_idx", None) is None:
             req.tiered_epoch = self.epoch  # (no KV of its own yet: what it computes is of this epoch)
+        if req is not None and req.rid not in self.in_flight:
+            # a request that starts while another is in flight: the policy's shadows model requests
+            # one at a time (PolicyConfig.guard_serial)
+            if self.in_flight:
+                self.policy.note_overlap()
+            if len(self.in_flight) >= IN_FLIGHT_MAX:  # never released (aborted): forget the oldest
+                del self.in_flight[next(iter(self.in_flight))]
+            self.in_flight[req.rid] = None
         result = super().match_prefix(params)
         self.clock.stamp(result.last_device_node, self.root_node)
         result = self.invalidation.cut_match(result)
@@ -341,11 +350,13 @@ class TieredRadixCache(RadixCache):
         super().release_aborted_request(handle)
         rid = getattr(handle, "rid", None)
         self.admission.forget(rid)
+        self.in_flight.pop(rid, None)
         if self.t1 is not None:
             self.t1.forget(rid)
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         self.admission.forget(req.rid)
+        self.in_flight.pop(req.rid, None)
         if self.t1 is not None:
             self.t1.forget(req.rid)
         # A request retracted at decode (out of memory) or preempted is released unfinished and
