@@ -120,6 +120,21 @@ real cache's own hits on the same (sampled) pages are counted too. It then follo
   costs is not bounded: a switch starts from the content the last order left. Over the family it
   is below lru's bar in 46 of 1,212 cells (worst -1.87) and within 0.5 points of the best SGLang
   policy in 879 (README, "Follow the leader").
+* **Requests in flight together (``guard_serial``; session 21).** The bound above is for
+  SGLang's call order with requests one at a time: each shadow replays a request whole (match,
+  lock, evict, insert, unlock) when it is checkpointed. Under continuous batching SGLang's lru
+  sees several requests' matches, locks, evictions and chunk checkpoints interleaved; the
+  replicas do not, and the cap's count against them stops being a bound (measured: 19 of 1,008
+  cells of bench/concurrent_bar.py below the bar, worst -0.87 points, before the checkpoint-touch
+  fix, and still up to -0.28 after it). So with the cap on, a request that starts while another
+  is in flight (``note_overlap``, from the cache's ``match_prefix``) sends the real cache back to
+  lru at once, and it stays there until a shadow turnover of references passes without overlap.
+  Following lru is SGLang's lru exactly under any interleaving (tests/test_concurrency.py,
+  Hypothesis, chunked prefill included), so the bound then is equality, up to whatever the real
+  cache diverged before the first overlap (a cap-bounded episode). The price: the strict
+  default's small wins (a tenth of a point on average over the family) are given up while
+  requests overlap. An event-driven replica (each shadow stepped at SGLang's own match, alloc,
+  checkpoint and release points) would keep them; not built.
 * **What no mode can promise.** Within 0.5 points of the best fixed order on *every* workload
   is out of reach of every online policy, this one included: two traces that are the same up to
   a last pass, which rereads either what lru keeps or what slru and lfu keep, cost any policy
