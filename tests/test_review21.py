@@ -80,9 +80,9 @@ def test_score_ids_are_checked(monkeypatch, field, value):
 
 def test_control_plane_is_scoped_to_the_callers_tenant(monkeypatch):
     """In tenant-header mode without --admin-api-key, a tenant read every tenant's names and
-    counters on /cache/stats and could POST /cache/invalidate {"tenant": "<another>"}. The caller
-    is now confined to its own tenant (the header's, ``default`` without it); with an admin key
-    only its holders reach the routes and see everything."""
+    counters on /cache/stats and could POST /cache/invalidate {"tenant": "<another>"}. A call
+    carrying the header is now confined to that tenant; an untagged one (the operator's side of
+    the gateway) and, with an admin key, its holders see everything."""
     from starlette.requests import Request
 
     from sglang_tiered.integration.http import BadRequest, caller_tenant
@@ -94,7 +94,7 @@ def test_control_plane_is_scoped_to_the_callers_tenant(monkeypatch):
     monkeypatch.setenv("SGLANG_TIERED_TENANT_HEADER", "x-tenant-id")
     assert caller_tenant(req(("x-tenant-id", b"acme")), None) == "acme"
     assert caller_tenant(req(("x-tenant-id", "café".encode())), None) == "café"  # as the middleware salts
-    assert caller_tenant(req(), None) == "default"
+    assert caller_tenant(req(), None) is None  # untagged: from behind the gateway (the operator's view)
     assert caller_tenant(req(("x-tenant-id", b"acme")), "admin-secret") is None  # the operator's view
     with pytest.raises(BadRequest):
         caller_tenant(req(("x-tenant-id", b"a"), ("x-tenant-id", b"b")), None)

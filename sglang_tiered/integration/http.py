@@ -71,19 +71,19 @@ def parse_invalidate(body: bytes) -> InvalidateRequest:
     return req
 
 
-SCOPED = ("with SGLANG_TIERED_TENANT_HEADER set and no --admin-api-key, /cache/stats and "
-          "/cache/invalidate act on the caller's own tenant only (the header's, or 'default' without it); "
-          "set --admin-api-key for the operator's view of every tenant")
+SCOPED = ("with SGLANG_TIERED_TENANT_HEADER set and no --admin-api-key, a call carrying the tenant header "
+          "acts on that tenant only on /cache/stats and /cache/invalidate")
 
 
 def caller_tenant(request, admin_api_key) -> Optional[str]:
     """The tenant a control-plane call is confined to, or None for the operator's whole view.
 
-    With a trusted tenant header configured, tenants reach the server's routes through the same
-    gateway as the operator. Unless SGLang's ``--admin-api-key`` guards these routes (then only
-    its holders get here), a caller sees and invalidates only its own tenant: the header's, or
-    ``default`` without it, as generation requests are salted (review, session 21: any tenant read
-    every tenant's names and counters and could drop another tenant's cache)."""
+    With a trusted tenant header configured, the gateway that sets it tags every tenant's
+    requests (it must: untagged generation requests share the ``default`` namespace). Unless
+    SGLang's ``--admin-api-key`` guards these routes (then only its holders get here), a call that
+    carries the header sees and invalidates only that tenant (review, session 21: any tenant read
+    every tenant's names and counters and could drop another tenant's cache); one without it
+    comes from behind the gateway, the operator's side, and gets the whole view."""
     from sglang_tiered.core.tenants import tenant_of
 
     header = load_config().tenant_header
@@ -93,7 +93,7 @@ def caller_tenant(request, admin_api_key) -> Optional[str]:
     if len(values) > 1:
         raise BadRequest(f"the tenant header {header} must appear at most once")
     if not values:
-        return tenant_of(None)
+        return None
     try:  # (Starlette decodes headers as latin-1; the middleware salts with the UTF-8 name)
         value = values[0].encode("latin-1").decode("utf-8")
     except UnicodeError:
