@@ -278,3 +278,31 @@ def test_router_drops_hop_by_hop_headers():
     assert forward_headers(h, False, "x-tenant-id") == [("X-Keep", "a"), ("X-Keep", "b")]
     with pytest.raises(ValueError):
         forward_headers(CIMultiDict([("X-Tenant-Id", "caf\udce9")]), False, "x-tenant-id")
+
+
+def test_tenant_invalidated_pages_count_t1_too():
+    """A tenant's ``invalidated_pages`` counted its device pages only; what T1 dropped for it was
+    in ``dropped_tokens`` alone. Now both, so the per-tenant count adds up to what was dropped."""
+    from sglang_tiered.core.tenants import name_hash
+
+    page = 16
+    cache = TieredRadixCache_sim(page)
+    for i in range(40):  # two tenants' prompts, more than the device holds: T1 takes the victims
+        for t in ("acme", "globex"):
+            cache.driver.run([1000 * (i % 20) + j for j in range(6 * page)], tenant=t)
+    host = cache.host.tenant_pages()
+    assert host.get(name_hash("acme"), 0) > 0 and host.get(name_hash("globex"), 0) > 0
+    before = {t: cache.tenant(t).invalidated_pages for t in ("acme", "globex")}
+    res = cache.invalidate(tenant_hash=name_hash("acme"))
+    got = cache.tenant("acme").invalidated_pages - before["acme"]
+    assert got * page == res["dropped_tokens"] and got > host[name_hash("acme")] > 0
+    assert cache.tenant("globex").invalidated_pages == before["globex"]
+    before = cache.tenant("globex").invalidated_pages
+    res = cache.invalidate(everything=True)
+    assert (cache.tenant("globex").invalidated_pages - before) * page == res["dropped_tokens"]
+
+
+def TieredRadixCache_sim(page):
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+
+    return TieredRadixCache.create_simulated(24 * page, page, host_pages=64, debug_checks=True)

@@ -48,12 +48,30 @@ class Invalidation:
         for child in list(cache.root_node.children.values()):
             if everything or (tenant_hash is not None and name_hash(node_tenant(child)) == tenant_hash):
                 targets.append(child)
-        dropped = cache.t1.invalidate(tenant_hash, everything) if cache.t1 is not None else 0
+        dropped = 0
+        if cache.t1 is not None:
+            per = cache.t1.host.tenant_pages() if everything else None
+            dropped = cache.t1.invalidate(tenant_hash, everything)
+            if per is None and tenant_hash is not None:
+                per = {tenant_hash: dropped // cache.page_size}
+            self._count_t1(per or {})
         deferred = 0
         for top in targets:
             d, f = self._invalidate_subtree(top)
             dropped, deferred = dropped + d, deferred + f
         return {"dropped_tokens": dropped, "deferred_tokens": deferred, "subtrees": len(targets)}
+
+    def _count_t1(self, pages_by_tenant: dict) -> None:
+        """T1 pages dropped, into each tenant's ``invalidated_pages`` beside its device pages
+        (before session 21 a tenant's count was device pages only). Tenants are matched by the
+        hash of their stats label: one folded into ``__other__``, or past the label's length,
+        is counted in ``dropped_tokens`` only."""
+        if not pages_by_tenant:
+            return
+        for label, tc in self.cache.tenants.by_name.items():
+            n = pages_by_tenant.get(name_hash(label))
+            if n:
+                tc.invalidated_pages += n
 
     def _invalidate_subtree(self, top) -> tuple[int, int]:
         stack, order = [top], []

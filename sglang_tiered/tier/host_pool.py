@@ -481,6 +481,15 @@ class HostPool:
         want = np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(-1, 1, HASH_BYTES)
         return bool((self._heads_np[slots, self.own_heads] == want).all())
 
+    def tenant_pages(self) -> dict:
+        """Resident pages per tenant hash (what ``clear`` drops, by tenant)."""
+        out: dict = {}
+        tenant_of = self._tenant_of
+        for s in self.lru:
+            t = tenant_of.get(s)
+            out[t] = out.get(t, 0) + 1
+        return out
+
     def slots_of_tenant(self, tenant: int) -> list[int]:
         """Slots of a tenant's pages: resident, then staged."""
         tenant_of = self._tenant_of

@@ -142,6 +142,10 @@ class HostTier:
         with self.lock:
             return self.pool.clear()
 
+    def tenant_pages(self) -> dict:
+        with self.lock:
+            return self.pool.tenant_pages()
+
     def _demote(self, device_pages, hashes, tenant, ready, kind=VICTIM) -> int:
         t0 = time.perf_counter()
         pool = self.pool
