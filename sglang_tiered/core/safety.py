@@ -171,13 +171,9 @@ class SafetyDuel:
         if self._leader is not None:
             self._leader_step(hits, real, n)
             return
-        if self._overlap_left > 0:  # requests in flight together: lru, exactly (guard_serial)
-            if self._shadow.full:
+        if self._overlap_left > 0:  # requests in flight together: lru, exactly (guard_serial;
+            if self._shadow.full:  # note_overlap made the switch, and nothing leaves lru here)
                 self._overlap_left -= n
-            self._trial = None
-            if self.following != "lru":
-                self._follow("lru")
-                self._credit = 0.0
             return
         if not self._shadow.full:
             return  # the shadows are not full yet: nothing evicted, nothing to compare

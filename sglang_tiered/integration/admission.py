@@ -101,9 +101,7 @@ class Admission:
             # release of a request whose last chunk held only a partial page. Between them other
             # requests run (continuous batching), so skipping the touch reorders eviction
             # (tests/test_concurrency.py).
-            cache.clock.now()
-            cache.clock.stamp(anchor, cache.root_node)
-            tree_ops.touch_path(cache, anchor)
+            tree_ops.touch(cache, anchor)
             return None
         if admit_len >= aligned:
             admit_len = up_to  # admit everything: let SGLang page-align as usual

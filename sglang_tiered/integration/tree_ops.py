@@ -121,6 +121,14 @@ def touch_path(cache, node: TreeNode) -> int:
     return depth
 
 
+def touch(cache, node: TreeNode) -> int:
+    """A use of the path to ``node`` now, as SGLang's checkpoint makes one whatever it adds: the
+    adapter's clock stamp and ``last_access_time`` along the path. Returns its length in tokens."""
+    cache.clock.now()
+    cache.clock.stamp(node, cache.root_node)
+    return touch_path(cache, node)
+
+
 def checkpoint(cache, req, up_to: int) -> None:
     """SGLang's ``RadixCache.checkpoint`` (radix_cache.py:510-543) for plain keys, less its second
     walk: SGLang matches the key it has just inserted to find the path's last node and indices;
@@ -150,9 +158,7 @@ def checkpoint(cache, req, up_to: int) -> None:
     cpl = req.kv.cache_protected_len
     cache.token_to_kv_pool_allocator.free_segment(kv_indices[cpl:prefix_len], start_pos=cpl)
     # --- what SGLang's match of the inserted key did: our stamp, the path's access time ---
-    cache.clock.now()
-    depth = touch_path(cache, last)
-    cache.clock.stamp(last, cache.root_node)
+    depth = touch(cache, last)
     assert depth == key_len, f"{depth=}, {key_len=}"
     # --- the tree's indices of [cpl, key_len) into the request's row ---
     parts, end, node = [], key_len, last
