@@ -731,15 +731,12 @@ class Router:
 
         t0 = time.perf_counter()
         raw = await request.read()
-        if len(raw) > BIG_PROMPT_CHARS:  # (a 63 MiB body parsed on the loop stalled every stream 1.6 s)
-            body = await asyncio.get_running_loop().run_in_executor(None, _parse_json, raw)
-        else:
-            body = _parse_json(raw)
-        # pairs, not a dict: a header sent twice reaches the worker twice
-        # (content-encoding too when aiohttp decoded the body: ``raw`` is what goes on, decoded)
-        decoded = request.headers.get("content-encoding", "").strip().lower() in ("gzip", "deflate")
         try:
-            headers = forward_headers(request.headers, decoded, self.tenant_header)
+            body = json.loads(raw) if raw else {}
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
+            body = {}
+        try:
+            headers = self._upstream_headers(request)
         except ValueError as exc:
             return web.json_response({"error": {"message": str(exc)}}, status=400)
         try:
@@ -793,10 +790,7 @@ class Router:
             try:
                 async with self._proxy.request(request.method, ws.url + request.path_qs, data=raw,
                                                headers=headers) as up:  # fmt: skip
-                    resp = web.StreamResponse(status=up.status)
-                    for k, v in up.headers.items():
-                        if k.lower() not in HOP_RESPONSE_HEADERS:
-                            resp.headers.add(k, v)  # add: two set-cookie stay two
+                    resp = response_for(up)
                     resp.headers["x-sglang-tiered-worker"] = ws.url
                     if not await self._to_client(resp.prepare(request)):
                         return resp
@@ -861,6 +855,12 @@ class Router:
                         for w, x in self.workers.items()},  # fmt: skip
         }
 
+    def _upstream_headers(self, request) -> list:
+        """``forward_headers`` of ``request`` (``ValueError``: a 400). ``content-encoding`` goes
+        only when aiohttp did not decode the body (``raw`` is what goes on, decoded)."""
+        decoded = request.headers.get("content-encoding", "").strip().lower() in ("gzip", "deflate")
+        return forward_headers(request.headers, decoded, self.tenant_header)
+
     async def passthrough(self, request):
         """Every other route (``/v1/models``, ``/get_model_info``, ``/health_generate``,
         ``/v1/tokenize``, CORS preflights, ...): proxied as it is to one healthy worker (the least
@@ -870,9 +870,8 @@ class Router:
         from aiohttp import web
 
         raw = await request.read()
-        decoded = request.headers.get("content-encoding", "").strip().lower() in ("gzip", "deflate")
         try:
-            headers = forward_headers(request.headers, decoded, self.tenant_header)
+            headers = self._upstream_headers(request)
         except ValueError as exc:
             return web.json_response({"error": {"message": str(exc)}}, status=400)
         live = [w for w in self.workers.values() if w.healthy] or list(self.workers.values())
@@ -893,10 +892,7 @@ class Router:
         try:
             async with self._proxy.request(request.method, ws.url + request.path_qs, data=raw,
                                            headers=headers, allow_redirects=False) as up:  # fmt: skip
-                resp = web.StreamResponse(status=up.status)
-                for k, v in up.headers.items():
-                    if k.lower() not in HOP_RESPONSE_HEADERS:
-                        resp.headers.add(k, v)
+                resp = response_for(up)
                 await resp.prepare(request)
                 async for chunk in up.content.iter_any():
                     await resp.write(chunk)
@@ -942,11 +938,16 @@ class Router:
         return app
 
 
-def _parse_json(raw: bytes):
-    try:
-        return json.loads(raw) if raw else {}
-    except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
-        return {}
+def response_for(up):
+    """The client's response for a worker's answer ``up``: its status and its headers, less the
+    hop-by-hop ones (added, not set: two set-cookie stay two)."""
+    from aiohttp import web
+
+    resp = web.StreamResponse(status=up.status)
+    for k, v in up.headers.items():
+        if k.lower() not in HOP_RESPONSE_HEADERS:
+            resp.headers.add(k, v)
+    return resp
 
 
 _warned_headers: set = set()
