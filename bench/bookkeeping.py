@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from trace_replay import PAGE, page_ids, replay_sglang, replay_tiered  # noqa: E402
+from trace_replay import PAGE, capacity_pages, page_ids, replay_sglang, replay_tiered  # noqa: E402
 
 # (workload, capacity fraction): Mooncake, multi-tenant, and generated-family workloads at small
 # and large capacities, including caches of <= 128 pages (full sampling) and tiny requests
@@ -69,7 +69,7 @@ MODE_FIELDS = {"strict_guarantee": ("strict_guarantee", "cap_spared", "cap_admit
 def capacity_tokens(name: str, frac: float) -> int:
     """The capacity of a cell, as bench/workload_family.py sizes it."""
     _, unique, max_req = load(name)
-    return max(int(unique * frac), -(-max_req // PAGE) + 1) * PAGE
+    return capacity_pages(unique, max_req, frac, PAGE) * PAGE
 
 
 def digest(name: str, frac: float, config=None) -> dict:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import trace_replay  # noqa: E402
-from trace_replay import environment, page_ids  # noqa: E402
+from trace_replay import capacity_pages, environment, page_ids  # noqa: E402
 from workload_family import FRACTIONS, LRU_MARGIN, _load  # noqa: E402
 
 
@@ -71,7 +71,7 @@ def run_workload(task):
     page = trace_replay.PAGE
     rows = []
     for frac in fractions:
-        cap_pages = max(int(unique * frac), -(-max_req // page) + 1)
+        cap_pages = capacity_pages(unique, max_req, frac, page)
         for batch in batches:
             for chunk in chunks:
                 row = {"workload": name, "fraction": frac, "requests": len(reqs), "capacity_pages": cap_pages,

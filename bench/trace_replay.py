@@ -35,6 +35,12 @@ SKIPPED = {"tlru": "needs UnifiedRadixCache (sglang/srt/mem_cache/registry.py:26
                    "would silently fall back to LRU order"}  # fmt: skip
 
 
+def capacity_pages(unique: int, max_req: int, frac: float, page: int) -> int:
+    """A cell's cache: ``frac`` of the workload's unique pages, and never less than its longest
+    request plus a page (every benchmark sizes its cells so)."""
+    return max(int(unique * frac), -(-max_req // page) + 1)
+
+
 def page_ids(reqs):
     """Per request, the list of page ids (tenant-scoped prefix chains), as small ints."""
     ids: dict[bytes, int] = {}
@@ -183,7 +189,7 @@ def main(argv=None) -> int:
         print(f"[{wname}] {len(reqs)} requests, {total} prompt tokens, {unique} unique pages, "
               f"infinite-cache hit rate {inf / total:.4f}", flush=True)  # fmt: skip
         for frac in args.fractions:
-            cap_pages = max(int(unique * frac), -(-max_req // PAGE) + 1)
+            cap_pages = capacity_pages(unique, max_req, frac, PAGE)
             cap = cap_pages * PAGE
             row = {"workload": wname, "fraction": frac, "capacity_pages": cap_pages,
                    "infinite": inf / total}  # fmt: skip

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import trace_replay  # noqa: E402
-from trace_replay import SGLANG_POLICIES, belady_hits, environment, infinite_hits, page_ids  # noqa: E402
+from trace_replay import SGLANG_POLICIES, belady_hits, capacity_pages, environment, infinite_hits, page_ids  # noqa: E402
 
 FRACTIONS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2]
 # Idealized follow-the-leader oracles over SGLang's fixed policies (``follow_the_leader``): the
@@ -103,7 +103,7 @@ def run_workload(task):
     rows = []
     for frac in fractions:
         page = trace_replay.PAGE  # --page-size (set before the workers fork)
-        cap_pages = max(int(unique * frac), -(-max_req // page) + 1)
+        cap_pages = capacity_pages(unique, max_req, frac, page)
         cap = cap_pages * page
         row = {"workload": name, "fraction": frac, "requests": len(reqs), "unique_pages": unique,
                "capacity_pages": cap_pages, "infinite": inf / total}  # fmt: skip

@@ -89,16 +89,22 @@ def caller_tenant(request, admin_api_key) -> Optional[str]:
     header = load_config().tenant_header
     if not header or admin_api_key:
         return None
-    values = request.headers.getlist(header)
+    value = header_value(request.scope, header.lower().encode())  # as the middleware reads it
+    return None if value is None else tenant_of(value or None)
+
+
+def header_value(scope, name: bytes) -> Optional[str]:
+    """The tenant header ``name`` of an ASGI request, stripped; None when absent. A repeated or
+    non-UTF-8 one is a ``BadRequest``: forwarded, a gateway's appended copy would decide."""
+    values = [v for k, v in scope.get("headers") or [] if k.lower() == name]
     if len(values) > 1:
-        raise BadRequest(f"the tenant header {header} must appear at most once")
+        raise BadRequest(f"the tenant header {name.decode()} must appear at most once")
     if not values:
         return None
-    try:  # (Starlette decodes headers as latin-1; the middleware salts with the UTF-8 name)
-        value = values[0].encode("latin-1").decode("utf-8")
-    except UnicodeError:
-        raise BadRequest(f"the tenant header {header} is not valid UTF-8") from None
-    return tenant_of(value.strip() or None)
+    try:
+        return values[0].decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise BadRequest(f"the tenant header {name.decode()} is not valid UTF-8") from None
 
 
 def add_routes(app) -> None:
@@ -253,16 +259,7 @@ class HintMiddleware:
         return await self.app(scope, _replay(new, receive), send)
 
     def _tenant(self, scope) -> str | None:
-        values = [v for k, v in scope.get("headers") or [] if k.lower() == self.tenant_header]
-        if len(values) > 1:
-            raise BadRequest(f"the tenant header {self.tenant_header.decode()} must appear at most once")
-        if not values:
-            return None
-        try:
-            tenant = values[0].decode("utf-8")
-        except UnicodeDecodeError:
-            raise BadRequest(f"the tenant header {self.tenant_header.decode()} is not valid UTF-8") from None
-        return tenant.strip() or None
+        return header_value(scope, self.tenant_header) or None
 
 
 def _replay(body: bytes, receive, pending=None):
