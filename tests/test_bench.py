@@ -149,3 +149,13 @@ def test_gpu_check_dry_run():
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "paths checked equal to the reference" in out.stdout
+
+
+def test_gpu_correctness_dry_run():
+    """bench/gpu_correctness.py (the CUDA check of T1's real path) runs its checks on CPU in its dry
+    mode: page movers against the reference, HostTier round trips (private and named T1), and the
+    store fenced by the ready event, directly and through the threaded store queue."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_correctness.py"), "--dry-run"],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.strip().endswith("ok none (dry run)")
