@@ -32,9 +32,14 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 try:
     from sglang_tiered.kernels.kv_pages import gather_pages, scatter_pages
-except ImportError:  # a checkout without the package installed: the top-level folder
+except ImportError:  # a checkout without the package installed: the top-level folder is the package
     sys.path.insert(0, str(ROOT))
+    import kernels
+    import kernels.kv_pages
     from kernels.kv_pages import gather_pages, scatter_pages  # type: ignore
+
+    sys.modules["sglang_tiered.kernels"] = kernels
+    sys.modules["sglang_tiered.kernels.kv_pages"] = kernels.kv_pages
 
 
 def git_sha() -> str:
@@ -153,6 +158,78 @@ def run(args) -> list[dict]:
     return rows
 
 
+def t1_transfers(args, ceil: dict) -> list[dict]:
+    """A whole T1 transfer as the server makes it: every (K|V, layer) plane of ``--layers`` layers.
+    ``per_plane``: one launch per plane, the ids moved and checked for duplicates per call (the
+    path before ``move_pages_all``); ``one_launch``: ``move_pages_all`` (ids moved once);
+    ``host_tier``: ``HostTier.demote`` / ``load`` end to end (index work included)."""
+    from types import SimpleNamespace
+
+    from sglang_tiered.kernels.kv_pages import PoolPlanes, move_pages_all
+    from sglang_tiered.tier.host_tier import HostTier
+
+    cuda = torch.cuda.is_available() and not args.dry_run
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = getattr(torch, args.dtype)
+    L, H, D, ps = args.layers, args.kv_heads, args.head_dim, args.page_size
+    pages_list = [n for n in args.pages if n <= 256] or [min(args.pages)]
+    P = 2 * max(pages_list)
+    reps = 1 if args.dry_run else args.reps
+    g = torch.Generator().manual_seed(1)
+    kvc = SimpleNamespace(k_buffer=[torch.randn((P + 1) * ps, H, D, generator=g).to(dtype).to(dev) for _ in range(L)],
+                          v_buffer=[torch.randn((P + 1) * ps, H, D, generator=g).to(dtype).to(dev) for _ in range(L)])  # fmt: skip
+    tier = HostTier.build(kvc, page_size=ps, total_kv_heads=H, tp_size=1, tp_rank=0, capacity_pages=P, name=None)
+    data, planes = tier.pool.data, PoolPlanes(kvc.k_buffer, kvc.v_buffer)
+    elem = torch.empty((), dtype=dtype).element_size()
+    rows = []
+    seq = iter(range(1 << 40))
+    for n in pages_list:
+        src = torch.randperm(P, generator=g)[:n].to(torch.int64)
+        dst = torch.randperm(P, generator=g)[:n].to(torch.int64)
+        nbytes = n * ps * H * D * elem * 2 * L
+
+        def per_plane(to_host):
+            ids = dst.to(dev) if cuda else dst
+            for kv_, bufs in enumerate((kvc.k_buffer, kvc.v_buffer)):
+                for layer, buf in enumerate(bufs):
+                    if to_host:
+                        scatter_pages(buf, src.to(dev), data[kv_, layer], ids, 0, ps)
+                    else:
+                        gather_pages(data[kv_, layer], ids, buf, src.to(dev), 0, ps)
+            if cuda:
+                torch.cuda.current_stream().synchronize()
+
+        def one_launch(to_host):
+            ids = torch.tensor(dst.tolist(), dtype=torch.int64)
+            move_pages_all(planes, data, src.to(dev), ids.to(dev) if cuda else ids, 0, ps, to_host=to_host,
+                           unique_checked=True)  # fmt: skip
+            if cuda:
+                torch.cuda.current_stream().synchronize()
+
+        def tier_demote():
+            tier.demote(src, [next(seq).to_bytes(16, "little") for _ in range(n)])
+
+        hashes = [next(seq).to_bytes(16, "little") for _ in range(n)]
+
+        def tier_load():
+            if not tier.load(hashes, src.to(dev)):
+                raise AssertionError("load failed")
+
+        cases = (("per_plane", lambda: per_plane(True), True), ("one_launch", lambda: one_launch(True), True),
+                 ("host_tier", tier_demote, True), ("per_plane", lambda: per_plane(False), False),
+                 ("one_launch", lambda: one_launch(False), False), ("host_tier", tier_load, False))  # fmt: skip
+        for name, fn, to_host in cases:
+            if name == "host_tier" and not to_host:
+                tier.demote(src, hashes)  # what the promotions read
+            secs = bench(fn, reps, cuda)
+            c = "d2h" if to_host else "h2d"
+            row = _row(f"{'demote' if to_host else 'promote'}_{name}", 1, n, nbytes, secs, ceil[c], c)
+            row["us_per_call"] = secs * 1e6
+            row["layers"] = L
+            rows.append(row)
+    return rows
+
+
 def _demote_staging(pool, src, host, dst, head0, ps, cuda):
     """Device pages -> one contiguous device buffer (Triton/torch gather on the device) -> one
     copy into pinned staging -> host index_copy into the canonical slots."""
@@ -192,11 +269,18 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--ceiling-mb", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=32, help="layers of the whole-transfer table (t1_transfers)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_check.csv"))
     args = ap.parse_args(argv)
     if args.dry_run:
         args.kv_heads, args.head_dim, args.pages, args.dtype = 8, 16, [1, 3, 8], "float32"
     rows = run(args)
+    cuda = torch.cuda.is_available() and not args.dry_run
+    ceil = ceilings(torch.device("cuda" if cuda else "cpu"), 4 << 20 if args.dry_run else args.ceiling_mb << 20,
+                    1 if args.dry_run else args.reps, cuda)  # fmt: skip
+    if args.dry_run:
+        args.layers = 3
+    t1_rows = t1_transfers(args, ceil)
     try:
         import triton
 
@@ -209,7 +293,17 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['path']:18} tp={r['tp']} pages={r['pages']:4} {r['GBps']:8.2f} GB/s "
               f"({r['fraction_of_ceiling']:.0%} of {r['ceiling']} {r['ceiling_GBps']:.1f})")  # fmt: skip
+    for r in t1_rows:
+        print(f"{r['path']:20} layers={r['layers']} pages={r['pages']:4} {r['us_per_call']:9.1f} us "
+              f"{r['GBps']:8.2f} GB/s ({r['fraction_of_ceiling']:.0%} of {r['ceiling']} {r['ceiling_GBps']:.1f})")  # fmt: skip
     if not args.dry_run:
+        t1_out = pathlib.Path(args.out).with_name(pathlib.Path(args.out).stem + "_t1.csv")
+        with open(t1_out, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=[*meta, *t1_rows[0]])
+            w.writeheader()
+            for r in t1_rows:
+                w.writerow({**meta, **r})
+        print(f"wrote {t1_out}")
         out = pathlib.Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "w", newline="") as f:

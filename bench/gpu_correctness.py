@@ -8,6 +8,8 @@ host memory), checked on a CUDA device, every result bit-exact against the torch
   canonical plane in three kinds of memory: device memory, pinned host memory (zero-copy through
   unified addressing, the ids on the device), and a shared-memory mapping page-locked with
   ``cudaHostRegister`` (a named T1). Each case also asserts that the Triton launch ran.
+* ``all_planes``: ``move_pages_all``, every (K|V, layer) plane of a transfer in one launch (the
+  path ``HostTier`` takes), both directions, the same memory kinds, up to 32 layers.
 * ``host_tier``: ``HostTier`` (the server's T1 object) over a CUDA KV pool, private (pinned) and
   named (registered shared memory): demote, clear the device pages, load into other pages, and
   compare every layer's K and V.
@@ -167,6 +169,87 @@ def check_kernels(dev, dry: bool) -> dict:
             "failures": failed[:20], "ok": fails == 0}  # fmt: skip
 
 
+def check_all_planes(dev, dry: bool) -> dict:
+    """``move_pages_all`` (every plane in one launch, HostTier's path) against the per-plane torch
+    reference, both directions, with the canonical pool in each kind of memory."""
+    g = torch.Generator().manual_seed(3)
+    cuda = dev.type == "cuda"
+    kinds = ["device", "pinned", "registered"] if cuda else ["device"]
+    cases = fails = launches = 0
+    failed: list = []
+    keep: list = []
+    for dtype, (ps, hr, htot, d, L), kind in itertools.product(
+        [torch.float16, torch.bfloat16, torch.float32, torch.uint8],
+        [(16, 2, 4, 32, 3), (3, 1, 3, 5, 2), (1, 8, 8, 128, 4), (16, 4, 8, 128, 32), (64, 1, 2, 64, 2)],
+        kinds,
+    ):
+        k = [rand((60 * ps, hr, d), dtype, g) for _ in range(L)]
+        v = [rand((60 * ps, hr, d), dtype, g) for _ in range(L)]
+        base = rand((2, L, htot, 50, ps, d), dtype, g)
+        pp = torch.tensor([5, 2, 7, 11, 40, 0], dtype=torch.int64)
+        hs = torch.tensor([8, 0, 3, 4, 49, 21], dtype=torch.int64)
+        dst = torch.tensor([1, 3, 0, 59, 30, 31], dtype=torch.int64)
+        off = htot - hr
+        try:
+            want = base.clone()
+            kv.move_pages_all(kv.PoolPlanes(k, v), want, pp, hs, off, ps, to_host=True, force_ref=True)
+            host = host_plane(kind, base.shape, dtype, dev, keep)
+            host.copy_(base)
+            kd, vd = [t.to(dev) for t in k], [t.to(dev) for t in v]
+            with Launches() as lc, _AllLaunches() as la:
+                kv.move_pages_all(kv.PoolPlanes(kd, vd), host, pp.to(dev), hs.to(dev), off, ps, to_host=True)
+                if cuda:
+                    torch.cuda.synchronize()
+                ok = torch.equal(host.cpu(), want)
+                k2, v2 = [t.clone() for t in kd], [t.clone() for t in vd]
+                kv.move_pages_all(kv.PoolPlanes(k2, v2), host, dst.to(dev), hs.to(dev), off, ps, to_host=False)
+                if cuda:
+                    torch.cuda.synchronize()
+            k3, v3 = [t.clone() for t in k], [t.clone() for t in v]
+            kv.move_pages_all(kv.PoolPlanes(k3, v3), want, dst, hs, off, ps, to_host=False, force_ref=True)
+            ok = ok and all(torch.equal(a.cpu(), b) for a, b in zip(k2 + v2, k3 + v3))
+            err = "" if ok else "differs from the reference"
+            if ok and cuda and (la.n != 2 or lc.n != 0):
+                ok, err = False, f"expected 2 one-launch transfers, saw {la.n} (+{lc.n} per-plane launches)"
+        except Exception as exc:  # noqa: BLE001
+            ok, err = False, repr(exc)[:300]
+        if not ok:
+            failed.append({"case": [str(dtype), ps, hr, htot, d, L, kind], "error": err})
+        cases += 1
+        fails += not ok
+        launches += la.n if ok else 0
+    for raw in keep:
+        if cuda:
+            kv.unpin_host_memory(raw)
+    return {"cases": cases, "failed": fails, "one_launch_transfers": launches, "memory_kinds": kinds,
+            "failures": failed[:20], "ok": fails == 0}  # fmt: skip
+
+
+class _AllLaunches:
+    """Counts launches of the all-plane kernel."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __enter__(self):
+        if getattr(kv, "_planes_copy_kernel", None) is None:
+            return self
+        real = self._real = kv._planes_copy_kernel
+        outer = self
+
+        class Counted:
+            def __getitem__(self, grid):
+                outer.n += 1
+                return real[grid]
+
+        kv._planes_copy_kernel = Counted()
+        return self
+
+    def __exit__(self, *exc):
+        if hasattr(self, "_real"):
+            kv._planes_copy_kernel = self._real
+
+
 def _kvcache(dev, layers, slots, heads, d, dtype, g):
     k = [rand((slots, heads, d), dtype, g).to(dev) for _ in range(layers)]
     v = [rand((slots, heads, d), dtype, g).to(dev) for _ in range(layers)]
@@ -191,6 +274,7 @@ def check_host_tier(dev, dry: bool) -> dict:
             tier = HostTier.build(kvc, page_size=ps, total_kv_heads=heads, tp_size=1, tp_rank=0,
                                   capacity_pages=32, name=name)  # fmt: skip
             pinned = tier.pool.raw.is_pinned()
+            counter = _AllLaunches().__enter__()
             src = torch.tensor([3, 9, 10, 11, 40, 2], dtype=torch.int64)
             hashes = [bytes([i]) * 16 for i in range(len(src))]
             orig = [(kb.clone(), vb.clone()) for kb, vb in zip(kvc.k_buffer, kvc.v_buffer)]
@@ -201,13 +285,17 @@ def check_host_tier(dev, dry: bool) -> dict:
                     kb[p * ps : (p + 1) * ps] = 0
                     vb[p * ps : (p + 1) * ps] = 0
             loaded = tier.load(hashes, dst)
+            counter.__exit__()
             same = loaded and n == len(src)
+            if dev.type == "cuda" and pinned:  # zero-copy: one launch each way
+                same = same and counter.n == 2
             for (k0, v0), kb, vb in zip(orig, kvc.k_buffer, kvc.v_buffer):
                 for s, t in zip(src.tolist(), dst.tolist()):
                     same = same and torch.equal(kb[t * ps : (t + 1) * ps], k0[s * ps : (s + 1) * ps])
                     same = same and torch.equal(vb[t * ps : (t + 1) * ps], v0[s * ps : (s + 1) * ps])
             tier.pool.check_invariants()
             out[label] = {"ok": bool(same), "demoted": n, "loaded": bool(loaded), "t1_pinned": bool(pinned),
+                          "one_launch_transfers": counter.n,
                           "failed_demotions": tier.stats.failed_demotions,
                           "failed_promotions": tier.stats.failed_promotions}  # fmt: skip
             if named:
@@ -336,7 +424,9 @@ def main(argv=None) -> int:
     res = {"meta": {"gpu": torch.cuda.get_device_name(0) if cuda else "none (dry run)", "torch": torch.__version__,
                     "triton": tv, "machine": platform.machine(), "python": platform.python_version(),
                     "git_sha": _git_sha()}}  # fmt: skip
-    for name, fn in (("kernels", check_kernels), ("host_tier", check_host_tier), ("fencing", check_fencing)):
+    checks = (("kernels", check_kernels), ("all_planes", check_all_planes), ("host_tier", check_host_tier),
+              ("fencing", check_fencing))  # fmt: skip
+    for name, fn in checks:
         t0 = time.perf_counter()
         try:
             res[name] = fn(dev, args.dry_run)
@@ -344,7 +434,7 @@ def main(argv=None) -> int:
             res[name] = {"ok": False, "error": traceback.format_exc()[-1000:]}
         res[name]["seconds"] = round(time.perf_counter() - t0, 2)
         print(name, json.dumps(res[name], default=str)[:1500], flush=True)
-    ok = all(res[k]["ok"] for k in ("kernels", "host_tier", "fencing"))
+    ok = all(res[k]["ok"] for k, _ in checks)
     res["ok"] = ok
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(res, indent=1, default=str))

@@ -96,6 +96,35 @@ if triton is not None:
         tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _planes_copy_kernel(
+        pool_table, host_ptr, pool_pages_ptr, host_slots_ptr,
+        p_page, p_tok, p_head, h_plane, h_page, h_tok, h_head, head0,
+        TO_HOST: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """One (page, head, plane) tile: every (K|V, layer) plane of a transfer in one launch. The
+        device planes are separate tensors (``pool_table``: their addresses); the canonical planes
+        are one tensor, ``plane`` elements apart."""
+        i = tl.program_id(0)
+        h = tl.program_id(1).to(tl.int64)
+        pl = tl.program_id(2).to(tl.int64)
+        pool_base = tl.load(pool_table + pl).to(host_ptr.dtype, bitcast=True)
+        pp = tl.load(pool_pages_ptr + i).to(tl.int64)
+        hs = tl.load(host_slots_ptr + i).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        t = (offs // D).to(tl.int64)
+        d = (offs % D).to(tl.int64)
+        mask = offs < PS * D
+        p = pool_base + pp * p_page + t * p_tok + h * p_head + d
+        q = host_ptr + pl * h_plane + hs * h_page + t * h_tok + (head0 + h) * h_head + d
+        if TO_HOST:
+            tl.store(q, tl.load(p, mask=mask), mask=mask)
+        else:
+            tl.store(p, tl.load(q, mask=mask), mask=mask)
+
+
 def _launch(src, dst, src_pages, dst_pages, src_strides, dst_strides, src_head0, dst_head0, heads, ps, d):
     block = triton.next_power_of_2(ps * d)
     grid = (src_pages.numel(), heads)
@@ -144,10 +173,13 @@ def unpin_host_memory(t: torch.Tensor) -> None:
         pass
 
 
-def scatter_pages(pool, pool_pages, host, host_slots, head_offset: int, page_size: int, *, force_ref=False):
-    """Device pool pages -> canonical host slots (see module doc)."""
+def scatter_pages(pool, pool_pages, host, host_slots, head_offset: int, page_size: int, *, force_ref=False,
+                  unique_checked=False):  # fmt: skip
+    """Device pool pages -> canonical host slots (see module doc). ``unique_checked``: the caller
+    has checked that ``host_slots`` holds no duplicate (the check here reads the ids back: on CUDA,
+    a synchronisation per call)."""
     _check(pool, host, pool_pages, host_slots, head_offset, page_size)
-    if len(set(host_slots.tolist())) != host_slots.numel():
+    if not unique_checked and len(set(host_slots.tolist())) != host_slots.numel():
         raise ValueError("duplicate host_slots: two pages would race for one slot")
     if pool_pages.numel() == 0:
         return
@@ -157,10 +189,12 @@ def scatter_pages(pool, pool_pages, host, host_slots, head_offset: int, page_siz
             0, head_offset, pool.shape[1], page_size, pool.shape[2])  # fmt: skip
 
 
-def gather_pages(host, host_slots, pool, pool_pages, head_offset: int, page_size: int, *, force_ref=False):
-    """Canonical host slots -> this rank's heads in the device pool (see module doc)."""
+def gather_pages(host, host_slots, pool, pool_pages, head_offset: int, page_size: int, *, force_ref=False,
+                 unique_checked=False):  # fmt: skip
+    """Canonical host slots -> this rank's heads in the device pool (see module doc).
+    ``unique_checked``: the caller has checked that ``pool_pages`` holds no duplicate."""
     _check(pool, host, pool_pages, host_slots, head_offset, page_size)
-    if len(set(pool_pages.tolist())) != pool_pages.numel():
+    if not unique_checked and len(set(pool_pages.tolist())) != pool_pages.numel():
         raise ValueError("duplicate pool_pages: two host pages would race for one device page")
     if pool_pages.numel() == 0:
         return
@@ -168,3 +202,69 @@ def gather_pages(host, host_slots, pool, pool_pages, head_offset: int, page_size
         return gather_pages_ref(host, host_slots, pool, pool_pages, head_offset, page_size)
     _launch(host, pool, host_slots, pool_pages, _host_strides(host), _pool_strides(pool, page_size),
             head_offset, 0, pool.shape[1], page_size, pool.shape[2])  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Every plane of a transfer in one launch (what T1 moves: all layers, K and V)
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class PoolPlanes:
+    """A device KV pool's planes for one-launch transfers: SGLang's per-layer ``k_buffers`` and
+    ``v_buffers`` (``[slots, H_rank, D]`` each, one dtype, shape and stride, one device), and
+    ``table``, their addresses on that device in the canonical pool's ``[kv][layer]`` order (K
+    planes, then V planes). SGLang allocates the buffers once, so the table is built once."""
+
+    def __init__(self, k_buffers, v_buffers):
+        planes = list(k_buffers) + list(v_buffers)
+        if not k_buffers or len(k_buffers) != len(v_buffers):
+            raise ValueError("expected as many K as V planes, at least one")
+        p0 = planes[0]
+        for t in planes:
+            if t.dtype != p0.dtype or t.shape != p0.shape or t.stride() != p0.stride() or t.device != p0.device:
+                raise ValueError("every plane must share dtype, shape, stride and device")
+        self.k, self.v, self.first = list(k_buffers), list(v_buffers), p0
+        self.layers = len(k_buffers)
+        self.table = torch.tensor([t.data_ptr() for t in planes], dtype=torch.int64, device=p0.device)
+
+
+def _check_all(planes: PoolPlanes, host, pool_pages, host_slots, head_offset, page_size) -> None:
+    if host.dim() != 6 or host.shape[0] != 2 or host.shape[1] != planes.layers:
+        raise ValueError(f"expected a host pool [2, {planes.layers}, H, P, ps, D], got {tuple(host.shape)}")
+    if host.stride(0) != planes.layers * host.stride(1):
+        raise ValueError("the host pool's planes must be evenly spaced ([kv][layer] contiguous)")
+    _check(planes.first, host[0, 0], pool_pages, host_slots, head_offset, page_size)
+
+
+def move_pages_all(planes: PoolPlanes, host, pool_pages, host_slots, head_offset: int, page_size: int, *,
+                   to_host: bool, force_ref=False, unique_checked=False) -> None:  # fmt: skip
+    """``scatter_pages`` (``to_host``) or ``gather_pages`` for every (K|V, layer) plane: device
+    ``planes`` <-> the canonical pool ``host[2, L, H, P, ps, D]``. One Triton launch for the whole
+    transfer where the per-plane functions would use Triton (a launch and its Python costs once,
+    not 2 x layers times); the per-plane path otherwise."""
+    _check_all(planes, host, pool_pages, host_slots, head_offset, page_size)
+    written = host_slots if to_host else pool_pages
+    if not unique_checked and len(set(written.tolist())) != written.numel():
+        raise ValueError("duplicate ids: two pages would race for one destination")
+    if pool_pages.numel() == 0:
+        return
+    if force_ref or not _use_triton(planes.first, host, host_slots):
+        for kv, bufs in enumerate((planes.k, planes.v)):
+            for layer, buf in enumerate(bufs):
+                if to_host:
+                    scatter_pages(buf, pool_pages, host[kv, layer], host_slots, head_offset, page_size,
+                                  force_ref=force_ref, unique_checked=True)  # fmt: skip
+                else:
+                    gather_pages(host[kv, layer], host_slots, buf, pool_pages, head_offset, page_size,
+                                 force_ref=force_ref, unique_checked=True)  # fmt: skip
+        return
+    p0 = planes.first
+    size = p0.element_size()
+    hv = host.view(_INT_OF_SIZE[size])  # a copy moves bytes: fp8 and bf16 alike
+    d = p0.shape[2]
+    ps_, pt, ph = _pool_strides(p0, page_size)
+    grid = (pool_pages.numel(), p0.shape[1], 2 * planes.layers)
+    _planes_copy_kernel[grid](planes.table, hv, pool_pages, host_slots, ps_, pt, ph, host.stride(1),
+                              host.stride(3), host.stride(4), host.stride(2), head_offset, TO_HOST=to_host,
+                              PS=page_size, D=d, BLOCK=triton.next_power_of_2(page_size * d))  # fmt: skip

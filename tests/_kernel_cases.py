@@ -45,3 +45,30 @@ for dtype, (ps, hr, htot, d), ids in itertools.product(
             assert torch.equal(p1[p * ps : (p + 1) * ps], pool[p * ps : (p + 1) * ps])
     n += 1
 print(f"ok {n} cases")
+
+# every (K|V, layer) plane in one launch (HostTier's path): against the per-plane reference
+from sglang_tiered.kernels.kv_pages import PoolPlanes, move_pages_all  # noqa: E402
+
+m = 0
+for dtype, (ps, hr, htot, d, L) in itertools.product(
+    [torch.float16, torch.bfloat16, torch.float32, torch.uint8], [(16, 2, 4, 32, 3), (3, 1, 3, 5, 2), (1, 4, 4, 8, 1)]
+):
+    k = [rand((20 * ps, hr, d), dtype) for _ in range(L)]
+    v = [rand((20 * ps, hr, d), dtype) for _ in range(L)]
+    host = rand((2, L, htot, 9, ps, d), dtype)
+    want = host.clone()
+    pp, hs, off = torch.tensor([5, 2, 7, 11]), torch.tensor([8, 0, 3, 4]), htot - hr
+    move_pages_all(PoolPlanes(k, v), host, pp, hs, off, ps, to_host=True)
+    move_pages_all(PoolPlanes(k, v), want, pp, hs, off, ps, to_host=True, force_ref=True)
+    assert torch.equal(host, want), ("scatter all", dtype, ps)
+    dst = torch.tensor([1, 3, 0, 19])
+    k2, v2 = [t.clone() for t in k], [t.clone() for t in v]
+    k3, v3 = [t.clone() for t in k], [t.clone() for t in v]
+    move_pages_all(PoolPlanes(k2, v2), host, dst, hs, off, ps, to_host=False)
+    move_pages_all(PoolPlanes(k3, v3), host, dst, hs, off, ps, to_host=False, force_ref=True)
+    assert all(torch.equal(a, b) for a, b in zip(k2 + v2, k3 + v3)), ("gather all", dtype, ps)
+    for a, b in zip(k2 + v2, k + v):  # the round trip
+        for s_, t_ in zip(pp.tolist(), dst.tolist()):
+            assert torch.equal(a[t_ * ps : (t_ + 1) * ps], b[s_ * ps : (s_ + 1) * ps])
+    m += 1
+print(f"ok {m} all-plane cases")

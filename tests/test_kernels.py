@@ -21,6 +21,7 @@ def test_triton_kernels_match_reference_in_interpreter():
                          capture_output=True, text=True, timeout=900)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("ok 48 cases")
+    assert "ok 12 all-plane cases" in out.stdout
 
 
 def _pool_host(dtype=torch.bfloat16):
@@ -59,3 +60,29 @@ def test_contracts_are_enforced():
     with pytest.raises(ValueError, match="length"):
         scatter_pages(pool, torch.tensor([1, 2]), host, torch.tensor([3]), 0, 4)
     scatter_pages(pool, torch.tensor([], dtype=torch.int64), host, torch.tensor([], dtype=torch.int64), 0, 4)
+
+
+def test_all_plane_contracts_are_enforced():
+    from sglang_tiered.kernels.kv_pages import PoolPlanes, move_pages_all
+
+    k = [torch.zeros((5 * 4, 2, 8)) for _ in range(2)]
+    v = [torch.zeros((5 * 4, 2, 8)) for _ in range(2)]
+    host = torch.zeros((2, 2, 4, 6, 4, 8))
+    with pytest.raises(ValueError, match="share"):
+        PoolPlanes(k, [torch.zeros((5 * 4, 2, 4)), v[1]])
+    with pytest.raises(ValueError, match="as many"):
+        PoolPlanes(k, v[:1])
+    planes = PoolPlanes(k, v)
+    with pytest.raises(ValueError, match="host pool"):
+        move_pages_all(planes, host[:, :1], torch.tensor([1]), torch.tensor([1]), 0, 4, to_host=True)
+    with pytest.raises(ValueError, match="evenly"):
+        move_pages_all(planes, host.transpose(0, 1), torch.tensor([1]), torch.tensor([1]), 0, 4, to_host=True)
+    with pytest.raises(ValueError, match="duplicate"):
+        move_pages_all(planes, host, torch.tensor([1, 2]), torch.tensor([3, 3]), 0, 4, to_host=True)
+    with pytest.raises(ValueError, match="duplicate"):
+        move_pages_all(planes, host, torch.tensor([1, 1]), torch.tensor([3, 4]), 0, 4, to_host=False)
+    with pytest.raises(TypeError, match="dtype"):
+        move_pages_all(planes, host.double(), torch.tensor([1]), torch.tensor([1]), 0, 4, to_host=True)
+    k[0][4:8] = 1.0
+    move_pages_all(planes, host, torch.tensor([1]), torch.tensor([5]), 2, 4, to_host=True)
+    assert torch.all(host[0, 0, 2:4, 5] == 1.0) and host.sum() == 2 * 4 * 8

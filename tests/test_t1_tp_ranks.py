@@ -147,7 +147,7 @@ def test_a_failed_copy_on_one_rank_leaves_the_slot_unserved_after_restart(monkey
         raise RuntimeError("copy failed")
 
     with monkeypatch.context() as m:
-        m.setattr(ht, "scatter_pages", boom)
+        m.setattr(ht, "move_pages_all", boom)
         demote(r1, 1)
     assert r1.stats.failed_demotions == 1
     hp.release_owner("t1")

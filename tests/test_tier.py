@@ -115,13 +115,15 @@ class TierMachine(RuleBasedStateMachine):
         """A failed transfer must be a clean miss: arm a one-shot failure in the page mover."""
         import sglang_tiered.tier.host_tier as ht
 
-        real = ht.gather_pages
+        real = ht.move_pages_all
 
         def boom(*a, **k):
-            ht.gather_pages = real
+            if k.get("to_host"):  # a demotion: not this failure
+                return real(*a, **k)
+            ht.move_pages_all = real
             raise RuntimeError("injected transfer failure")
 
-        ht.gather_pages = boom
+        ht.move_pages_all = boom
 
     @invariant()
     def tier_states_are_consistent(self):
@@ -141,9 +143,9 @@ class TierMachine(RuleBasedStateMachine):
 
     def teardown(self):
         import sglang_tiered.tier.host_tier as ht
-        from sglang_tiered.kernels.kv_pages import gather_pages
+        from sglang_tiered.kernels.kv_pages import move_pages_all
 
-        ht.gather_pages = gather_pages
+        ht.move_pages_all = move_pages_all
 
 
 TierMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
@@ -299,10 +301,18 @@ def test_failed_promotion_is_a_clean_miss(monkeypatch):
     cache.evict(EvictParams(num_tokens=4 * PAGE))  # demote everything
     assert cache.host.pool.resident == 3
 
-    def boom(*a, **k):
-        raise RuntimeError("injected")
+    import sglang_tiered.kernels.kv_pages as kv
 
-    monkeypatch.setattr(ht, "gather_pages", boom)
+    real, calls = kv.gather_pages, []
+
+    def boom(*a, **k):  # the second plane fails: the first was already written (partial KV)
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real(*a, **k)
+
+    monkeypatch.setattr(kv, "gather_pages", boom)
+    assert ht.move_pages_all.__module__ == kv.__name__
     out = cache.driver.run(toks)  # KV verified inside: recomputed, never partial
     assert out.cached_len == 0 and cache.host.stats.failed_promotions == 1
     monkeypatch.undo()

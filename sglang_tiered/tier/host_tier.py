@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_tiered.kernels.kv_pages import gather_pages, scatter_pages
+from sglang_tiered.kernels.kv_pages import PoolPlanes, move_pages_all
 from sglang_tiered.tier.host_pool import HostPool, HostPoolError, PoolLayout, heads_for_rank
 
 logger = logging.getLogger("sglang_tiered")
@@ -71,6 +71,7 @@ class HostTier:
         # skips the demotion (counted in demote_skipped_pages).
         self.replace_when_full = True
         self.t2 = None  # T2Tier behind this T1 (sglang_tiered/tier/t2.py), fed by T1's victims
+        self._planes = None  # PoolPlanes: the device pool's plane addresses, built at first use
 
     @classmethod
     def build(cls, kvcache, *, page_size: int, total_kv_heads: int, tp_size: int, tp_rank: int,
@@ -163,19 +164,17 @@ class HostTier:
             return 0
         pos = {h: i for i, h in enumerate(hashes)}
         src = device_pages[[pos[h] for h, _ in pairs]].to(torch.int64)
-        dst = self._host_ids([s for _, s in pairs])
-        h0 = self.h0
+        dst_list = [s for _, s in pairs]
+        dst = self._host_ids(dst_list)
         pool.begin_write([s for _, s in pairs])
         try:
             if ready is not None:
                 torch.cuda.current_stream().wait_event(ready)
             else:
                 self._fence()
-            for layer, (kb, vb) in enumerate(zip(self.k_buffers, self.v_buffers)):
-                scatter_pages(kb, src.to(kb.device), self.pool.data[0, layer], dst, h0, self.page_size)
-                scatter_pages(vb, src.to(vb.device), self.pool.data[1, layer], dst, h0, self.page_size)
-            if kb.is_cuda:
-                torch.cuda.current_stream(kb.device).synchronize()
+            if len(set(dst_list)) != len(dst_list):
+                raise ValueError("duplicate T1 slots in a demotion")
+            self._move(src, dst, to_host=True)
         except Exception:  # noqa: BLE001 - a failed transfer is a skipped demotion, never partial
             pool.abort(pairs)
             if self.t2 is not None:
@@ -206,14 +205,11 @@ class HostTier:
             return self._foreign_slots(len(hashes))
         slots = self._host_ids(slot_list)
         pages = device_pages.to(torch.int64)
-        h0 = self.h0
         try:
             self._fence()
-            for layer, (kb, vb) in enumerate(zip(self.k_buffers, self.v_buffers)):
-                gather_pages(self.pool.data[0, layer], slots, kb, pages.to(kb.device), h0, self.page_size)
-                gather_pages(self.pool.data[1, layer], slots, vb, pages.to(vb.device), h0, self.page_size)
-            if kb.is_cuda:
-                torch.cuda.current_stream(kb.device).synchronize()
+            if len(set(pages.tolist())) != pages.numel():
+                raise ValueError("duplicate device pages in a promotion")
+            self._move(pages, slots, to_host=False)
         except Exception:  # noqa: BLE001
             self.stats.failed_promotions += 1
             logger.exception("sglang-tiered: promotion of %d pages failed; recomputing", len(hashes))
@@ -223,6 +219,18 @@ class HostTier:
         self.stats.promoted_pages += len(hashes)
         self.stats.promote_seconds += time.perf_counter() - t0
         return True
+
+    def _move(self, pages: torch.Tensor, slots: torch.Tensor, *, to_host: bool) -> None:
+        """Every (K|V, layer) plane of a transfer between device ``pages`` and T1 ``slots``
+        (unique, checked by the caller): one launch on CUDA (``move_pages_all``), then wait for
+        it on this stream, so the copy is complete when this returns."""
+        kb = self.k_buffers[0]
+        if self._planes is None:
+            self._planes = PoolPlanes(self.k_buffers, self.v_buffers)
+        move_pages_all(self._planes, self.pool.data, pages.to(kb.device), slots, self.h0, self.page_size,
+                       to_host=to_host, unique_checked=True)  # fmt: skip
+        if kb.is_cuda:
+            torch.cuda.current_stream(kb.device).synchronize()
 
     def _foreign_slots(self, n: int) -> bool:
         """A slot no longer holds the page this process indexed (another writer, or a corrupted
