@@ -230,6 +230,33 @@ def t1_transfers(args, ceil: dict) -> list[dict]:
     return rows
 
 
+def plot_t1(csv_path: pathlib.Path, png_path: pathlib.Path) -> None:
+    """Per-transfer time and fraction of the pinned copy ceiling of ``t1_transfers``' rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(csv.DictReader(open(csv_path)))
+    fig, axs = plt.subplots(1, 2, figsize=(11, 4))
+    for path in sorted({r["path"] for r in rows}):
+        rs = [r for r in rows if r["path"] == path]
+        x = [int(r["pages"]) for r in rs]
+        axs[0].plot(x, [float(r["us_per_call"]) for r in rs], marker="o", label=path)
+        axs[1].plot(x, [100 * float(r["fraction_of_ceiling"]) for r in rs], marker="o", label=path)
+    r0 = rows[0]
+    for ax in axs:
+        ax.set_xscale("log")
+        ax.set_xlabel(f"pages per transfer ({r0['layers']} layers)")
+    axs[0].set_yscale("log")
+    axs[0].set_ylabel("us per transfer")
+    axs[1].set_ylabel("% of the pinned copy ceiling")
+    axs[0].legend(fontsize=7)
+    fig.suptitle(f"T1 transfers on {r0['gpu']} (git {r0['git_sha']}): one launch for every plane vs one per plane")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+
+
 def _demote_staging(pool, src, host, dst, head0, ps, cuda):
     """Device pages -> one contiguous device buffer (Triton/torch gather on the device) -> one
     copy into pinned staging -> host index_copy into the canonical slots."""
@@ -304,6 +331,10 @@ def main(argv=None) -> int:
             for r in t1_rows:
                 w.writerow({**meta, **r})
         print(f"wrote {t1_out}")
+        try:
+            plot_t1(t1_out, t1_out.with_suffix(".png"))
+        except ImportError:
+            pass
         out = pathlib.Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "w", newline="") as f:

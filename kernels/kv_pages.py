@@ -14,7 +14,8 @@ addressing a pinned host pointer is valid on the device, so the kernel reads and
 directly (zero-copy, as HiCache's "kernel" IO backend does), with the page ids on the device.
 SGLang disables Triton on CPU, so the server's CPU path is the torch one. Launchers assert dtype, shape, stride
 and device contracts, never call ``.contiguous()`` on a pool, and use int64 offsets. A batch of
-pages moves in one launch per plane: whole runs, never page by page.
+pages moves in one launch per plane, or with ``move_pages_all`` every plane of a transfer (all
+layers, K and V) in one launch: whole runs, never page by page.
 """
 
 from __future__ import annotations

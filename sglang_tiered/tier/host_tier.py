@@ -2,7 +2,7 @@
 
 ``demote`` copies whole device pages (all layers, K and V, this rank's heads) into host slots;
 ``load`` copies host slots into freshly allocated device pages. Both move every page of a batch in
-one launch per (K|V, layer) plane. A failed copy leaves nothing published: ``demote`` commits the
+one launch for every (K|V, layer) plane (``move_pages_all``). A failed copy leaves nothing published: ``demote`` commits the
 host index only after every plane is written, and ``load`` reports failure so the caller frees
 the device pages and treats the request as a miss.
 """
