@@ -215,7 +215,8 @@ class PoolPlanes:
     """A device KV pool's planes for one-launch transfers: SGLang's per-layer ``k_buffers`` and
     ``v_buffers`` (``[slots, H_rank, D]`` each, one dtype, shape and stride, one device), and
     ``table``, their addresses on that device in the canonical pool's ``[kv][layer]`` order (K
-    planes, then V planes). SGLang allocates the buffers once, so the table is built once."""
+    planes, then V planes). SGLang allocates the buffers once, so the table is built once;
+    ``current`` tells a caller when to build it again (new tensors or addresses)."""
 
     def __init__(self, k_buffers, v_buffers):
         planes = list(k_buffers) + list(v_buffers)
@@ -227,7 +228,18 @@ class PoolPlanes:
                 raise ValueError("every plane must share dtype, shape, stride and device")
         self.k, self.v, self.first = list(k_buffers), list(v_buffers), p0
         self.layers = len(k_buffers)
-        self.table = torch.tensor([t.data_ptr() for t in planes], dtype=torch.int64, device=p0.device)
+        self.addresses = [t.data_ptr() for t in planes]
+        self.table = torch.tensor(self.addresses, dtype=torch.int64, device=p0.device)
+
+    def current(self, k_buffers, v_buffers) -> bool:
+        """Whether these are still the planes the table holds (same tensors at the same addresses:
+        a pool reallocated behind the table would be written through stale pointers)."""
+        k, v = list(k_buffers), list(v_buffers)
+        if len(k) != len(self.k) or len(v) != len(self.v):
+            return False
+        planes = k + v
+        return (all(a is b for a, b in zip(planes, self.k + self.v))
+                and [t.data_ptr() for t in planes] == self.addresses)  # fmt: skip
 
 
 def _check_all(planes: PoolPlanes, host, pool_pages, host_slots, head_offset, page_size) -> None:

@@ -86,3 +86,25 @@ def test_all_plane_contracts_are_enforced():
     k[0][4:8] = 1.0
     move_pages_all(planes, host, torch.tensor([1]), torch.tensor([5]), 2, 4, to_host=True)
     assert torch.all(host[0, 0, 2:4, 5] == 1.0) and host.sum() == 2 * 4 * 8
+
+
+def test_host_tier_rebuilds_the_plane_table_when_the_pool_is_reallocated():
+    """HostTier keeps the device planes' addresses between transfers; a KV pool reallocated behind
+    it (new tensors in SGLang's buffer lists) must be written through the new addresses."""
+    from types import SimpleNamespace
+
+    from sglang_tiered.tier.host_tier import HostTier
+
+    ps, heads, d = 4, 2, 8
+    kvc = SimpleNamespace(k_buffer=[torch.randn(10 * ps, heads, d) for _ in range(2)],
+                          v_buffer=[torch.randn(10 * ps, heads, d) for _ in range(2)])  # fmt: skip
+    tier = HostTier.build(kvc, page_size=ps, total_kv_heads=heads, tp_size=1, tp_rank=0, capacity_pages=8, name=None)
+    assert tier.demote(torch.tensor([1]), [b"a" * 16]) == 1
+    first = tier._planes
+    for bufs in (kvc.k_buffer, kvc.v_buffer):  # reallocate every plane in place in the lists
+        for i in range(len(bufs)):
+            bufs[i] = torch.zeros_like(bufs[i])
+    assert not first.current(kvc.k_buffer, kvc.v_buffer)
+    assert tier.load([b"a" * 16], torch.tensor([3]))
+    assert tier._planes is not first
+    assert kvc.k_buffer[0][3 * ps : 4 * ps].abs().sum() > 0  # written into the new tensors

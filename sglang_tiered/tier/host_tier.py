@@ -225,7 +225,7 @@ class HostTier:
         (unique, checked by the caller): one launch on CUDA (``move_pages_all``), then wait for
         it on this stream, so the copy is complete when this returns."""
         kb = self.k_buffers[0]
-        if self._planes is None:
+        if self._planes is None or not self._planes.current(self.k_buffers, self.v_buffers):
             self._planes = PoolPlanes(self.k_buffers, self.v_buffers)
         move_pages_all(self._planes, self.pool.data, pages.to(kb.device), slots, self.h0, self.page_size,
                        to_host=to_host, unique_checked=True)  # fmt: skip
