@@ -114,3 +114,13 @@ def rope_config_hash(rope_theta, rope_scaling, max_position_embeddings, partial_
         sort_keys=True, default=str,
     )  # fmt: skip
     return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
+
+
+def client_extra_key(key: str) -> str:
+    """A client's ``extra_key`` as the scheduler sees it: ``client:<key>:``. SGLang appends a LoRA
+    adapter's id (32 hex digits) to the request's ``extra_key`` (schedule_batch.py, ``Req``), and
+    adapter ids can be computed from what ``/v1/models`` lists; so a base-model request whose own
+    key was an adapter's id would share that adapter's cache namespace and write base-model KV
+    into it (review, session 22). A key ending in ``:`` never ends in an adapter id, and the
+    mapping is one to one, so clients' namespaces stay apart from each other and from adapters."""
+    return f"client:{key}:"

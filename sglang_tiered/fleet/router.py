@@ -78,7 +78,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from sglang_tiered.core.keys import CacheKey, chain_page_hashes
+from sglang_tiered.core.keys import CacheKey, chain_page_hashes, client_extra_key
 from sglang_tiered.core.tenants import MAX_LABEL_CHARS, name_hash, tenant_label
 from sglang_tiered.fleet.index import LOOKUP_LUA, LookupConnection, alive_key, ckey_key, matched_from_lookup, page_key
 from sglang_tiered.fleet.routing import AffinityCachePolicy, FleetView, RouteRequest, token_affinity_key
@@ -746,7 +746,8 @@ class Router:
         label = tenant_label(tenant) if tenant else None  # kept by the policy: bounded
         path = request.path
         extra = body.get("extra_key") if isinstance(body, dict) else None
-        extra = extra if isinstance(extra, str) and extra else None  # (SGLang: empty is none)
+        # (SGLang: empty is none; the servers' middleware namespaces a client's key)
+        extra = client_extra_key(extra) if isinstance(extra, str) and extra else None
         try:  # the prompt only steers locality: anything odd routes by affinity + load instead
             if not isinstance(body, dict):
                 tokens = array("q")

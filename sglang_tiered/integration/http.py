@@ -22,6 +22,7 @@ from fastapi import Request
 from typing import Optional
 
 from sglang_tiered.config import load_config, sglang_route_names
+from sglang_tiered.core.keys import client_extra_key
 from sglang_tiered.integration.protocol import STATE_KEY, invalidation_args
 from sglang_tiered.stats import aggregate
 
@@ -215,7 +216,8 @@ class HintMiddleware:
     the header's tenant as ``cache_salt`` (a client's own salt is removed when the header is
     absent); a body it cannot parse, a repeated or non-UTF-8 header, and routes that cannot carry
     a tenant get a 4xx with a message, never a pass-through. Without a tenant header only bodies
-    that carry ``kv_transfer_params`` are rewritten. No input makes it raise (issue #10)."""
+    that carry ``kv_transfer_params`` or a client's ``extra_key`` (``client_extra_key``) are
+    rewritten. No input makes it raise (issue #10)."""
 
     def __init__(self, app, tenant_header: str | None = None):
         self.app = app
@@ -376,6 +378,19 @@ def _check_token_ids(value, what: str) -> None:
                 raise BadRequest(f"{what} holds token id {t}; token ids must be in {bound}"[:300])
 
 
+def _fence_extra_key(body: dict) -> bool:
+    """Rewrite a client's non-empty ``extra_key`` (a string, or a batch's list of them) with
+    ``client_extra_key``; other values are left for SGLang to refuse. Returns whether it changed."""
+    key = body.get("extra_key")
+    if isinstance(key, str) and key:
+        body["extra_key"] = client_extra_key(key)
+        return True
+    if isinstance(key, list) and any(isinstance(k, str) and k for k in key):
+        body["extra_key"] = [client_extra_key(k) if isinstance(k, str) and k else k for k in key]
+        return True
+    return False
+
+
 def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool | None = None):
     """Return the rewritten body (or ``raw`` itself when nothing changes). Raises ``BadRequest``
     for a body it must understand and cannot: in tenant mode (a tenant header is configured;
@@ -401,7 +416,7 @@ def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool | 
     elif path == "/v1/score":
         for field in ("query", "items", "label_token_ids"):
             _check_model_ids(body.get(field), field, "ScoringRequest", field)
-    changed = False
+    changed = path in SALT_PATHS and _fence_extra_key(body)
     if "kv_transfer_params" in body:
         kv = body.pop("kv_transfer_params")
         changed = True
