@@ -39,3 +39,60 @@ def test_the_middleware_rewrites_extra_key_on_every_route_that_carries_it():
     assert rewrite_body(raw, "/generate", None) == raw  # empty: SGLang's None, left alone
     raw = json.dumps({"text": "hi", "extra_key": 5}).encode()
     assert rewrite_body(raw, "/generate", None) == raw  # not a string: SGLang refuses it
+
+
+def _t2_server(store, page):
+    from sglang_tiered.core.store_queue import StoreQueue
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+    from sglang_tiered.tier.t2 import T2Tier
+    from sglang_tiered.tier.t2_config import T2Config
+
+    c = TieredRadixCache.create_simulated(8 * page, page, host_pages=8, verify_kv=True, debug_checks=True)
+    cfg = T2Config(master="127.0.0.1:1", queue_pages=64, max_run_pages=8, timeout_ms=30_000, lease_ms=0)
+    t2 = T2Tier(store, c.host.pool, c.host.lock, cfg=cfg, model_tag="m")
+    t2.start()
+    t2.queue.close()
+    t2.queue = StoreQueue(cfg.queue_pages, t2._put_job, threaded=False)
+    t2.MISS_MEMO_S = 0.0
+    c.host.t2 = t2
+    return c, t2
+
+
+def test_kv_of_a_weight_update_session_never_reaches_t1_or_t2(monkeypatch):
+    """Between begin_weight_update and end_weight_update the weights change with no load call
+    (P2P/RDMA writes). KV computed then was stored under the old identity and evicted into T2,
+    where a peer still on the old weights was served it. The session now pauses T1/T2."""
+    from types import SimpleNamespace as NS
+
+    from sglang_tiered.dev import simulate
+    from sglang_tiered.integration import hooks
+    from tests.test_t2 import ByteStore
+
+    page = 16
+    store = ByteStore()
+    a, ta = _t2_server(store, page)
+    prompt = lambda i: [1000 * (i + 1) + j for j in range(4 * page)]  # noqa: E731
+    manager = NS(scheduler=NS(tree_cache=a))
+    hooks._before_begin_weight_update(manager, NS(selector=None))
+    assert a.t1.paused and a.weight_session
+    old = simulate.expected_kv
+    monkeypatch.setattr(simulate, "expected_kv", lambda *x, **k: old(*x, **k) + 4096.0)  # new weights
+    for i in range(6):  # served during the session: device evictions, nothing to T1 or T2
+        a.driver.run(prompt(i))
+    ta.flush()
+    ta.queue.drain()
+    assert ta.stats.stored_pages == 0 and a.host.pool.resident == 0
+    hooks.weight_update_hook("end_weight_update")(lambda m, r: None, manager, NS(weight_version=None))
+    assert a.weight_session is None and a.t1.paused  # the device tree still holds session KV
+    monkeypatch.setattr(simulate, "expected_kv", old)  # a peer on the old weights, same identity
+    b, _ = _t2_server(store, page)
+    assert b.driver.run(prompt(0)).cached_len == 0  # (verify_kv: any hit is checked against recompute)
+    # an update inside the session (a load call) does not resume T1 before the session ends
+    c, _ = _t2_server(ByteStore(), page)
+    manager_c = NS(scheduler=NS(tree_cache=c))
+    hooks._before_begin_weight_update(manager_c, NS(selector=None))
+    hooks.weight_update_hook("update_weights_from_disk")(lambda m, r: None, manager_c, NS(weight_version=None))
+    assert c.t1.paused and c.weight_session
+    hooks.weight_update_hook("end_weight_update")(lambda m, r: None, manager_c, NS(weight_version=None))
+    assert c.t1.paused is None and c.weight_session is None  # empty tree: re-seeded and resumed
+    c.check_invariants()

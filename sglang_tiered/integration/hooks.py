@@ -16,6 +16,10 @@ Scheduler processes:
     ``/update_weight_version``): ``TieredRadixCache.on_weights_updated`` drops T1 and re-seeds
     the cache identity, whether the call succeeded or not (a failed load may leave the weights
     half updated), so no KV of the old weights is served from T1 or T2 afterwards.
+  * BEFORE ``SchedulerWeightUpdaterManager.begin_weight_update`` (weight_updater.py:309): the
+    weights change from there until ``end_weight_update`` without a load call to hook;
+    ``TieredRadixCache.on_weight_session_begin`` pauses T1/T2 and refuses in-flight KV until
+    then (review, session 22).
   * BEFORE ``SchedulerWeightUpdaterManager.release_memory_occupation`` (with the KV cache among
     its tags) and AFTER ``resume_memory_occupation``: SGLang pauses the KV pool and then flushes
     the cache (weight_updater.py:365-366); the cache is told first, cancels its pending T1
@@ -100,6 +104,13 @@ def _after_resume_memory(result, manager, *args, **kwargs):
     if cache is not None and _kv_tags(args[0] if args else kwargs.get("recv_req")):
         cache.kv_released = False
     return result
+
+
+def _before_begin_weight_update(manager, *args, **kwargs):
+    cache = _tiered_cache(manager)
+    if cache is not None:
+        cache.on_weight_session_begin()
+    return None
 
 
 def _after_weight_version_change(result, scheduler, *args, **kwargs):
@@ -196,6 +207,7 @@ def register_hooks() -> None:
             HookRegistry.register(f"{_WEIGHTS}.{method}", weight_update_hook(method), HookType.AROUND)
         HookRegistry.register(f"{_SCHEDULER}.record_weight_version_change", _after_weight_version_change,
                               HookType.AFTER)  # fmt: skip
+        HookRegistry.register(f"{_WEIGHTS}.begin_weight_update", _before_begin_weight_update, HookType.BEFORE)
         HookRegistry.register(f"{_WEIGHTS}.release_memory_occupation", _before_release_memory, HookType.BEFORE)
         HookRegistry.register(f"{_WEIGHTS}.resume_memory_occupation", _after_resume_memory, HookType.AFTER)
         missing = missing_weight_hook_targets()
@@ -210,7 +222,7 @@ def missing_weight_hook_targets() -> list:
     import pkgutil
 
     out = []
-    memory = ("release_memory_occupation", "resume_memory_occupation")
+    memory = ("begin_weight_update", "release_memory_occupation", "resume_memory_occupation")
     for cls, methods in ((_WEIGHTS, WEIGHT_UPDATE_METHODS + memory), (_SCHEDULER, ("record_weight_version_change",))):
         try:
             obj = pkgutil.resolve_name(cls)

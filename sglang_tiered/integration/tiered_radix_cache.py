@@ -63,6 +63,7 @@ class TieredRadixCache(RadixCache):
         self.base_key = self.cache_key  # the identity at start-up (before any weight update)
         self.weight_version: Optional[str] = None  # SGLang's --weight-version, then each update's
         self.weight_updates = 0  # weight updates seen (on_weights_updated)
+        self.weight_session: str | None = None  # why a weight-update session is open (begin..end)
         # Identity epoch: +1 at every weight update and invalidation. A request records it when it
         # matches holding no KV of its own (``match_prefix``); KV it computed under an older epoch
         # is never adopted (``Admission.plan``): a request in flight across a weight update (the
@@ -237,6 +238,8 @@ class TieredRadixCache(RadixCache):
           again (the next ``reset``, or the batch end after the last node left)."""
         self.epoch += 1  # KV that requests in flight computed before now is never adopted (admission)
         self.weight_updates += 1
+        if source == "end_weight_update":
+            self.weight_session = None
         if weight_version is not None:
             self.weight_version = str(weight_version)
         base = self.base_key
@@ -257,6 +260,21 @@ class TieredRadixCache(RadixCache):
         logger.warning("sglang-tiered: %s (weight_version=%s): T1 dropped (%d tokens), cache identity re-seeded%s",
                        source, self.weight_version, dropped, paused)  # fmt: skip
 
+    def on_weight_session_begin(self) -> None:
+        """``begin_weight_update`` opens a session: until its ``end_weight_update`` the weights
+        change under the server with no load call to hook (packed weights restored at begin, then
+        P2P/RDMA writes), while requests may keep running. KV computed meanwhile would be adopted
+        under the old identity, written to T1, and evicted into T2, where servers still on the old
+        weights would be served it (review, session 22). So T1 and T2 are paused now (no probe,
+        store or demotion) and requests in flight are not adopted; ``end_weight_update``
+        (``on_weights_updated``) re-seeds the identity and resumes them once the device tree
+        holds no KV of the session."""
+        self.epoch += 1
+        self.weight_session = "a weight-update session is open (begin_weight_update): the weights are changing"
+        if self.t1 is not None:
+            self.t1.paused = self.weight_session
+        logger.warning("sglang-tiered: weight-update session opened: T1/T2 paused until end_weight_update")
+
     def _apply_key(self, key: CacheKey) -> None:
         """Re-seed the page hashes (only with an empty device tree: every node's hashes chain
         from the seed) and resume T1/T2."""
@@ -265,7 +283,7 @@ class TieredRadixCache(RadixCache):
         self.hashes = PageHashes(key, self.page_size)
         self._pending_key = None
         if self.t1 is not None:
-            self.t1.paused = None
+            self.t1.paused = self.weight_session  # (None: resumed)
         listener = self.index.listener
         if listener is not None and hasattr(listener, "key_json"):  # routers hash with the new key
             listener.key_json = json.dumps(asdict(key), sort_keys=True)
