@@ -345,6 +345,12 @@ def check_server_args(cfg: TieredConfig, server_args) -> None:
             if size > 1:
                 _bad("host_name", cfg.host_name, f"a named (shared) T1 with {flag} {size} is not supported ({why}); "
                      "unset it for a private T1 per rank")  # fmt: skip
+    if cfg.host_mode == "on" and pp > 1:
+        # each stage decides its own T1 hits (its own tree, store queue and T1): stages that hold
+        # different pages prefill different lengths and hand on hidden states of the wrong shape
+        # (review, session 22); with auto, T1 is turned off for PP (integration/host_setup.py)
+        _bad("host_mode", cfg.host_mode, f"T1 with --pp-size {pp} is not supported (pipeline stages would "
+             "decide T1 hits separately): use SGLANG_TIERED_HOST=auto or off")  # fmt: skip
     if cfg.t2 is not None:
         for size, flag in ((tp, "--tp-size"), (pp, "--pp-size")):
             if size > 1:

@@ -131,6 +131,7 @@ def _args(**kw):
     ({"SGLANG_TIERED_T2": "mooncake://127.0.0.1:50051"}, {"tp_size": 2}, "T2 supports --tp-size 1 only"),
     ({"SGLANG_TIERED_T2": "mooncake://127.0.0.1:50051"}, {"pp_size": 2}, "T2 supports --pp-size 1 only"),
     ({"SGLANG_TIERED_TENANT_HEADER": "x-tenant-id"}, {"tokenizer_worker_num": 2}, "tenant isolation"),
+    ({"SGLANG_TIERED_HOST": "on"}, {"pp_size": 2}, "T1 with --pp-size 2 is not supported"),
 ])  # fmt: skip
 def test_server_args_that_make_an_option_unusable_stop_the_launch(env, args, says):
     """Review, session 18: these were turned off with a warning in every scheduler after the model
@@ -145,7 +146,7 @@ def test_server_args_that_leave_the_options_usable_pass():
     from sglang_tiered.config import check_server_args
 
     check_server_args(load_config({"SGLANG_TIERED_HOST_NAME": "t1"}), _args(tp_size=8))  # TP: one segment, own heads
-    check_server_args(load_config({}), _args(dp_size=2, pp_size=2, tp_size=2, tokenizer_worker_num=4))  # private T1s
+    check_server_args(load_config({}), _args(dp_size=2, pp_size=2, tp_size=2, tokenizer_worker_num=4))  # auto: T1 off for PP
     check_server_args(load_config({"SGLANG_TIERED_HOST": "off", "SGLANG_TIERED_TENANT_HEADER": "x-t"}), _args(dp_size=2))
     check_server_args(load_config({}), object())  # attributes SGLang lacks count as 1
 

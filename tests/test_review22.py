@@ -96,3 +96,19 @@ def test_kv_of_a_weight_update_session_never_reaches_t1_or_t2(monkeypatch):
     hooks.weight_update_hook("end_weight_update")(lambda m, r: None, manager_c, NS(weight_version=None))
     assert c.t1.paused is None and c.weight_session is None  # empty tree: re-seeded and resumed
     c.check_invariants()
+
+
+def test_t1_is_off_with_pipeline_parallelism_even_when_private():
+    """Each PP stage decides its own T1 hits: a private T1 per stage was allowed, and stages that
+    held different pages would prefill different lengths of one request."""
+    import types
+
+    from sglang_tiered.config import load_config
+    from sglang_tiered.integration.host_setup import build_host_tier
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+
+    cache = TieredRadixCache.create_simulated(8 * 4, 4, host_pages=8)
+    ctx = types.SimpleNamespace(tp_size=1, tp_rank=0, server_args=types.SimpleNamespace(pp_size=2),
+                                model_config=types.SimpleNamespace(get_total_num_kv_heads=lambda: 2))  # fmt: skip
+    tier, decision = build_host_tier(cache, ctx, load_config({"SGLANG_TIERED_HOST": "on"}))
+    assert tier is None and decision.startswith("off: --pp-size 2")

@@ -166,10 +166,12 @@ def build_host_tier(cache, ctx, cfg):
 
     dp = int(getattr(getattr(ctx, "server_args", None), "dp_size", 1) or 1)
     pp = int(getattr(getattr(ctx, "server_args", None), "pp_size", 1) or 1)
-    if pp > 1 and name:
-        # every pipeline stage would map the one file with a layout of its own layers (review,
-        # session 18); without a name each stage keeps a private T1 of its layers
-        decision = f"off: --pp-size {pp} with a named (shared) T1 is not supported; unset SGLANG_TIERED_HOST_NAME"
+    if pp > 1:
+        # Each pipeline stage runs its own tree, store queue and T1, and no vote spans the stages:
+        # stages holding different T1 pages would prefill different lengths of one request and
+        # hand on hidden states of the wrong shape (review, session 22; a named T1 would also be
+        # mapped by every stage with a layout of its own layers: session 18).
+        decision = f"off: --pp-size {pp} is not supported (pipeline stages would decide T1 hits separately)"
         logger.warning("sglang-tiered: T1 %s", decision)
         return None, decision
     if dp > 1 and name:
