@@ -112,3 +112,53 @@ def test_t1_is_off_with_pipeline_parallelism_even_when_private():
                                 model_config=types.SimpleNamespace(get_total_num_kv_heads=lambda: 2))  # fmt: skip
     tier, decision = build_host_tier(cache, ctx, load_config({"SGLANG_TIERED_HOST": "on"}))
     assert tier is None and decision.startswith("off: --pp-size 2")
+
+
+def _tier(heads=2, d=8, ps=4, layers=2, v_d=None):
+    from types import SimpleNamespace
+
+    import torch
+
+    from sglang_tiered.tier.host_tier import HostTier
+
+    kvc = SimpleNamespace(k_buffer=[torch.randn(10 * ps, heads, d) for _ in range(layers)],
+                          v_buffer=[torch.randn(10 * ps, heads, v_d or d) for _ in range(layers)])  # fmt: skip
+    tier = HostTier.build(kvc, page_size=ps, total_kv_heads=heads, tp_size=1, tp_rank=0, capacity_pages=8, name=None)
+    return tier, kvc
+
+
+def test_out_of_range_ids_are_a_clean_miss_not_a_write_into_the_next_plane():
+    """The kernels do not check bounds: on the Triton path a page id one past the K plane wrote
+    into the V plane (review, session 22). Ids are checked before every transfer."""
+    import torch
+
+    tier, kvc = _tier()
+    assert tier.demote(torch.tensor([1]), [b"a" * 16]) == 1
+    before = [t.clone() for t in kvc.k_buffer + kvc.v_buffer]
+    assert not tier.load([b"a" * 16], torch.tensor([10]))  # one past the last device page
+    assert tier.stats.failed_promotions == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, kvc.k_buffer + kvc.v_buffer))
+    assert tier.demote(torch.tensor([12]), [b"b" * 16]) == 0 and tier.stats.failed_demotions == 1
+    assert not tier.pool.contains(b"b" * 16)
+    tier.pool.check_invariants()
+
+
+def test_a_pool_t1_cannot_move_is_refused_at_build():
+    """V planes shaped unlike K (SGLang's MHA pool allows v_head_dim != head_dim) passed set-up
+    and then failed every transfer with T1 reported on."""
+    import pytest
+
+    with pytest.raises(ValueError, match="share"):
+        _tier(v_d=4)
+
+
+def test_t1_follows_sglang_replacing_its_buffer_lists():
+    """SGLang reallocates by assigning new lists (memory_pool.py); T1 kept the old tensors."""
+    import torch
+
+    tier, kvc = _tier()
+    assert tier.demote(torch.tensor([1]), [b"a" * 16]) == 1
+    kvc.k_buffer = [torch.zeros_like(t) for t in kvc.k_buffer]
+    kvc.v_buffer = [torch.zeros_like(t) for t in kvc.v_buffer]
+    assert tier.load([b"a" * 16], torch.tensor([3]))
+    assert kvc.k_buffer[0][12:16].abs().sum() > 0 and kvc.v_buffer[1][12:16].abs().sum() > 0

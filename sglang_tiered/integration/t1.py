@@ -127,15 +127,24 @@ class T1Tier:
 
     # ------------------------------------------------------------------ stores
     def _ready_event(self):
-        """On CUDA, an event after the forward passes that wrote the pages being offered:
-        recorded on the model runner's forward stream, where those kernels run (on the current
-        stream, SGLang's overlap loop only waits for a forward's shared reads, not its KV writes,
-        when the prefill read-done fast path is on: review, session 19; not yet checked on a GPU)."""
+        """On CUDA, the events after the forward passes that wrote the pages being offered: one
+        recorded on the model runner's forward stream, where the overlap loop runs them (on the
+        current stream, SGLang's overlap loop only waits for a forward's shared reads, not its KV
+        writes, when the prefill read-done fast path is on: review, session 19), and one on the
+        current stream, where the normal loop runs them (``event_loop_normal`` forwards on the
+        schedule stream: review, session 22). The store waits for both (``HostTier.demote``).
+        Checked on an H200 with a stand-in forward stream (``bench/gpu_correctness.py``)."""
         if not self.host.k_buffers[0].is_cuda:
             return None
+        current = torch.cuda.current_stream()
+        fwd = getattr(self.host, "forward_stream", None)
         ready = torch.cuda.Event()
-        ready.record(getattr(self.host, "forward_stream", None))
-        return ready
+        ready.record(current)
+        if fwd is None or fwd == current:
+            return ready
+        on_fwd = torch.cuda.Event()
+        on_fwd.record(fwd)
+        return (on_fwd, ready)
 
     def _offer(self, node, ready, kind: str, pages=None, hashes=None) -> int:
         """Offer a node's pages (or the given subset) to the store queue, valued ``frequency x

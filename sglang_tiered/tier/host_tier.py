@@ -71,7 +71,10 @@ class HostTier:
         # skips the demotion (counted in demote_skipped_pages).
         self.replace_when_full = True
         self.t2 = None  # T2Tier behind this T1 (sglang_tiered/tier/t2.py), fed by T1's victims
-        self._planes = None  # PoolPlanes: the device pool's plane addresses, built at first use
+        self.kv = None  # SGLang's KV pool object, when built from one (build): its lists are re-read
+        # the device pool's plane addresses; built now, so a pool T1 cannot move (V planes shaped
+        # unlike K: review, session 22) turns T1 off at start-up instead of failing every transfer
+        self._planes = PoolPlanes(k_buffers, v_buffers)
 
     @classmethod
     def build(cls, kvcache, *, page_size: int, total_kv_heads: int, tp_size: int, tp_rank: int,
@@ -105,9 +108,29 @@ class HostTier:
                 atexit.register(unpin_host_memory, pool.raw)
             else:
                 logger.warning("sglang-tiered: could not pin T1 (cudaHostRegister); copies go through staging")
-        return cls(pool, kvcache.k_buffer, kvcache.v_buffer, page_size=page_size,
+        tier = cls(pool, kvcache.k_buffer, kvcache.v_buffer, page_size=page_size,
                    total_kv_heads=total_kv_heads, tp_size=tp_size, tp_rank=tp_rank,
                    stream_fence=stream_fence)  # fmt: skip
+        tier.kv = kvcache
+        if k0.is_cuda:
+            tier.warm_up()
+        return tier
+
+    def warm_up(self) -> None:
+        """Compile and load the page movers now, at start-up: compiled lazily, the first transfer
+        took 1.25 s (measured on an H200, empty Triton cache) under ``lock`` with the scheduler
+        waiting, and SGLang can refuse kernels loaded after the server is ready
+        (``SGLANG_CRASH_ON_TRITON_LOAD_AFTER_READY``). Each direction moves one page through
+        SGLang's padding page 0 (never allocated to a request) and, to T1, into a free slot that
+        no index entry names (skipped when T1 has none)."""
+        kb = self.k_buffers[0]
+        zero = torch.zeros(1, dtype=torch.int64, device=kb.device)
+        with self.lock:
+            free = self.pool.free
+            if free:
+                slot = self._host_ids([free[-1]])
+                self._move(zero, slot, to_host=True)
+            self._move(zero, self._host_ids([0]), to_host=False)
 
     def _fence(self) -> None:
         if self.stream_fence is not None:
@@ -169,11 +192,11 @@ class HostTier:
         pool.begin_write([s for _, s in pairs])
         try:
             if ready is not None:
-                torch.cuda.current_stream().wait_event(ready)
+                for ev in ready if isinstance(ready, tuple) else (ready,):
+                    torch.cuda.current_stream().wait_event(ev)
             else:
                 self._fence()
-            if len(set(dst_list)) != len(dst_list):
-                raise ValueError("duplicate T1 slots in a demotion")
+            self._check_ids(src.tolist(), dst_list, to_host=True)
             self._move(src, dst, to_host=True)
         except Exception:  # noqa: BLE001 - a failed transfer is a skipped demotion, never partial
             pool.abort(pairs)
@@ -207,8 +230,7 @@ class HostTier:
         pages = device_pages.to(torch.int64)
         try:
             self._fence()
-            if len(set(pages.tolist())) != pages.numel():
-                raise ValueError("duplicate device pages in a promotion")
+            self._check_ids(pages.tolist(), slot_list, to_host=False)
             self._move(pages, slots, to_host=False)
         except Exception:  # noqa: BLE001
             self.stats.failed_promotions += 1
@@ -220,10 +242,26 @@ class HostTier:
         self.stats.promote_seconds += time.perf_counter() - t0
         return True
 
+    def _check_ids(self, pages: list, slots: list, *, to_host: bool) -> None:
+        """Before a transfer: every device page and T1 slot in range, and the side written has no
+        duplicate. The kernels do not check bounds (a page id one past a plane writes into the
+        next plane: review, session 22), so a bad id must fail here, as a clean miss."""
+        n_dev = self.k_buffers[0].shape[0] // self.page_size
+        n_host = self.pool.layout.num_pages
+        if pages and (min(pages) < 0 or max(pages) >= n_dev):
+            raise ValueError(f"device page ids outside [0, {n_dev})")
+        if slots and (min(slots) < 0 or max(slots) >= n_host):
+            raise ValueError(f"T1 slots outside [0, {n_host})")
+        written = slots if to_host else pages
+        if len(set(written)) != len(written):
+            raise ValueError(f"duplicate {'T1 slots' if to_host else 'device pages'} in a transfer")
+
     def _move(self, pages: torch.Tensor, slots: torch.Tensor, *, to_host: bool) -> None:
         """Every (K|V, layer) plane of a transfer between device ``pages`` and T1 ``slots``
         (unique, checked by the caller): one launch on CUDA (``move_pages_all``), then wait for
         it on this stream, so the copy is complete when this returns."""
+        if self.kv is not None:  # SGLang replaces the lists when it reallocates (memory_pool.py)
+            self.k_buffers, self.v_buffers = self.kv.k_buffer, self.kv.v_buffer
         kb = self.k_buffers[0]
         if self._planes is None or not self._planes.current(self.k_buffers, self.v_buffers):
             self._planes = PoolPlanes(self.k_buffers, self.v_buffers)
