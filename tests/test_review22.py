@@ -162,3 +162,35 @@ def test_t1_follows_sglang_replacing_its_buffer_lists():
     kvc.v_buffer = [torch.zeros_like(t) for t in kvc.v_buffer]
     assert tier.load([b"a" * 16], torch.tensor([3]))
     assert kvc.k_buffer[0][12:16].abs().sum() > 0 and kvc.v_buffer[1][12:16].abs().sum() > 0
+
+
+def test_an_invalidated_tenant_is_not_put_into_t2_by_a_racing_store():
+    """T1.invalidate cancelled T2's queue before dropping the tenant's T1 pages: a store running
+    for another tenant in between evicted one of them into T2's queue, after the cancel."""
+    import torch
+
+    from sglang_tiered.core.tenants import name_hash
+    from tests.test_t2 import ByteStore
+
+    page = 16
+    store = ByteStore()
+    a, t2 = _t2_server(store, page)
+    acme = name_hash("acme")
+    prompt = lambda i: [1000 * (i + 1) + j for j in range(4 * page)]  # noqa: E731
+    for i in range(5):  # 20 pages through an 8-page device: acme's pages fill T1 (8 pages)
+        a.driver.run(prompt(i), tenant="acme")
+    host = a.host
+    assert host.pool.tenant_pages().get(acme, 0) > 0
+    real_drop = host.drop_tenant
+
+    def racing_drop(tenant):  # the other tenant's store runs just before the drop
+        other = [bytes([9, i]) * 8 for i in range(4)]
+        host.demote(torch.tensor([1, 2, 3, 4]), other, tenant=name_hash("other"))
+        return real_drop(tenant)
+
+    host.drop_tenant = racing_drop
+    a.t1.invalidate(acme, everything=False)
+    t2.flush()
+    t2.queue.drain()
+    prefix = f"{acme & (2**64 - 1):016x}/"
+    assert not [k for k in store.objects if prefix in k], "an invalidated tenant's page reached T2"

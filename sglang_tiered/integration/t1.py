@@ -265,13 +265,17 @@ class T1Tier:
         """Drop T1 entries of a tenant (or all) and cancel their pending writes. Returns tokens."""
         if self.store is not None:  # pending writes of what is invalidated never land
             self.store.cancel_where(lambda j: everything or j.tenant == tenant_hash)
+        # T1 first, then T2: while T1 still held the tenant's pages, a store running for another
+        # tenant could evict one of them into T2's queue after T2's cancel (review, session 22).
+        # Dropping waits for that store (the host lock); its victims are queued by then.
+        dropped = 0
+        if everything:
+            dropped = self.host.clear() * self.cache.page_size
+        elif tenant_hash is not None:
+            dropped = self.host.drop_tenant(tenant_hash) * self.cache.page_size
         if self.host.t2 is not None:  # this model's (or tenant's) objects, fleet-wide
             self.host.t2.invalidate(tenant=tenant_hash, everything=everything)
-        if everything:
-            return self.host.clear() * self.cache.page_size
-        if tenant_hash is not None:
-            return self.host.drop_tenant(tenant_hash) * self.cache.page_size
-        return 0
+        return dropped
 
     def drop_all(self) -> int:
         """Drop every T1 entry (resident and staged) and cancel every pending write, waiting for
