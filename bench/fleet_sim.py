@@ -43,6 +43,8 @@ PAGE = 16
 # new content went to its key's homes (least loaded of 2), index matches from 5 % of the prompt.
 EXTRA = {"ours_prev": lambda: AffinityCachePolicy(fresh=False, warm_frac=0.05, name="ours_prev"),
          "ours_priced": lambda: AffinityCachePolicy(warm_over_hatch=True, name="ours_priced"),
+         # before the warm cap (session 22): a warm worker over the hatch never takes the request
+         "ours_nocap": lambda: AffinityCachePolicy(warm_cap=0.0, name="ours_nocap"),
          # before the hatch read the policy's own work share (it read FleetView.load: live, requests in flight)
          "ours_view": lambda: AffinityCachePolicy(hatch_load="view", name="ours_view"),
          "ours_share": lambda: AffinityCachePolicy(hatch_load="share", name="ours_share"),

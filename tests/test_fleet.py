@@ -563,6 +563,17 @@ REPLAY_DIGESTS_MEMSHARE = {
 }
 
 
+# With the warm cap (session 22, ``warm_cap``, on by default): the configurations whose replay
+# reaches a warm worker over the hatch decide differently on purpose; with ``warm_cap=0`` every
+# configuration still decides exactly as recorded above (so the cap is all that changed).
+REPLAY_DIGESTS_CAP = {**REPLAY_DIGESTS, "policy:view": "87a1082dc6917830", "policy:share": "e7e325915b5e146f",
+                      "policy:nofresh": "4862ee0576f04fbf", "policy:tenant": "a91e01bc66d19111",
+                      "router:index": "5c9d031cb045720f"}  # fmt: skip
+REPLAY_DIGESTS_MEMSHARE_CAP = {**REPLAY_DIGESTS_MEMSHARE, "policy:view": "a13fa41b08ad3926",
+                               "policy:share": "06fb6a873a0363fe", "policy:tenant": "f5049f92108bc08b",
+                               "router:index": "973d1498d33e973e"}  # fmt: skip
+
+
 def _replay_requests(seed: int, n: int):
     """A seeded request sequence: tenants (and none) with prompt families that share prefixes,
     the workers (membership changes), their loads and queues, and what each holds of the prompt."""
@@ -613,9 +624,11 @@ def _policy_replay(kw: dict) -> str:
 def test_policy_replay_decisions_unchanged(name, kw):
     """600 seeded requests (tenants, families, membership changes, loads, index matches, index down)
     through the policy: the same decisions, in order, as recorded (and, with share_by_index off, as
-    before it)."""
-    assert _policy_replay(kw) == REPLAY_DIGESTS[name], name
-    assert _policy_replay({**kw, "share_by_index": False}) == REPLAY_DIGESTS_MEMSHARE[name], name
+    before it; with warm_cap off, as before the cap)."""
+    assert _policy_replay(kw) == REPLAY_DIGESTS_CAP[name], name
+    assert _policy_replay({**kw, "share_by_index": False}) == REPLAY_DIGESTS_MEMSHARE_CAP[name], name
+    assert _policy_replay({**kw, "warm_cap": 0.0}) == REPLAY_DIGESTS[name], name
+    assert _policy_replay({**kw, "share_by_index": False, "warm_cap": 0.0}) == REPLAY_DIGESTS_MEMSHARE[name], name
 
 
 def _router_replay(with_index: bool, policy_kw: dict | None = None) -> str:
@@ -660,8 +673,10 @@ def test_router_replay_decisions_unchanged(with_index):
     key, load): the same decisions and explanations as recorded (and, with share_by_index off, as
     before it)."""
     name = "router:index" if with_index else "router:noindex"
-    assert _router_replay(with_index) == REPLAY_DIGESTS[name], name
-    assert _router_replay(with_index, {"share_by_index": False}) == REPLAY_DIGESTS_MEMSHARE[name], name
+    assert _router_replay(with_index) == REPLAY_DIGESTS_CAP[name], name
+    assert _router_replay(with_index, {"share_by_index": False}) == REPLAY_DIGESTS_MEMSHARE_CAP[name], name
+    assert _router_replay(with_index, {"warm_cap": 0.0}) == REPLAY_DIGESTS[name], name
+    assert _router_replay(with_index, {"share_by_index": False, "warm_cap": 0.0}) == REPLAY_DIGESTS_MEMSHARE[name], name
 
 
 def test_lookup_connection_matches_redis_py_and_survives_cancel_reset_and_redis_down():
@@ -751,3 +766,30 @@ def check_window_sums(sums) -> None:
 
 TestWindowSums = WindowSumsMachine.TestCase
 TestWindowSums.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
+
+
+def test_warm_cap_admits_a_warm_worker_over_the_hatch_only_within_its_long_run_share():
+    """A warm worker over the hatch: taken while the work routed to it over the long window (this
+    request's included) stays within warm_cap x the fleet mean, refused beyond it."""
+    ws = ["a", "b", "c", "d"]
+    hashes = [bytes([i]) * 16 for i in range(64)]
+
+    def route(pol, share_a):
+        pol._long = WindowSums(0.0)
+        for w, v in (("a", share_a), ("b", 1000.0), ("c", 1000.0), ("d", 1000.0)):
+            pol._long.add(w, v, 10_000)
+        pol._shares = WindowSums(0.0)
+        for w, v in (("a", 4000.0), ("b", 100.0), ("c", 100.0), ("d", 100.0)):
+            pol._shares.add(w, v, 10_000, 1000.0)
+        load = {"a": 20.0, "b": 0.0, "c": 0.0, "d": 0.0}  # a is over the hatch by both measures
+        view = FleetView(ws, load, {w: 0.0 for w in ws}, {"a": 1024})
+        return pol.route(RouteRequest(1024, hashes, "t", 16), view)
+
+    from sglang_tiered.fleet.routing import WindowSums
+
+    d = route(AffinityCachePolicy(memory_pages=0), 1000.0)  # a's long-run share: the mean
+    assert d.worker == "a" and d.reason == "warm"
+    d = route(AffinityCachePolicy(memory_pages=0), 2000.0)  # 2000 + 32 > 1.25 x (5000 + 32) / 4
+    assert d.worker != "a"
+    d = route(AffinityCachePolicy(memory_pages=0, warm_cap=0.0), 1000.0)  # no cap: the hatch rules
+    assert d.worker != "a"

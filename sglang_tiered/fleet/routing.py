@@ -43,6 +43,16 @@ Ours (``AffinityCachePolicy``), seed R2 + section 9.3, per request:
   other's instantaneous queues split families between equally warm workers and lost 4 (Mooncake)
   and 8 (multi-tenant) points of hit rate at N = 44 in the simulator (with k_min = 2).
 
+  A warm worker over the hatch still qualifies when the work routed to it over the last
+  ``inflow_horizon`` x N requests, this one's included, stays within ``warm_cap`` (1.25) x the
+  fleet mean of that window: the hatch reads a short window and requests in flight, and spilled
+  warm families off workers whose long-run share was fine (each such spill recomputes the family
+  elsewhere and seeds a second copy), while ignoring the hatch for warm workers altogether let the
+  long-run share pass 1.3 x the mean. Measured before/after in one run (session 22, whole traces,
+  README "Fleet simulator"): cache_aware's lead on Mooncake N = 8 (-0.76 points) became +0.11,
+  and every multi-tenant cell at N = 8 and 44 came out above cache_aware, with work max/mean
+  1.25 or less.
+
 * **Routing memory** (smg cache_aware's idea, under the index): the policy remembers the last
   worker it sent each page hash to (LRU, ``memory_pages``), and a worker's match is the longer of
   what the index says it holds and what was last sent there. The index says where a prefix *is*;
@@ -230,6 +240,14 @@ class AffinityCachePolicy:
     # A warm worker over the hatch may still take the request when the time rule says the recompute
     # it saves outweighs its extra queue (True), or never (False: the hatch is a hard bound).
     warm_over_hatch: bool = False
+    # A warm worker over the hatch may still take the request when the time rule says so and the
+    # work routed to it over the last inflow_horizon x N requests, this request's included, stays
+    # within warm_cap x the fleet mean of that window (0: off). The hatch reads a short window and
+    # in-flight counts, which spilled warm families off workers whose long-run share was fine;
+    # warm_over_hatch=True gained the hit rate back but let the long-run share run over 1.3 x the
+    # mean. Measured (bench/fleet_sim.py, whole traces, session 22; module docstring): above
+    # cache_aware in all 12 cells with work max/mean <= 1.25, where 0 lost 5 of them.
+    warm_cap: float = 1.25
     # What the hatch reads: "view", FleetView.load as given (live: requests in flight, an
     # instantaneous count; the simulator: a windowed work share); "share", this policy's own routed
     # work per worker (uncached prompt tokens it believed + decode_tokens per request) over the last
@@ -252,6 +270,7 @@ class AffinityCachePolicy:
     # the hatch's work share and the cache inflow, per worker, each over its own window of requests
     _shares: "WindowSums" = field(default_factory=lambda: WindowSums(0.0), repr=False)
     _inflows: "WindowSums" = field(default_factory=lambda: WindowSums(0), repr=False)
+    _long: "WindowSums" = field(default_factory=lambda: WindowSums(0.0), repr=False)
     _window: deque = field(default_factory=deque, repr=False)
     _count: dict = field(default_factory=dict, repr=False)
     _sent: OrderedDict = field(default_factory=OrderedDict, repr=False)
@@ -333,6 +352,8 @@ class AffinityCachePolicy:
         """The hatch's load: work routed to ``worker`` over the last ``horizon`` x N requests
         (``full``: the request's size with nothing cached, for the mean request)."""
         self._shares.add(worker, work, self.horizon * max(1, n), full)
+        if self.warm_cap:
+            self._long.add(worker, work, self.inflow_horizon * max(1, n))
 
     def _count_inflow(self, worker: str, new_tokens: int, n: int) -> None:
         """Cache inflow: tokens sent to ``worker`` that it did not hold (by index + memory), over
@@ -388,8 +409,9 @@ class AffinityCachePolicy:
         #    hatch, wins when the recompute it saves outweighs its extra queue delay
         matched = (view.matched or {}) if self.use_index else {}
         floor = max(1, self.warm_frac * req.prompt_tokens)
+        under_cap = self._under_cap(req, view, matched) if self.warm_cap else (lambda w: False)
         warm = [w for w, m in matched.items()
-                if m >= floor and w in view.load and (self.warm_over_hatch or not over(w))]  # fmt: skip
+                if m >= floor and w in view.load and (self.warm_over_hatch or not over(w) or under_cap(w))]  # fmt: skip
         if fresh and self.use_index and not any(m >= floor for m in matched.values()):
             # 2'. new content (no worker holds warm_frac of it): to the worker whose cache takes the
             #     least inflow, under the hatch, so that every server's cache is under the same
@@ -406,6 +428,19 @@ class AffinityCachePolicy:
                 return Decision(best, home=best in order, reason="warm", matched=matched[best])
         return Decision(choice, spill=spill and reason == "spill", home=choice in order, reason=reason,
                         matched=matched.get(choice, 0))  # fmt: skip
+
+    def _under_cap(self, req: RouteRequest, view: FleetView, matched: dict) -> Callable[[str], bool]:
+        """``warm_cap``'s test for one route: would ``w``'s long-window work, with this request's
+        work there, stay within warm_cap x the fleet mean of that window?"""
+        by, ws = self._long.by_worker, view.workers
+        total = sum(by.get(x, 0.0) for x in ws)
+        n = max(1, len(ws))
+
+        def under(w: str) -> bool:
+            work = max(0, req.prompt_tokens - matched.get(w, 0)) + self.decode_tokens
+            return bool(self._long.window) and by.get(w, 0.0) + work <= self.warm_cap * (total + work) / n
+
+        return under
 
 
 class WindowSums:
