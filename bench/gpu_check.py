@@ -324,25 +324,20 @@ def main(argv=None) -> int:
         print(f"{r['path']:20} layers={r['layers']} pages={r['pages']:4} {r['us_per_call']:9.1f} us "
               f"{r['GBps']:8.2f} GB/s ({r['fraction_of_ceiling']:.0%} of {r['ceiling']} {r['ceiling_GBps']:.1f})")  # fmt: skip
     if not args.dry_run:
-        t1_out = pathlib.Path(args.out).with_name(pathlib.Path(args.out).stem + "_t1.csv")
-        with open(t1_out, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=[*meta, *t1_rows[0]])
-            w.writeheader()
-            for r in t1_rows:
-                w.writerow({**meta, **r})
-        print(f"wrote {t1_out}")
+        out = pathlib.Path(args.out)
+        t1_out = out.with_name(out.stem + "_t1.csv")
+        for path, table in ((t1_out, t1_rows), (out, rows)):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=[*meta, *table[0]])
+                w.writeheader()
+                for r in table:
+                    w.writerow({**meta, **r})
+            print(f"wrote {path}")
         try:
             plot_t1(t1_out, t1_out.with_suffix(".png"))
         except ImportError:
             pass
-        out = pathlib.Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=[*meta, *rows[0]])
-            w.writeheader()
-            for r in rows:
-                w.writerow({**meta, **r})
-        print(f"wrote {out}")
     print(f"ok: {len(rows)} paths checked equal to the reference ({meta['gpu']})")
     return 0
 
