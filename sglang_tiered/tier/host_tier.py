@@ -1,10 +1,10 @@
 """Glue between a device KV pool (this TP rank's heads) and the shared canonical ``HostPool``.
 
 ``demote`` copies whole device pages (all layers, K and V, this rank's heads) into host slots;
-``load`` copies host slots into freshly allocated device pages. Both move every page of a batch in
-one launch for every (K|V, layer) plane (``move_pages_all``). A failed copy leaves nothing published: ``demote`` commits the
-host index only after every plane is written, and ``load`` reports failure so the caller frees
-the device pages and treats the request as a miss.
+``load`` copies host slots into freshly allocated device pages. Both move every page of a batch,
+every (K|V, layer) plane, in one launch (``move_pages_all``). A failed copy leaves nothing
+published: ``demote`` commits the host index only after every plane is written, and ``load``
+reports failure so the caller frees the device pages and treats the request as a miss.
 """
 
 from __future__ import annotations
