@@ -188,3 +188,17 @@ def test_openai_example_runs(tiered_server):
     assert len(lines) == 3 and "skip_save=True" in lines[0] and "skip_save=False" in lines[1]
     t = stats(tiered_server, "example-tenant")["tenants"]["example-tenant"]
     assert t["no_store_requests"] >= 1 and t["cached_tokens"] > 0
+
+
+def test_client_extra_key_is_its_own_namespace(tiered_server):
+    """The middleware rewrites a client's extra_key (client:<key>:, review, session 22): requests
+    with it are served, share a namespace with each other only, and none with no key."""
+    text = make_prompt(53, 250)
+    a = greedy(tiered_server, text, max_new_tokens=2, extra_key="ek-1")
+    assert "meta_info" in a, a
+    assert greedy(tiered_server, text, max_new_tokens=2, extra_key="ek-1")["meta_info"]["cached_tokens"] > 200
+    assert greedy(tiered_server, text, max_new_tokens=2, extra_key="ek-2")["meta_info"]["cached_tokens"] == 0
+    assert greedy(tiered_server, text, max_new_tokens=2)["meta_info"]["cached_tokens"] == 0
+    # an adapter-shaped key (32 hex digits) is a client key like any other
+    lora_like = "0123456789abcdef" * 2
+    assert greedy(tiered_server, text, max_new_tokens=2, extra_key=lora_like)["meta_info"]["cached_tokens"] == 0
