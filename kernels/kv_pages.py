@@ -174,14 +174,20 @@ def unpin_host_memory(t: torch.Tensor) -> None:
         pass
 
 
+def _require_unique(ids: torch.Tensor, message: str) -> None:
+    """The ids a copy writes to hold no duplicate (reads them back: on CUDA, a synchronisation)."""
+    if len(set(ids.tolist())) != ids.numel():
+        raise ValueError(message)
+
+
 def scatter_pages(pool, pool_pages, host, host_slots, head_offset: int, page_size: int, *, force_ref=False,
                   unique_checked=False):  # fmt: skip
     """Device pool pages -> canonical host slots (see module doc). ``unique_checked``: the caller
     has checked that ``host_slots`` holds no duplicate (the check here reads the ids back: on CUDA,
     a synchronisation per call)."""
     _check(pool, host, pool_pages, host_slots, head_offset, page_size)
-    if not unique_checked and len(set(host_slots.tolist())) != host_slots.numel():
-        raise ValueError("duplicate host_slots: two pages would race for one slot")
+    if not unique_checked:
+        _require_unique(host_slots, "duplicate host_slots: two pages would race for one slot")
     if pool_pages.numel() == 0:
         return
     if force_ref or not _use_triton(pool, host, host_slots):
@@ -195,8 +201,8 @@ def gather_pages(host, host_slots, pool, pool_pages, head_offset: int, page_size
     """Canonical host slots -> this rank's heads in the device pool (see module doc).
     ``unique_checked``: the caller has checked that ``pool_pages`` holds no duplicate."""
     _check(pool, host, pool_pages, host_slots, head_offset, page_size)
-    if not unique_checked and len(set(pool_pages.tolist())) != pool_pages.numel():
-        raise ValueError("duplicate pool_pages: two host pages would race for one device page")
+    if not unique_checked:
+        _require_unique(pool_pages, "duplicate pool_pages: two host pages would race for one device page")
     if pool_pages.numel() == 0:
         return
     if force_ref or not _use_triton(pool, host, host_slots):
@@ -257,9 +263,8 @@ def move_pages_all(planes: PoolPlanes, host, pool_pages, host_slots, head_offset
     transfer where the per-plane functions would use Triton (a launch and its Python costs once,
     not 2 x layers times); the per-plane path otherwise."""
     _check_all(planes, host, pool_pages, host_slots, head_offset, page_size)
-    written = host_slots if to_host else pool_pages
-    if not unique_checked and len(set(written.tolist())) != written.numel():
-        raise ValueError("duplicate ids: two pages would race for one destination")
+    if not unique_checked:
+        _require_unique(host_slots if to_host else pool_pages, "duplicate ids: two pages would race for one destination")
     if pool_pages.numel() == 0:
         return
     if force_ref or not _use_triton(planes.first, host, host_slots):
