@@ -84,7 +84,7 @@ def make_store_queue(host, capacity_pages: int, threaded: bool = True):
 
     def write(job) -> None:
         pages = torch.tensor(job.pages, dtype=torch.int64)
-        ready, kind = job.ctx  # (CUDA event or None, THROUGH or AHEAD: see HostTier.demote)
+        ready, kind = job.ctx  # (CUDA events or None, THROUGH or AHEAD: see HostTier.demote)
         if side is None:
             host.demote(pages, job.hashes, job.tenant, kind=kind)
             return
@@ -138,13 +138,12 @@ class T1Tier:
             return None
         current = torch.cuda.current_stream()
         fwd = getattr(self.host, "forward_stream", None)
-        ready = torch.cuda.Event()
-        ready.record(current)
-        if fwd is None or fwd == current:
-            return ready
-        on_fwd = torch.cuda.Event()
-        on_fwd.record(fwd)
-        return (on_fwd, ready)
+        events = []
+        for stream in (current,) if fwd is None or fwd == current else (fwd, current):
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            events.append(ev)
+        return tuple(events)
 
     def _offer(self, node, ready, kind: str, pages=None, hashes=None) -> int:
         """Offer a node's pages (or the given subset) to the store queue, valued ``frequency x

@@ -139,7 +139,7 @@ class HostTier:
     def demote(self, device_pages: torch.Tensor, hashes: list[bytes], tenant: int = 0, ready=None,
                kind: str = VICTIM) -> int:  # fmt: skip
         """Copy device pages to T1 (skipping pages already there). Returns pages copied.
-        ``ready``: a CUDA event the copy waits for (the forward pass that wrote the pages).
+        ``ready``: CUDA events the copy waits for (the forward passes that wrote the pages).
         ``kind``:
         - VICTIM: pages the device evicts; copies of them written earlier (THROUGH, AHEAD) are
           adopted, not copied again (``HostPool.reserve``).
@@ -192,7 +192,7 @@ class HostTier:
         pool.begin_write([s for _, s in pairs])
         try:
             if ready is not None:
-                for ev in ready if isinstance(ready, tuple) else (ready,):
+                for ev in ready:
                     torch.cuda.current_stream().wait_event(ev)
             else:
                 self._fence()
@@ -263,7 +263,7 @@ class HostTier:
         if self.kv is not None:  # SGLang replaces the lists when it reallocates (memory_pool.py)
             self.k_buffers, self.v_buffers = self.kv.k_buffer, self.kv.v_buffer
         kb = self.k_buffers[0]
-        if self._planes is None or not self._planes.current(self.k_buffers, self.v_buffers):
+        if not self._planes.current(self.k_buffers, self.v_buffers):
             self._planes = PoolPlanes(self.k_buffers, self.v_buffers)
         move_pages_all(self._planes, self.pool.data, pages.to(kb.device), slots, self.h0, self.page_size,
                        to_host=to_host, unique_checked=True)  # fmt: skip
