@@ -433,12 +433,16 @@ class AffinityCachePolicy:
         """``warm_cap``'s test for one route: would ``w``'s long-window work, with this request's
         work there, stay within warm_cap x the fleet mean of that window?"""
         by, ws = self._long.by_worker, view.workers
-        total = sum(by.get(x, 0.0) for x in ws)
-        n = max(1, len(ws))
+        total = None  # the window's work over the fleet: summed once, when a warm worker is over the hatch
 
         def under(w: str) -> bool:
+            nonlocal total
+            if not self._long.window:
+                return False
+            if total is None:
+                total = sum(by.get(x, 0.0) for x in ws)
             work = max(0, req.prompt_tokens - matched.get(w, 0)) + self.decode_tokens
-            return bool(self._long.window) and by.get(w, 0.0) + work <= self.warm_cap * (total + work) / n
+            return by.get(w, 0.0) + work <= self.warm_cap * (total + work) / max(1, len(ws))
 
         return under
 
