@@ -44,14 +44,10 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-try:
-    import sglang_tiered.kernels.kv_pages as kv  # an installed package
-except ImportError:  # a bare checkout (the GPU machine): the top-level kernels folder is the package
-    import kernels
-    import kernels.kv_pages as kv
+# gpu_check's import makes sglang_tiered.kernels importable from a bare checkout (the GPU machine)
+from bench.gpu_check import git_sha  # noqa: E402
 
-    sys.modules["sglang_tiered.kernels"] = kernels
-    sys.modules["sglang_tiered.kernels.kv_pages"] = kv
+import sglang_tiered.kernels.kv_pages as kv  # noqa: E402
 
 
 class Launches:
@@ -444,16 +440,6 @@ def check_fencing(dev, dry: bool) -> dict:
     return {"ok": ok, **out}
 
 
-def _git_sha() -> str:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="on CPU: the same checks, torch path")
@@ -469,7 +455,7 @@ def main(argv=None) -> int:
         tv = "none"
     res = {"meta": {"gpu": torch.cuda.get_device_name(0) if cuda else "none (dry run)", "torch": torch.__version__,
                     "triton": tv, "machine": platform.machine(), "python": platform.python_version(),
-                    "git_sha": _git_sha()}}  # fmt: skip
+                    "git_sha": git_sha()}}  # fmt: skip
     checks = (("kernels", check_kernels), ("all_planes", check_all_planes), ("host_tier", check_host_tier),
               ("fencing", check_fencing), ("warm_up", check_warm_up))  # fmt: skip
     for name, fn in checks:
