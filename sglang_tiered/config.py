@@ -13,6 +13,8 @@ environment; ``TieredConfig.__post_init__`` validates every field, so a config b
 | SGLANG_TIERED_HOST_GB | ``host_gb`` | unset |
 | SGLANG_TIERED_HOST_NAME | ``host_name`` | unset |
 | SGLANG_TIERED_TENANT_HEADER | ``tenant_header`` | unset |
+| SGLANG_TIERED_TENANT_LABELS | ``tenant_labels`` (hashed/raw) | hashed without a tenant header, else raw |
+| SGLANG_TIERED_IDENTITY_VERSIONS | ``identity_versions`` (on/off) | on |
 | SGLANG_TIERED_DEBUG | ``debug`` | 0 |
 | SGLANG_TIERED_STORE | ``store`` | async |
 | SGLANG_TIERED_STORE_QUEUE_PAGES | ``store_queue_pages`` | unset |
@@ -69,6 +71,8 @@ ENV = {  # field -> environment variable
     "host_gb": "SGLANG_TIERED_HOST_GB",
     "host_name": "SGLANG_TIERED_HOST_NAME",
     "tenant_header": "SGLANG_TIERED_TENANT_HEADER",
+    "tenant_labels": "SGLANG_TIERED_TENANT_LABELS",
+    "identity_versions": "SGLANG_TIERED_IDENTITY_VERSIONS",
     "debug": "SGLANG_TIERED_DEBUG",
     "store": "SGLANG_TIERED_STORE",
     "store_queue_pages": "SGLANG_TIERED_STORE_QUEUE_PAGES",
@@ -116,6 +120,18 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
     host_name: Optional[str] = None
     # Trusted request header that sets the tenant (e.g. x-tenant-id); unset: clients' cache_salt.
     tenant_header: Optional[str] = None
+    # How stats and metrics name a tenant. "hashed": a digest of its cache_salt (``salt~`` and 16
+    # hex digits; ``core.tenants.salt_label``): a client's salt is its secret, and /metrics and
+    # /cache/stats must not hand it to whoever reads them (review, session 22). "raw": the salt
+    # itself. Default (None): hashed without a tenant header; raw with one (the names are then
+    # the gateway's, not secrets). Recommended: the default.
+    tenant_labels: Optional[Literal["hashed", "raw"]] = None
+    # Whether the cache identity holds the software that computed the KV: the versions of sglang,
+    # torch and sglang-tiered (``integration/identity.py``). On, a named T1 kept across an upgrade
+    # or a T2 shared during a rolling upgrade never serves KV computed by other code. Off, servers
+    # of different versions share pages (only if their kernels' numerics are known to agree).
+    # Recommended: on.
+    identity_versions: bool = True
     # Check tree and tier invariants after every operation (slow: O(tree) per call). Default off.
     debug: bool = False
     # T1 writes: "async" (a value-ordered store queue, off the request path) or "sync" (copy at
@@ -165,6 +181,10 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
             _bad("host_name", self.host_name, "use 1-64 letters, digits, '.', '_' or '-'")
         if self.tenant_header is not None and not re.fullmatch(r"[A-Za-z0-9-]{1,64}", self.tenant_header):
             _bad("tenant_header", self.tenant_header, "not a valid header name")
+        if self.tenant_labels not in (None, "hashed", "raw"):
+            _bad("tenant_labels", self.tenant_labels, "expected hashed or raw")
+        if not isinstance(self.identity_versions, bool):
+            _bad("identity_versions", self.identity_versions, "expected on or off")
         if self.store not in ("async", "sync"):
             _bad("store", self.store, "expected async or sync")
         _whole("store_queue_pages", self.store_queue_pages, 1, MAX_STORE_QUEUE_PAGES)
@@ -274,12 +294,18 @@ def load_config(env=None) -> TieredConfig:
     pa = env.get(ENV["prefix_attention"], "off").strip().lower()
     if pa not in ("on", "off"):
         raise ConfigError(f"SGLANG_TIERED_PREFIX_ATTENTION={pa!r}: expected on or off")
+    iv = env.get(ENV["identity_versions"], "on").strip().lower()
+    if iv not in ("on", "off"):
+        raise ConfigError(f"SGLANG_TIERED_IDENTITY_VERSIONS={iv!r}: expected on or off")
+    labels = (env.get(ENV["tenant_labels"]) or "").strip().lower() or None
     fields = {
         "host_mode": env.get(ENV["host_mode"], "auto").strip().lower(),
         "host_ratio": _float(env, "host_ratio"),
         "host_gb": _float(env, "host_gb"),
         "host_name": _text(env, "host_name"),
         "tenant_header": _text(env, "tenant_header"),
+        "tenant_labels": labels,
+        "identity_versions": iv == "on",
         "debug": debug == "1",
         "store": env.get(ENV["store"], "async").strip().lower(),
         "store_queue_pages": _pages(env, "store_queue_pages", 1, MAX_STORE_QUEUE_PAGES),
@@ -291,7 +317,7 @@ def load_config(env=None) -> TieredConfig:
         "guarantee": env.get(ENV["guarantee"], "strict").strip().lower(),
         "lru_tree_pages": _pages(env, "lru_tree_pages", 0, MAX_LRU_TREE_PAGES),
     }
-    cfg = TieredConfig(**{k: v for k, v in fields.items() if v is not None or k in ("host_gb",)})
+    cfg = TieredConfig(**{k: v for k, v in fields.items() if v is not None or k in ("host_gb", "tenant_labels")})
     phys = _physical_gb()
     if cfg.host_gb is not None and phys and cfg.host_gb > phys:
         raise ConfigError(f"SGLANG_TIERED_HOST_GB={cfg.host_gb:g}: more than this machine's memory ({phys:.1f} GB)")
@@ -358,6 +384,14 @@ def check_server_args(cfg: TieredConfig, server_args) -> None:
     if cfg.tenant_header is not None and arg("tokenizer_worker_num") > 1:
         _bad("tenant_header", cfg.tenant_header, "--tokenizer-worker-num > 1 serves HTTP from worker processes "
              "without the tenant-header middleware (tenant isolation would be off)")  # fmt: skip
+
+
+def hashed_tenant_labels(cfg: TieredConfig) -> bool:
+    """Whether stats and metrics name tenants by a digest of their ``cache_salt``
+    (``tenant_labels``; by default: when no trusted tenant header sets the tenant)."""
+    if cfg.tenant_labels is None:
+        return cfg.tenant_header is None
+    return cfg.tenant_labels == "hashed"
 
 
 def policy_config(cfg: TieredConfig):

@@ -181,7 +181,20 @@ def _finish(t: dict) -> TenantStats:
     return s
 
 
-def aggregate(rank_stats: list[dict], tenant: Optional[str] = None) -> CacheStats:
+def _label_of(tenant: str, hashed: bool, labels) -> str:
+    """The row of tenant ``tenant`` (its name, its salt, or a label the stats show)."""
+    from sglang_tiered.core.tenants import DEFAULT, SALT_PREFIX, salt_label, tenant_label
+
+    if tenant.startswith(SALT_PREFIX) and tenant in labels:
+        return tenant
+    if hashed and tenant != DEFAULT:
+        return salt_label(tenant)
+    return tenant_label(tenant)
+
+
+def aggregate(rank_stats: list[dict], tenant: Optional[str] = None, hashed: bool = False) -> CacheStats:
+    """The ranks' stats summed; ``tenant``: only that tenant's row (``hashed``: tenants are
+    labelled by their salt's digest, ``config.hashed_tenant_labels``)."""
     tenants: dict[str, dict] = {}
     tiers: dict[str, dict] = {}
     policies = []
@@ -219,9 +232,7 @@ def aggregate(rank_stats: list[dict], tenant: Optional[str] = None) -> CacheStat
                                            if k in rs["policy"]}))  # fmt: skip
     finished = {name: _finish(c) for name, c in sorted(tenants.items())}
     if tenant is not None:
-        from sglang_tiered.core.tenants import tenant_label
-
-        finished = {tenant: finished.get(tenant_label(tenant), TenantStats())}
+        finished = {tenant: finished.get(_label_of(tenant, hashed, finished), TenantStats())}
     total: dict = {}
     for c in tenants.values():
         for k in _COUNTERS:

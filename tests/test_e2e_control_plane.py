@@ -11,6 +11,7 @@ import urllib.request
 
 import pytest
 
+from sglang_tiered.core.tenants import salt_label
 from tests.test_e2e_server import greedy, make_prompt
 
 pytestmark = pytest.mark.server
@@ -32,7 +33,9 @@ def test_stats_before_and_after_a_workload(tiered_server):
     for tenant in ("st-a", "st-a", "st-b"):
         greedy(tiered_server, text, max_new_tokens=2, cache_salt=tenant)
     after = stats(tiered_server)
-    a, b = after["tenants"]["st-a"], after["tenants"]["st-b"]
+    # without a tenant header a tenant is its salt, the client's secret: shown as its digest
+    assert not any("st-" in name for name in after["tenants"])
+    a, b = after["tenants"][salt_label("st-a")], after["tenants"][salt_label("st-b")]
     assert a["requests"] == 2 and a["requests_hit"] == 1 and a["cached_tokens"] > 200
     assert b["requests"] == 1 and b["cached_tokens"] == 0
     assert a["resident_pages"] > 0 and a["admitted_pages"] >= a["resident_pages"]
@@ -139,7 +142,7 @@ def test_skip_save_leaves_no_trace_but_retrieval_works(tiered_server):
 def test_metrics_expose_counters(tiered_server):
     greedy(tiered_server, make_prompt(56, 100), max_new_tokens=2, cache_salt="metrics")
     greedy(tiered_server, make_prompt(56, 100), max_new_tokens=2, cache_salt="metrics")
-    want = 'sglang_tiered_requests_total{tenant="metrics"} 2.0'
+    want = f'sglang_tiered_requests_total{{tenant="{salt_label("metrics")}"}} 2.0'
     # Metrics are published at the scheduler's batch end (flush_pending_backups); a request's
     # release can land after its own batch's publish, so it shows from the next batch on: poll,
     # and run an unrelated request to make one.
@@ -152,6 +155,7 @@ def test_metrics_expose_counters(tiered_server):
                  "sglang_tiered_resident_pages", "sglang_tiered_admission_filtering"):  # fmt: skip
         assert name in text, name
     assert want in text, [line for line in text.splitlines() if "requests_total" in line]
+    assert 'tenant="metrics' not in text  # a salt is never a label
 
 
 def test_admin_auth_and_trusted_tenant_header(admin_server):

@@ -3,11 +3,12 @@
 A page's identity is a chained hash over 16-token pages, seeded by a ``CacheKey`` that holds
 everything that changes the KV a model computes for the same tokens: tenant, model id, the exact
 weights digest, KV dtype, RoPE configuration, attention implementation, online quantization, the
-compute dtype and the model revision. The TP degree is *not* part of it: T1 stores pages in a
+compute dtype, the model revision, and the versions of the code that computes the KV (sglang,
+torch, sglang-tiered; ``SGLANG_TIERED_IDENTITY_VERSIONS``). The TP degree is *not* part of it: T1 stores pages in a
 TP-independent layout.
 
-The last five fields (``quantization``, ``model_dtype``, ``revision``, ``model_overrides``,
-``lora``) were added later: they
+The last six fields (``quantization``, ``model_dtype``, ``revision``, ``model_overrides``,
+``lora``, ``software``) were added later: they
 enter the hashed blob only when set (not ``None``), so a key that leaves them unset (``CacheKey()``,
 the simulator's and the benchmarks' key) has exactly the seeds and page hashes it had before.
 
@@ -45,6 +46,7 @@ class CacheKey:
     revision: Optional[str] = None  # --revision (a remote model's weights_digest is its name only)
     model_overrides: Optional[str] = None  # digest of --json-model-override-args (review, session 18)
     lora: Optional[str] = None  # digests of the --lora-paths adapters' files (review, session 18)
+    software: Optional[str] = None  # versions of the code that computes the KV (review, session 22)
 
     def _identity(self) -> dict:
         """The fields that are hashed: every original field, and the optional ones that are set."""
@@ -76,7 +78,7 @@ class CacheKey:
         return hashlib.blake2b(b"sglang-tiered/v2|" + blob.encode(), digest_size=DIGEST_SIZE).digest()
 
 
-_OPTIONAL_FIELDS = ("quantization", "model_dtype", "revision", "model_overrides", "lora")
+_OPTIONAL_FIELDS = ("quantization", "model_dtype", "revision", "model_overrides", "lora", "software")
 
 
 def _token_bytes(tokens) -> bytes:

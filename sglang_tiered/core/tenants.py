@@ -32,6 +32,20 @@ def tenant_label(tenant: str) -> str:
     return f"{head}~{digest}"
 
 
+SALT_PREFIX = "salt~"
+
+
+def salt_label(cache_salt: str) -> str:
+    """A client's ``cache_salt`` as stats and metrics name its tenant when labels are hashed
+    (``config.hashed_tenant_labels``): ``salt~`` and 16 hex digits of a BLAKE2b digest. A salt is
+    the client's secret (knowing it lets one share, and so probe, its namespace); before session
+    23 /metrics and /cache/stats printed it. The digest is unkeyed, so the ranks of a server and
+    the servers of a fleet agree on it, and the operator can compute it from a salt they know; a
+    low-entropy salt (a user id) can be guessed from its digest, as from any timing probe."""
+    digest = hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=8, person=b"tiered-salt")
+    return SALT_PREFIX + digest.hexdigest()
+
+
 def name_hash(name: str) -> int:
     """A stable 62-bit integer for a tenant or version name (SGLang's set_internal_state carries
     numbers only). A client's ``cache_salt`` may hold lone surrogates (JSON allows them): they
@@ -58,11 +72,43 @@ class TenantCounters:
 
 
 class TenantTable:
-    def __init__(self, max_tenants: int = 256):
+    """Counters by tenant label. ``hashed``: a request's ``cache_salt`` is shown as
+    ``salt_label`` (its digest), never as itself; untagged requests are ``default``.
+    ``by_hash`` maps each tracked tenant's ``name_hash`` (T1's and T2's tenant tag) to its label,
+    so counts the tiers report by tenant hash land on the right row whatever the label."""
+
+    def __init__(self, max_tenants: int = 256, hashed: bool = False):
         self.max_tenants = max_tenants
+        self.hashed = hashed
         self.by_name: dict[str, TenantCounters] = {}
+        self.by_hash: dict[int, str] = {}
+        self._labels: dict = {}  # cache_salt -> label, bounded (cleared when full)
+
+    def label(self, cache_salt) -> str:
+        """The label of the tenant of a request or node with ``cache_salt``."""
+        label = self._labels.get(cache_salt)
+        if label is None:
+            if len(self._labels) >= 4 * self.max_tenants + 4:
+                self._labels.clear()
+            if self.hashed and cache_salt:
+                label = salt_label(cache_salt)
+            else:
+                label = tenant_label(tenant_of(cache_salt))
+            self._labels[cache_salt] = label
+        return label
+
+    def for_salt(self, cache_salt) -> TenantCounters:
+        """The counters of the tenant of ``cache_salt`` (``tenant_of`` names it in the tiers)."""
+        label = self.label(cache_salt)
+        c = self.by_name.get(label)
+        if c is None:
+            c = self.get(label)
+            if label in self.by_name:  # tracked by name (not folded into __other__): bounded
+                self.by_hash.setdefault(name_hash(tenant_of(cache_salt)), label)
+        return c
 
     def get(self, tenant: str) -> TenantCounters:
+        """The counters of the tenant labelled ``tenant`` (a label, or a name shown as itself)."""
         tenant = tenant_label(tenant)
         c = self.by_name.get(tenant)
         if c is None:

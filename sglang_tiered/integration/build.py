@@ -16,14 +16,16 @@ logger = logging.getLogger("sglang_tiered")
 
 def from_build_context(cls, ctx):
     """The cache SGLang's ``create_tree_cache`` builds for ``--radix-cache-backend tiered``."""
-    from sglang_tiered.config import load_config, policy_config
+    from sglang_tiered.config import hashed_tenant_labels, load_config, policy_config
     from sglang_tiered.config import lifetime_id
     from sglang_tiered.integration.identity import cache_key_from_context
 
     cfg = load_config()
-    key = cache_key_from_context(ctx)
+    key = cache_key_from_context(ctx, versions=cfg.identity_versions)
     cache = cls(ctx.params, cache_key=key, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size, debug_checks=cfg.debug,
                 policy_config=policy_config(cfg))
+    # stats and metrics name a tenant by its salt's digest unless a trusted header names it
+    cache.tenants.hashed = hashed_tenant_labels(cfg)
     setup_host_tier(cache, ctx, cfg)
     if cfg.index_url and ctx.tp_rank == 0:  # ranks are identical: rank 0 publishes
         from sglang_tiered.fleet.publisher import IndexPublisher

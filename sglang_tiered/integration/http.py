@@ -21,7 +21,7 @@ import msgspec
 from fastapi import Request
 from typing import Optional
 
-from sglang_tiered.config import load_config, sglang_route_names
+from sglang_tiered.config import hashed_tenant_labels, load_config, sglang_route_names
 from sglang_tiered.core.keys import client_extra_key
 from sglang_tiered.integration.protocol import STATE_KEY, invalidation_args
 from sglang_tiered.stats import aggregate
@@ -138,7 +138,8 @@ def add_routes(app) -> None:
         ranks = await _rank_stats()
         if not ranks:
             return _error(503, "the tiered cache backend is not active (--radix-cache-backend tiered?)")
-        return Response(msgspec.json.encode(aggregate(ranks, tenant)), media_type="application/json")
+        hashed = hashed_tenant_labels(load_config())
+        return Response(msgspec.json.encode(aggregate(ranks, tenant, hashed)), media_type="application/json")
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def cache_invalidate(request: Request):

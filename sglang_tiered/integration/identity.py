@@ -9,6 +9,12 @@ activation, ...) and the files of the ``--lora-paths`` adapters (SGLang names an
 name and path only, so a retrained adapter at the same path kept its page hashes; review, session
 18). A named T1 kept across restarts, or a T2 shared by a fleet, can so never serve KV computed
 under other settings.
+
+It also holds the versions of the software that computes the KV (``software_of``: sglang, torch
+with its CUDA or ROCm build, sglang-tiered), unless ``SGLANG_TIERED_IDENTITY_VERSIONS=off``. A
+new sglang can change a model's implementation or its kernels, and before session 23 a named T1
+kept across an upgrade, or T2 during a rolling upgrade, served the old code's KV as the new
+code's. The cost: servers of different versions share no pages.
 """
 
 from __future__ import annotations
@@ -85,7 +91,26 @@ def lora_of(sa) -> str | None:
     return "blake2b:" + hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
 
 
-def cache_key_from_context(ctx) -> CacheKey:
+def software_of() -> str:
+    """The versions of the code that computes KV: ``sglang=..;torch=..;sglang-tiered=..``."""
+    from importlib import metadata
+
+    parts = []
+    for dist in ("sglang", "torch", "sglang-tiered"):
+        try:
+            parts.append(f"{dist}={metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{dist}=none")
+    try:
+        import torch
+
+        parts[1] = f"torch={torch.__version__}"  # the build (+cu130, +cpu), which metadata may lack
+    except ImportError:
+        pass
+    return ";".join(parts)
+
+
+def cache_key_from_context(ctx, *, versions: bool = True) -> CacheKey:
     sa = ctx.server_args
     mc = ctx.model_config
     hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
@@ -115,6 +140,7 @@ def cache_key_from_context(ctx) -> CacheKey:
         revision=str(revision) if revision else None,
         model_overrides=overrides_of(sa),
         lora=lora_of(sa),
+        software=software_of() if versions else None,
     )
     logger.info("sglang-tiered: cache identity %s", key)
     return key

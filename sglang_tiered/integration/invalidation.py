@@ -63,15 +63,17 @@ class Invalidation:
 
     def _count_t1(self, pages_by_tenant: dict) -> None:
         """T1 pages dropped, into each tenant's ``invalidated_pages`` beside its device pages
-        (before session 21 a tenant's count was device pages only). Tenants are matched by the
-        hash of their stats label: one folded into ``__other__``, or past the label's length,
-        is counted in ``dropped_tokens`` only."""
+        (before session 21 a tenant's count was device pages only). Tenants are matched by their
+        name's hash, which the tenant table maps to their label (a hashed salt, or a long name, was
+        not matched before session 23); one folded into ``__other__`` is counted in
+        ``dropped_tokens`` only."""
         if not pages_by_tenant:
             return
-        for label, tc in self.cache.tenants.by_name.items():
-            n = pages_by_tenant.get(name_hash(label))
-            if n:
-                tc.invalidated_pages += n
+        table = self.cache.tenants
+        for h, n in pages_by_tenant.items():
+            label = table.by_hash.get(h)
+            if n and label is not None:
+                table.get(label).invalidated_pages += n
 
     def _invalidate_subtree(self, top) -> tuple[int, int]:
         stack, order = [top], []

@@ -26,34 +26,35 @@ COUNTERS = {
 
 
 class TieredMetrics:
-    def __init__(self):
+    def __init__(self, registry=None):
         from prometheus_client import Counter, Gauge
 
+        kw = {} if registry is None else {"registry": registry}  # (tests: their own registry)
         self.counters = {
-            k: Counter(f"sglang_tiered_{k}", doc, ["tenant"]) for k, doc in COUNTERS.items()
+            k: Counter(f"sglang_tiered_{k}", doc, ["tenant"], **kw) for k, doc in COUNTERS.items()
         }
         self.resident = Gauge("sglang_tiered_resident_pages", "Pages resident per tier and tenant",
-                              ["tier", "tenant"], multiprocess_mode="livesum")  # fmt: skip
+                              ["tier", "tenant"], multiprocess_mode="livesum", **kw)  # fmt: skip
         self.tier_tokens = Gauge("sglang_tiered_tier_tokens", "Evictable/protected tokens per tier",
-                                 ["tier", "state"], multiprocess_mode="livesum")  # fmt: skip
+                                 ["tier", "state"], multiprocess_mode="livesum", **kw)  # fmt: skip
         self.filtering = Gauge("sglang_tiered_admission_filtering", "1 while TinyLFU admission is on",
-                               multiprocess_mode="livemax")  # fmt: skip
+                               multiprocess_mode="livemax", **kw)  # fmt: skip
         self.thrashing = Gauge("sglang_tiered_thrashing", "1 while thrash is detected",
-                               multiprocess_mode="livemax")  # fmt: skip
+                               multiprocess_mode="livemax", **kw)  # fmt: skip
         self.protection_k = Gauge("sglang_tiered_protection_k", "Learned protection of reused context "
-                                  "(0 = LRU; reused nodes age k LRU cycles later)", multiprocess_mode="livemax")  # fmt: skip
+                                  "(0 = LRU; reused nodes age k LRU cycles later)", multiprocess_mode="livemax", **kw)  # fmt: skip
         self.cold_age_c = Gauge("sglang_tiered_cold_age_c", "Learned age, in LRU cycles, at which cold "
-                                "prompts enter", multiprocess_mode="livemax")  # fmt: skip
+                                "prompts enter", multiprocess_mode="livemax", **kw)  # fmt: skip
         self.store_depth = Gauge("sglang_tiered_store_queue_pages", "Pages waiting in the T1 store queue",
-                                 multiprocess_mode="livesum")  # fmt: skip
+                                 multiprocess_mode="livesum", **kw)  # fmt: skip
         self.store_pages = Counter("sglang_tiered_store_pages", "T1 store queue outcomes, in pages "
-                                   "(stored by the worker, inline, value_dropped, filtered, cancelled)", ["outcome"])  # fmt: skip
+                                   "(stored by the worker, inline, value_dropped, filtered, cancelled)", ["outcome"], **kw)  # fmt: skip
         self.t2_pages = Counter("sglang_tiered_t2_pages", "T2 (fleet store) outcomes, in pages (fetched, "
-                                "stored, dropped, filtered, bad)", ["outcome"])  # fmt: skip
-        self.t2_bytes = Counter("sglang_tiered_t2_bytes", "Bytes moved to and from T2", ["direction"])
-        self.t2_failures = Counter("sglang_tiered_t2_failures", "T2 calls that failed or missed their deadline")
+                                "stored, dropped, filtered, bad)", ["outcome"], **kw)  # fmt: skip
+        self.t2_bytes = Counter("sglang_tiered_t2_bytes", "Bytes moved to and from T2", ["direction"], **kw)
+        self.t2_failures = Counter("sglang_tiered_t2_failures", "T2 calls that failed or missed their deadline", **kw)
         self.t2_up = Gauge("sglang_tiered_t2_available", "1 while T2 is in use (0: breaker open)",
-                           multiprocess_mode="livemin")  # fmt: skip
+                           multiprocess_mode="livemin", **kw)  # fmt: skip
         self._last: dict[tuple[str, str], int] = {}
         self._labels: dict[str, str] = {}
 

@@ -36,7 +36,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 from sglang_tiered.config import lifetime_id
 from sglang_tiered.core.keys import CacheKey
 from sglang_tiered.core.policy import AdaptivePolicy, PolicyConfig
-from sglang_tiered.core.tenants import TenantCounters, TenantTable, tenant_of
+from sglang_tiered.core.tenants import TenantCounters, TenantTable
 from sglang_tiered.integration import build, tree_ops
 from sglang_tiered.integration.admission import COUNTED_MAX as IN_FLIGHT_MAX, Admission
 from sglang_tiered.integration.clock import LogicalClock
@@ -150,7 +150,7 @@ class TieredRadixCache(RadixCache):
 
     def tenant(self, cache_salt) -> TenantCounters:
         """The counters of the tenant a request or node with ``cache_salt`` belongs to."""
-        return self.tenants.get(tenant_of(cache_salt))
+        return self.tenants.for_salt(cache_salt)
 
     def path_hashes(self, node) -> list:
         """Chained page hashes from the root to the end of ``node``."""

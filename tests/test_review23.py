@@ -1,0 +1,149 @@
+"""Two findings left open in session 22, fixed in session 23, each with the test that failed
+before its fix: a client's ``cache_salt`` was printed by /cache/stats and /metrics, and the cache
+identity held no software versions."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sglang_tiered.config import ConfigError, TieredConfig, hashed_tenant_labels, load_config
+from sglang_tiered.core.tenants import DEFAULT, OTHER, SALT_PREFIX, TenantTable, name_hash, salt_label
+
+
+@given(salt=st.text(min_size=1))
+def test_a_hashed_label_never_shows_the_salt(salt):
+    table = TenantTable(hashed=True)
+    label = table.label(salt)
+    assert label.startswith(SALT_PREFIX) and len(label) == len(SALT_PREFIX) + 16
+    assert salt not in label[len(SALT_PREFIX):] or len(salt) <= 2  # (a short salt may occur in hex by chance)
+    table.for_salt(salt).requests += 1
+    assert list(table.by_name) == [label] and table.by_hash == {name_hash(salt): label}
+
+
+def test_hashed_labels_keep_tenants_apart_and_untagged_as_default():
+    table = TenantTable(hashed=True)
+    table.for_salt(None).requests += 1
+    table.for_salt("default").requests += 1  # a client's salt "default" is not the untagged tenant
+    table.for_salt("acme").requests += 2
+    assert table.by_name[DEFAULT].requests == 1
+    assert table.by_name[salt_label("default")].requests == 1
+    assert table.by_name[salt_label("acme")].requests == 2
+    assert "acme" not in table.by_name
+    raw = TenantTable()  # the simulator's and the benchmarks' table: names as they are
+    raw.for_salt("acme").requests += 1
+    assert list(raw.by_name) == ["acme"]
+
+
+def test_the_label_memo_and_the_hash_map_stay_bounded():
+    table = TenantTable(max_tenants=8, hashed=True)
+    for i in range(10_000):
+        table.for_salt(f"salt-{i}").requests += 1
+    assert len(table.by_name) == 9 and len(table.by_hash) == 8 and len(table._labels) <= 4 * 8 + 4
+    assert table.by_name[OTHER].requests == 10_000 - 8
+
+
+def test_tenant_labels_config():
+    assert hashed_tenant_labels(load_config({}))  # no header: a salt is a client's secret
+    assert not hashed_tenant_labels(load_config({"SGLANG_TIERED_TENANT_HEADER": "x-tenant-id"}))
+    assert hashed_tenant_labels(load_config({"SGLANG_TIERED_TENANT_HEADER": "x-tenant-id",
+                                             "SGLANG_TIERED_TENANT_LABELS": "hashed"}))  # fmt: skip
+    assert not hashed_tenant_labels(load_config({"SGLANG_TIERED_TENANT_LABELS": "RAW"}))
+    with pytest.raises(ConfigError, match="SGLANG_TIERED_TENANT_LABELS"):
+        load_config({"SGLANG_TIERED_TENANT_LABELS": "md5"})
+    with pytest.raises(ConfigError, match="SGLANG_TIERED_TENANT_LABELS"):
+        TieredConfig(tenant_labels="plain")
+    assert load_config({}).identity_versions
+    assert not load_config({"SGLANG_TIERED_IDENTITY_VERSIONS": "off"}).identity_versions
+    with pytest.raises(ConfigError, match="SGLANG_TIERED_IDENTITY_VERSIONS"):
+        load_config({"SGLANG_TIERED_IDENTITY_VERSIONS": "yes"})
+
+
+def _sim(page, hashed):
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+
+    cache = TieredRadixCache.create_simulated(24 * page, page, host_pages=64, debug_checks=True)
+    cache.tenants.hashed = hashed
+    return cache
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_t1_invalidation_counts_land_on_the_hashed_row(hashed):
+    """T1 reports dropped pages by tenant hash. They were matched to the stats row by hashing the
+    row's label, which is not the tenant's name once labels are hashed (or names are long): a
+    tenant's T1 pages were then missing from its ``invalidated_pages``."""
+    page = 16
+    cache = _sim(page, hashed)
+    for i in range(40):
+        for t in ("acme", "globex"):
+            cache.driver.run([1000 * (i % 20) + j for j in range(6 * page)], tenant=t)
+    host = cache.host.tenant_pages()
+    assert host.get(name_hash("acme"), 0) > 0
+    assert ("acme" in cache.tenants.by_name) != hashed
+    before = cache.tenant("acme").invalidated_pages
+    res = cache.invalidate(tenant_hash=name_hash("acme"))
+    got = cache.tenant("acme").invalidated_pages - before
+    assert got * page == res["dropped_tokens"] and got > host[name_hash("acme")] > 0
+
+
+def test_stats_and_metrics_never_print_a_salt():
+    from sglang_tiered.integration.snapshot import stats_snapshot as rank_snapshot
+    from sglang_tiered.stats import aggregate
+
+    page = 16
+    cache = _sim(page, True)
+    for i in range(6):
+        cache.driver.run([7 + j for j in range(4 * page)] + [i], tenant="s3cret-salt")
+    snap = rank_snapshot(cache)
+    assert "s3cret-salt" not in repr(snap)
+    stats = aggregate([snap], hashed=True)
+    assert list(stats.tenants) == [salt_label("s3cret-salt")] and stats.tenants[salt_label("s3cret-salt")].requests == 6
+    # the operator asks by the salt they know, or by the label the stats show
+    assert aggregate([snap], "s3cret-salt", hashed=True).tenants["s3cret-salt"].requests == 6
+    label = salt_label("s3cret-salt")
+    assert aggregate([snap], label, hashed=True).tenants[label].requests == 6
+    assert aggregate([snap], "other", hashed=True).tenants["other"].requests == 0
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from sglang_tiered.integration import metrics as m
+
+    reg = CollectorRegistry()
+    pm = m.TieredMetrics(registry=reg)
+    pm.publish(cache)
+    text = generate_latest(reg).decode()
+    assert label in text and "s3cret-salt" not in text
+
+
+def _ctx(model_dir):
+    sa = NS(model_path=str(model_dir), served_model_name=None, kv_cache_dtype="auto", attention_backend="fa3",
+            quantization=None, dtype="auto", revision=None, modelopt_quant=None, quantization_param_path=None)  # fmt: skip
+    hf = NS(rope_theta=10000.0, rope_scaling=None, max_position_embeddings=4096)
+    return NS(server_args=sa, model_config=NS(hf_text_config=hf, dtype="torch.bfloat16", quantization=None))
+
+
+def test_the_identity_holds_the_software_versions(tmp_path, monkeypatch):
+    """A named T1 kept across an sglang upgrade, or T2 during a rolling upgrade, served KV the
+    old code computed as the new code's: the identity held no versions."""
+    import sglang
+
+    from sglang_tiered.integration import identity
+
+    monkeypatch.setenv("SGLANG_TIERED_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"w" * 64)
+    sw = identity.software_of()
+    assert f"sglang={sglang.__version__}" in sw and "torch=" in sw and "sglang-tiered=" in sw
+    key = identity.cache_key_from_context(_ctx(model))
+    assert key.software == sw
+    off = identity.cache_key_from_context(_ctx(model), versions=False)
+    assert off.software is None and off.seed() != key.seed()
+    monkeypatch.setattr(identity, "software_of", lambda: sw.replace("sglang=", "sglang=9.9.9+"))
+    upgraded = identity.cache_key_from_context(_ctx(model))
+    assert upgraded.seed() != key.seed()
+    assert upgraded.namespace_seed("acme", None) != key.namespace_seed("acme", None)
