@@ -151,6 +151,10 @@ def test_fleet_routes_by_affinity_and_index_and_survives_faults(fleet):
     assert all(w in homes[t] for t, w, _, _ in res), (homes, res)  # with the index: the same homes
     st = _get(router + "/router/stats")
     assert st["index_lookups"] > 0 and st["index_hit_rate"] > 0, st
+    with urllib.request.urlopen(router + "/router/metrics", timeout=10) as resp:  # the same, for Prometheus
+        text = resp.read().decode()
+    assert f"sglang_tiered_router_index_lookups_total {float(st['index_lookups'])!r}" in text.splitlines()
+    assert "sglang_tiered_router_index_connected 1.0" in text.splitlines(), text
     stats = servers[0].request("GET", "/cache/stats")[1]
     assert stats["index"]["enabled"] and stats["index"]["published_pages"] > 0
 

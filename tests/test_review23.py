@@ -147,3 +147,29 @@ def test_the_identity_holds_the_software_versions(tmp_path, monkeypatch):
     upgraded = identity.cache_key_from_context(_ctx(model))
     assert upgraded.seed() != key.seed()
     assert upgraded.namespace_seed("acme", None) != key.namespace_seed("acme", None)
+
+
+def test_router_metrics_are_prometheus_text():
+    """An operator scrapes the router as they scrape smg: ``GET /router/metrics`` holds the same
+    counters as ``/router/stats``, per worker and per reason, in Prometheus' text format."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sglang_tiered.fleet.router import Router
+
+    odd = 'http://127.0.0.1:1/"x"\\n'
+    router = Router(["http://127.0.0.1:9", odd], None, load_poll_s=0, model_path="")
+    router.stats.requests, router.stats.spills, router.stats.route_ms_total = 7, 2, 12.5
+    router.stats.reasons.update(warm=4, fresh=3)
+    router.workers["http://127.0.0.1:9"].routed = 5
+    router.workers[odd.rstrip("/")].healthy = False
+    fams = {f.name: f for f in text_string_to_metric_families(router.metrics_text())}
+    one = lambda name: [s.value for s in fams[name].samples]  # noqa: E731
+    assert one("sglang_tiered_router_requests") == [7.0] and one("sglang_tiered_router_spills") == [2.0]
+    assert one("sglang_tiered_router_route_seconds") == [0.0125]
+    reasons = {s.labels["reason"]: s.value for s in fams["sglang_tiered_router_decisions"].samples}
+    assert reasons == {"warm": 4.0, "fresh": 3.0}
+    routed = {s.labels["worker"]: s.value for s in fams["sglang_tiered_router_worker_routed"].samples}
+    assert routed == {"http://127.0.0.1:9": 5.0, odd.rstrip("/"): 0.0}  # a quote, a backslash: escaped
+    healthy = {s.labels["worker"]: s.value for s in fams["sglang_tiered_router_worker_healthy"].samples}
+    assert healthy == {"http://127.0.0.1:9": 1.0, odd.rstrip("/"): 0.0}
+    assert one("sglang_tiered_router_index_connected") == [0.0]  # no index configured

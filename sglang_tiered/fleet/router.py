@@ -287,6 +287,11 @@ class WorkerState:
             self.done_tokens_since_poll += pending_tokens
 
 
+def _prom_escape(value: str) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 @dataclass
 class RouterStats:
     requests: int = 0
@@ -856,6 +861,54 @@ class Router:
                         for w, x in self.workers.items()},  # fmt: skip
         }
 
+    def metrics_text(self) -> str:
+        """The router's counters in Prometheus' text format (``GET /router/metrics``), from the
+        same numbers as ``stats_doc``. Label sets are bounded: ``worker`` is the configured
+        workers, ``reason`` the policy's few reasons. Built by hand (no registry, no dependency):
+        one router per process, and the values are read at scrape time."""
+        s = self.stats
+        out: list[str] = []
+
+        def metric(name: str, kind: str, doc: str, samples) -> None:
+            full = f"sglang_tiered_router_{name}" + ("_total" if kind == "counter" else "")  # (format 0.0.4)
+            out.append(f"# HELP {full} {doc}")
+            out.append(f"# TYPE {full} {kind}")
+            for labels, value in samples:
+                lab = ",".join(f'{k}="{_prom_escape(v)}"' for k, v in labels)
+                out.append(f"{full}{{{lab}}} {float(value)!r}" if lab else f"{full} {float(value)!r}")
+
+        for name, doc, value in (
+            ("requests", "Requests routed", s.requests),
+            ("spills", "Requests spilled off their homes by the occupancy hatch", s.spills),
+            ("index_lookups", "Index lookups", s.index_lookups),
+            ("index_hits", "Requests sent to a worker the index said holds part of the prompt", s.index_hits),
+            ("index_errors", "Index connection errors (or slow lookups in a row)", s.index_errors),
+            ("index_timeouts", "Index lookups slower than the timeout", s.index_timeouts),
+            ("index_unavailable", "Requests routed without the index", s.index_unavailable),
+            ("matched_tokens", "Prompt tokens the chosen worker held, by the index", s.matched_tokens),
+            ("prompt_tokens", "Prompt tokens routed", s.prompt_tokens),
+            ("retries", "Requests retried on another worker", s.retries),
+            ("failed", "Requests that failed", s.failed),
+            ("client_gone", "Requests whose client left before the response ended", s.client_gone),
+            ("health_downs", "Workers taken out of the routing set by health checks", s.health_downs),
+            ("load_polls", "/v1/loads polls", s.load_polls),
+            ("load_poll_errors", "/v1/loads polls that failed", s.load_poll_errors),
+        ):
+            metric(name, "counter", doc, [((), value)])
+        metric("route_seconds", "counter", "Time spent choosing workers", [((), s.route_ms_total / 1e3)])
+        metric("decisions", "counter", "Routed requests by the policy's reason",
+               [((("reason", r),), n) for r, n in sorted(s.reasons.items())])  # fmt: skip
+        ws = sorted(self.workers.items())
+        metric("worker_routed", "counter", "Requests routed to each worker", [((("worker", w),), x.routed) for w, x in ws])
+        metric("worker_failures", "counter", "Failed requests per worker", [((("worker", w),), x.failures) for w, x in ws])
+        metric("worker_inflight", "gauge", "Requests in flight per worker (this router's)",
+               [((("worker", w),), x.inflight) for w, x in ws])  # fmt: skip
+        metric("worker_healthy", "gauge", "1 while the worker is in the routing set",
+               [((("worker", w),), 1 if x.healthy else 0) for w, x in ws])  # fmt: skip
+        metric("index_connected", "gauge", "1 while the index is in use",
+               [((), 1 if self._redis is not None and time.monotonic() >= self._redis_down_until else 0)])  # fmt: skip
+        return "\n".join(out) + "\n"
+
     def _upstream_headers(self, request) -> list:
         """``forward_headers`` of ``request`` (``ValueError``: a 400). ``content-encoding`` goes
         only when aiohttp did not decode the body (``raw`` is what goes on, decoded)."""
@@ -914,6 +967,10 @@ class Router:
         async def stats(_):
             return web.json_response(self.stats_doc())
 
+        async def metrics(_):
+            return web.Response(text=self.metrics_text(), content_type="text/plain", charset="utf-8",
+                                headers={"x-prometheus-format": "0.0.4"})  # fmt: skip
+
         async def decisions(_):
             return web.json_response(list(self.decisions))
 
@@ -929,6 +986,7 @@ class Router:
 
         app.router.add_get("/router/stats", stats)
         app.router.add_get("/router/decisions", decisions)
+        app.router.add_get("/router/metrics", metrics)
         app.router.add_get("/health", health)
         for r in ROUTES:
             app.router.add_post(r, self.handle)
