@@ -81,7 +81,7 @@ class T2TierStats(msgspec.Struct, kw_only=True):
     fetch_seconds: float = 0.0  # exists + get + header checks + copy into T1
     read_gbps: Optional[float] = None
     bad_pages: int = 0  # short reads or wrong headers: misses
-    stale_pages: int = 0  # written before an invalidation of their tenant on this server: misses
+    stale_pages: int = 0  # (before session 23: written before an invalidation here; now always 0)
     offered_pages: int = 0  # T1 victims queued for T2
     filtered_pages: int = 0  # T1 victims below min_freq
     stored_pages: int = 0
@@ -95,6 +95,7 @@ class T2TierStats(msgspec.Struct, kw_only=True):
     skipped_down: int = 0
     invalidations: int = 0
     removed_objects: int = 0
+    removed_bad: int = 0  # objects that failed the header/footer checks, removed (another format, torn)
 
 
 class PolicyReport(msgspec.Struct, kw_only=True):

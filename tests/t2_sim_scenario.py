@@ -62,8 +62,9 @@ def main(out_path: str) -> None:
         from sglang_tiered.core.tenants import name_hash
 
         time.sleep(0.6)  # objects read above are leased for lease_ms (500 in this test)
-        removed = a.t1.host.t2.invalidate(tenant=name_hash("acme"))
-        report["invalidate_removed"] = removed
+        a.t1.host.t2.invalidate(tenant=name_hash("acme"))
+        a.t1.host.t2.wait_removals()  # (removals run off the scheduler thread)
+        report["invalidate_removed"] = a.t1.host.t2.stats.removed_objects
         e = make_cache(key, url)
         report["e_after_invalidate"] = run(e, prompts, "acme")
         # the master dies: B keeps serving (recomputes), each request delayed by at most the deadline

@@ -59,6 +59,7 @@ def test_warm_restart_across_tp_change_and_changed_weights(tiny_model_path, tmp_
             warm = _gen(s2, prompts)
             log = (tmp_path / "tp2.log").read_text()
         assert "pages restored" in log
+        assert "the 2 TP ranks agree on every transfer" in log  # (review, session 23)
         assert all(o["meta_info"]["cached_tokens"] >= o["meta_info"]["prompt_tokens"] - 16 for o in warm)
         ref_spec = ServerSpec(model_path=tiny_model_path, tp=2, backend=None, disable_radix_cache=True, **common)
         with Server(ref_spec, tmp_path / "tp2ref.log") as ref:

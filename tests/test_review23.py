@@ -173,3 +173,208 @@ def test_router_metrics_are_prometheus_text():
     healthy = {s.labels["worker"]: s.value for s in fams["sglang_tiered_router_worker_healthy"].samples}
     assert healthy == {"http://127.0.0.1:9": 1.0, odd.rstrip("/"): 0.0}
     assert one("sglang_tiered_router_index_connected") == [0.0]  # no index configured
+
+
+# ---------------------------------------------------------------------- T2 (review, session 23)
+def _t2_cache(tmp_path=None):
+
+    from sglang_tiered.core.store_queue import StoreQueue
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+    from sglang_tiered.tier.t2 import T2Tier
+    from sglang_tiered.tier.t2_config import T2Config
+    from tests.test_t2 import ByteStore
+
+    cache = TieredRadixCache.create_simulated(8 * 16, 16, host_pages=8, debug_checks=True)
+    cfg = T2Config(master="127.0.0.1:1", queue_pages=64, max_run_pages=8, timeout_ms=30_000, lease_ms=0)
+    t2 = T2Tier(ByteStore(), cache.host.pool, cache.host.lock, cfg=cfg, model_tag="m",
+                state_path=None if tmp_path is None else tmp_path / "gen.json")  # fmt: skip
+    t2.start()
+    t2.queue.close()
+    t2.queue = StoreQueue(cfg.queue_pages, t2._put_job, threaded=False)
+    cache.host.t2 = t2
+    return cache, t2
+
+
+def test_an_invalidation_carries_its_generation_to_t2(tmp_path):
+    """The HTTP body's ``generation`` reaches T2 through set_internal_state's numbers, for the
+    keys after it in the same request only; without one, the server's clock."""
+    import time
+
+    from sglang_tiered.integration.protocol import invalidation_args
+
+    cache, t2 = _t2_cache(tmp_path)
+    acme = name_hash("acme")
+    try:
+        for k, v in invalidation_args(1, tenant="acme", generation=123456789).items():
+            cache.apply_invalidation_key(k, v)
+        assert t2.generation(acme) == 123456789 and t2.generation(name_hash("globex")) == 0
+        before = time.time_ns()
+        for k, v in invalidation_args(2, tenant="acme").items():
+            cache.apply_invalidation_key(k, v)
+        assert t2.generation(acme) >= before
+        g = t2.generation(acme)
+        for k, v in invalidation_args(3, tenant="acme", generation=5).items():  # lower: still moves
+            cache.apply_invalidation_key(k, v)
+        assert t2.generation(acme) == g + 1
+        for k, v in invalidation_args(4, everything=True, generation=g + 10).items():
+            cache.apply_invalidation_key(k, v)
+        assert t2.generation(name_hash("globex")) == g + 10 == t2.generation(acme)
+    finally:
+        t2.close()
+    from sglang_tiered.integration.http import parse_invalidate
+
+    assert parse_invalidate(b'{"tenant": "a", "generation": 7}').generation == 7
+    for bad in (b'{"tenant": "a", "generation": 0}', b'{"tenant": "a", "generation": -1}',
+                b'{"tenant": "a", "generation": true}', b'{"tenant": "a", "generation": 4611686018427387904}',
+                b'{"tenant": "a", "generation": "7"}'):  # fmt: skip
+        with pytest.raises(ValueError):
+            parse_invalidate(bad)
+
+
+def test_a_bad_object_is_read_once_and_removed():
+    """An object that fails the checks (another format, a torn read) was read again by every
+    fetch, and a correct put could not replace it (Mooncake keeps the first): now it is
+    remembered as a miss and removed, and the next store of the page lands."""
+    import threading
+
+    from sglang_tiered.tier.host_pool import HostPool
+    from sglang_tiered.tier.t2 import T2Tier
+    from sglang_tiered.tier.t2_config import T2Config
+    from tests.test_t2 import LAYOUT, ByteStore, H
+
+    store = ByteStore()
+    cfg = T2Config(master="127.0.0.1:1", queue_pages=8, max_run_pages=4, timeout_ms=2000, lease_ms=0)
+    pool = HostPool(LAYOUT)
+    t2 = T2Tier(store, pool, threading.RLock(), cfg=cfg, model_tag="m")
+    try:
+        store.objects[t2.key(H(1), 7)] = b"SGT2" + bytes(t2.obj_bytes - 4)  # wrong header
+        assert t2.fetch([H(1)], 7) == 0 and t2.stats.bad_pages == 1
+        assert t2.fetch([H(1)], 7) == 0 and t2.stats.bad_pages == 1  # not read again (a miss, remembered)
+        assert t2.wait_removals() and t2.key(H(1), 7) not in store.objects and t2.stats.removed_bad == 1
+    finally:
+        t2.close()
+
+
+def test_router_broadcasts_an_invalidation_with_one_generation():
+    """``POST /cache/invalidate`` through the router went to one worker; the others kept serving
+    what was invalidated. It now goes to every worker, with one T2 generation."""
+    import asyncio
+    import json
+
+    import aiohttp
+    from aiohttp import web
+
+    from sglang_tiered.fleet.router import Router
+    from tests.test_fleet_hardening import _serve
+
+    async def main():
+        seen = []
+
+        def worker():
+            app = web.Application()
+
+            async def inv(req):
+                seen.append(await req.json())
+                return web.json_response({"dropped_tokens": 0}, status=202)
+
+            app.router.add_post("/cache/invalidate", inv)
+            app.router.add_get("/health", lambda _: web.json_response({}))
+            return app
+
+        runners = [await _serve(worker()) for _ in range(3)]
+        router = Router([u for _, u in runners], None, load_poll_s=0, model_path="")
+        r_runner, url = await _serve(router.app())
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/cache/invalidate", json={"tenant": "acme"}) as resp:
+                    assert resp.status == 202, await resp.text()
+                    doc = await resp.json()
+                async with s.post(url + "/cache/invalidate", json={"all": True, "generation": 99}) as resp:
+                    assert resp.status == 202
+            assert set(doc) == {u for _, u in runners} and all(v["status"] == 202 for v in doc.values())
+            first, second = seen[:3], seen[3:]
+            assert len({json.dumps(b, sort_keys=True) for b in first}) == 1 and first[0]["tenant"] == "acme"
+            assert first[0]["generation"] > 0 and all(b == {"all": True, "generation": 99} for b in second)
+        finally:
+            await r_runner.cleanup()
+            for r, _ in runners:
+                await r.cleanup()
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------- TP ranks (review, session 23)
+class _Agreement:
+    """``HostTier.agree`` for ranks run as threads: an all-reduce MIN through a barrier."""
+
+    def __init__(self, n: int):
+        import threading
+
+        self.barrier = threading.Barrier(n, timeout=30)
+        self.votes: dict = {}
+        self.calls = 0
+
+    def for_rank(self, r: int):
+        def agree(ok: bool) -> bool:
+            self.votes[r] = bool(ok)
+            self.barrier.wait()
+            res = all(self.votes.values())
+            self.calls += r == 0
+            self.barrier.wait()
+            return res
+
+        return agree
+
+
+@pytest.mark.parametrize("side", ["demote", "load"])
+def test_tp_ranks_agree_on_every_t1_transfer(side):
+    """Each TP rank runs its own tree and T1, equal only while they reach equal results. A copy
+    that failed on one rank alone (demotion or promotion) left the ranks with different T1 hits
+    for the next request: different prefill lengths per rank, mismatched collectives. Now every
+    transfer's outcome is agreed: a failure on one rank is a failure on all."""
+    import threading
+
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+
+    page = 4
+    ranks = [TieredRadixCache.create_simulated(16 * page, page, host_pages=32, verify_kv=True, debug_checks=True)
+             for _ in range(2)]  # fmt: skip
+    agreement = _Agreement(2)
+    for r, c in enumerate(ranks):
+        c.host.agree = agreement.for_rank(r)
+    prompt = list(range(100, 100 + 3 * page)) + [1]
+    out: dict = {}
+    errors = []
+
+    def failing(*_a, **_k):
+        raise RuntimeError("a transient copy failure on rank 1")
+
+    def rank(r: int, c) -> None:
+        try:
+            c.driver.run(prompt)
+            if side == "demote" and r == 1:
+                c.host._move = failing
+            c.evict(EvictParams(num_tokens=16 * page))
+            c.host.__dict__.pop("_move", None)
+            if side == "load" and r == 1:
+                c.host._move = failing
+            out[r] = (c.driver.run(prompt).cached_len, c.host.pool.resident, c.driver.run(prompt).cached_len)
+            c.host.__dict__.pop("_move", None)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+            agreement.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r, c)) for r, c in enumerate(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert out[0] == out[1], out  # the same hits, the same T1, on both ranks
+    assert agreement.calls > 0
+    if side == "demote":
+        assert out[0][0] == 0 and all(c.host.stats.failed_demotions > 0 for c in ranks)
+    else:
+        assert out[0][0] == 0 < out[0][2] and all(c.host.stats.failed_promotions > 0 for c in ranks)

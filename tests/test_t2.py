@@ -41,7 +41,8 @@ def test_t2_url_is_validated():
 class ByteStore:
     """The five calls T2 makes, over a dict, with faults: ``late`` (answers after the deadline,
     then still writes the caller's buffer), ``fail`` (raises), ``lie`` (returns another page's
-    bytes under the asked key)."""
+    bytes under the asked key), ``tear`` (the asked object's first half, another's second: a put
+    that overtook the read)."""
 
     def __init__(self):
         self.objects: dict[str, bytes] = {}
@@ -77,6 +78,9 @@ class ByteStore:
                 continue
             if self.fault == "lie" and len(others) > 1:
                 data = next(o for o in others if o != data)
+            elif self.fault == "tear" and len(others) > 1:  # a put overtook the read: another object's tail
+                other = next(o for o in others if o != data)
+                data = data[: len(data) // 2] + other[len(data) // 2 :]
             ctypes.memmove(p, data, min(n, len(data)))
             out.append(min(n, len(data)))
         return out
@@ -175,7 +179,7 @@ class T2Machine(RuleBasedStateMachine):
         self.drain()
         self.fetch(int.from_bytes(h[:2], "little"), n, tenant)
 
-    @rule(fault=st.sampled_from([None, None, "fail", "late", "lie"]))
+    @rule(fault=st.sampled_from([None, None, "fail", "late", "lie", "tear"]))
     def set_fault(self, fault):
         self.store.fault = fault
         self.t2._down_until = 0.0
@@ -205,7 +209,7 @@ def test_header_names_page_tenant_and_layout():
     t2 = T2Tier(ByteStore(), HostPool(LAYOUT), None, cfg=parse_t2_url("mooncake://h:1"), model_tag="m")
     a, b = t2._headers([H(1)], 1), t2._headers([H(1)], 2)
     assert a.shape == (1, HEADER_BYTES) and not torch.equal(a, b)
-    assert t2.key(H(1), 1) != t2.key(H(1), 2) and t2.key(H(1), 1).startswith("sgt/m/")
+    assert t2.key(H(1), 1) != t2.key(H(1), 2) and t2.key(H(1), 1).startswith("sgt/v3/m/")
     from sglang_tiered.stats import T2TierStats
 
     assert set(t2.snapshot()) == set(T2TierStats.__struct_fields__)  # the snapshot is the schema

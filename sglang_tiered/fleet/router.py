@@ -929,7 +929,20 @@ class Router:
         except ValueError as exc:
             return web.json_response({"error": {"message": str(exc)}}, status=400)
         live = [w for w in self.workers.values() if w.healthy] or list(self.workers.values())
-        if request.path == "/flush_cache":
+        fleet_wide = request.path == "/flush_cache" or (request.path == "/cache/invalidate" and request.method == "POST")
+        if request.path == "/cache/invalidate" and fleet_wide:
+            # every worker, with one T2 generation: they keep sharing the tenant's T2 pages after
+            # it (each would take its own clock's), and none keeps serving what was invalidated
+            # (session 23: the call reached one worker, and its peers kept the old KV, in T2 too)
+            try:
+                doc = json.loads(raw) if raw else None
+            except (ValueError, RecursionError):
+                doc = None
+            if isinstance(doc, dict) and "generation" not in doc:
+                doc["generation"] = time.time_ns()
+                raw = json.dumps(doc).encode()
+                headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
+        if fleet_wide:
             async def one(ws):
                 try:
                     async with self._proxy.request(request.method, ws.url + request.path_qs, data=raw,

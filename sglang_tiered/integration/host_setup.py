@@ -63,6 +63,13 @@ def _agree(value: int, group) -> int:
         return value
 
 
+def tp_agreement(group):
+    """``HostTier.agree`` for a TP group: True when every rank says True (None without a group)."""
+    if group is None:
+        return None
+    return lambda ok: _agree(1 if ok else 0, group) == 1
+
+
 def break_even_gbps(ctx, kv, k0) -> tuple[float | None, str]:
     """Bandwidth above which loading a token's KV (this rank's bytes) beats recomputing it on this
     device (seed section 6, as in plan()); (None, why) when the model size is unknown. Shared by

@@ -36,6 +36,9 @@ class InvalidateRequest(msgspec.Struct, forbid_unknown_fields=True):
     tenant: Optional[str] = None
     model_version: Optional[str] = None
     all: Optional[bool] = None
+    # T2's new generation for what is invalidated (ns, 1 to 2^62): servers given the same one
+    # keep sharing its T2 pages (the router's broadcast sends one); none: the server's clock
+    generation: Optional[int] = None
 
 
 def _error(status: int, message: str):
@@ -69,6 +72,8 @@ def parse_invalidate(body: bytes) -> InvalidateRequest:
         v = getattr(req, name)
         if v is not None and not v.strip():
             raise ValueError(f"'{name}' must be a non-empty string")
+    if req.generation is not None and (isinstance(req.generation, bool) or not 1 <= req.generation < 1 << 62):
+        raise ValueError("'generation' must be a whole number in [1, 2^62)")
     return req
 
 
@@ -153,7 +158,8 @@ def add_routes(app) -> None:
         if own is not None and (req.tenant != own or req.model_version is not None or req.all):
             return _error(403, SCOPED)
         nonce = next(_nonce)
-        args = invalidation_args(nonce, tenant=req.tenant, model_version=req.model_version, everything=bool(req.all))
+        args = invalidation_args(nonce, tenant=req.tenant, model_version=req.model_version, everything=bool(req.all),
+                             generation=req.generation)  # fmt: skip
         tm = get_global_state().tokenizer_manager
         updated = await tm.set_internal_state(SetInternalStateReq(server_args=args))
         if not updated or not all(updated):

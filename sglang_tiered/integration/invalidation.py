@@ -36,6 +36,8 @@ class Invalidation:
     def reset(self) -> None:
         self.count = 0
 
+    generation: Optional[int] = None  # T2's generation given with the invalidation being applied
+
     def invalidate(self, *, tenant_hash: Optional[int] = None, version_hash: Optional[int] = None,
                    everything: bool = False) -> dict:  # fmt: skip
         """Drop matching entries now; entries a running request holds are cut off from matching
@@ -51,7 +53,7 @@ class Invalidation:
         dropped = 0
         if cache.t1 is not None:
             per = cache.t1.host.tenant_pages() if everything else None
-            dropped = cache.t1.invalidate(tenant_hash, everything)
+            dropped = cache.t1.invalidate(tenant_hash, everything, self.generation)
             if per is None and tenant_hash is not None:
                 per = {tenant_hash: dropped // cache.page_size}
             self._count_t1(per or {})
@@ -98,6 +100,10 @@ class Invalidation:
         kind = parse_invalidation_key(key)
         if kind is InvalidationKind.NONCE:
             self.last = {"nonce": value, "dropped_tokens": 0, "deferred_tokens": 0}
+            self.generation = None
+            return
+        if kind is InvalidationKind.GENERATION:  # for the keys that follow in this request
+            self.generation = value
             return
         if kind is InvalidationKind.TENANT:
             res = self.invalidate(tenant_hash=value)

@@ -28,18 +28,21 @@ _PREFIX = "sglang_tiered_invalidate_"
 
 class InvalidationKind(enum.Enum):
     NONCE = "nonce"  # request id, echoed back in last_invalidation
+    GENERATION = "generation"  # T2's new generation for what follows (sent before it)
     TENANT = "tenant"  # name_hash(tenant)
     VERSION = "version"  # name_hash(model id, weights digest or weight version)
     ALL = "all"  # 1
 
 
-INVALIDATE_KEYS = tuple(_PREFIX + k.value for k in InvalidationKind)  # nonce first
+INVALIDATE_KEYS = tuple(_PREFIX + k.value for k in InvalidationKind)  # nonce first, then the generation
 
 
 def invalidation_args(nonce: int, *, tenant: Optional[str] = None, model_version: Optional[str] = None,
-                      everything: bool = False) -> dict[str, int]:  # fmt: skip
-    """The ``set_internal_state`` arguments of one invalidation (nonce first)."""
+                      everything: bool = False, generation: Optional[int] = None) -> dict[str, int]:  # fmt: skip
+    """The ``set_internal_state`` arguments of one invalidation (nonce first, then the generation)."""
     args = {_PREFIX + InvalidationKind.NONCE.value: nonce}
+    if generation is not None:
+        args[_PREFIX + InvalidationKind.GENERATION.value] = generation
     if tenant is not None:
         args[_PREFIX + InvalidationKind.TENANT.value] = name_hash(tenant)
     if model_version is not None:

@@ -66,7 +66,7 @@ class Tier(Protocol):
     def on_refused(self, req, start: int, hashes: list) -> None: ...
     def on_evict(self, node) -> None: ...
     def fence(self, node, run: bool) -> None: ...
-    def invalidate(self, tenant_hash, everything: bool) -> int: ...
+    def invalidate(self, tenant_hash, everything: bool, generation=None) -> int: ...
     def after_batch(self) -> None: ...
     def forget(self, rid) -> None: ...
     def snapshot(self) -> dict: ...
@@ -260,8 +260,9 @@ class T1Tier:
         if self.store is not None:
             self.store.stats.inline_pages += n
 
-    def invalidate(self, tenant_hash, everything: bool) -> int:
-        """Drop T1 entries of a tenant (or all) and cancel their pending writes. Returns tokens."""
+    def invalidate(self, tenant_hash, everything: bool, generation=None) -> int:
+        """Drop T1 entries of a tenant (or all) and cancel their pending writes; T2 moves to a new
+        generation (``generation``, or its clock's) for them. Returns tokens."""
         if self.store is not None:  # pending writes of what is invalidated never land
             self.store.cancel_where(lambda j: everything or j.tenant == tenant_hash)
         # T1 first, then T2: while T1 still held the tenant's pages, a store running for another
@@ -273,7 +274,7 @@ class T1Tier:
         elif tenant_hash is not None:
             dropped = self.host.drop_tenant(tenant_hash) * self.cache.page_size
         if self.host.t2 is not None:  # this model's (or tenant's) objects, fleet-wide
-            self.host.t2.invalidate(tenant=tenant_hash, everything=everything)
+            self.host.t2.invalidate(tenant=tenant_hash, everything=everything, generation=generation)
         return dropped
 
     def drop_all(self) -> int:

@@ -56,8 +56,11 @@ def model_tag(cache_key) -> str:
 
 def attach_t2(cache, cfg: T2Config, *, attach: bool = True) -> T2Tier:
     """A T2Tier over a real Mooncake client behind ``cache.t1.host`` (also for simulated caches)."""
-    t2 = T2Tier(MooncakeClient(cfg), cache.t1.host.pool, cache.t1.host.lock, cfg=cfg,
-                model_tag=model_tag(cache.cache_key), value_of=cache.policy.counted_frequency)  # fmt: skip
+    from sglang_tiered.config import cache_root
+
+    tag = model_tag(cache.cache_key)
+    t2 = T2Tier(MooncakeClient(cfg), cache.t1.host.pool, cache.t1.host.lock, cfg=cfg, model_tag=tag,
+                value_of=cache.policy.counted_frequency, state_path=cache_root() / "t2" / f"{tag}.json")  # fmt: skip
     if attach:
         cache.t1.host.t2 = t2
         t2.start()

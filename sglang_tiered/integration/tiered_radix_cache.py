@@ -192,6 +192,10 @@ class TieredRadixCache(RadixCache):
                 self.index.clear()  # device pages gone; T1's are published again at the next refresh
             else:
                 self.persist_to_host()
+                # (the persisted tree is dropped below: a lock still held on one of its nodes
+                # would be released into the new tree's counts. Idle flushes hold none; review,
+                # session 23: only a load-back whose batch never ran could)
+                self.t1.load_locks = []
         else:
             self.index.clear()
         super().reset()

@@ -66,6 +66,14 @@ class HostTier:
         # The store queue's worker demotes while the scheduler promotes, probes and invalidates:
         # every change to the pool's index and every copy runs under this lock.
         self.lock = threading.RLock()
+        # TP > 1: ``agree(ok) -> bool``, True only when every rank's transfer succeeded (an
+        # all-reduce MIN over the TP group, integration/host_setup.py). Each rank keeps its own T1
+        # and tree and they stay equal only by reaching equal results: a copy that failed on one
+        # rank alone left that rank's T1 without pages the others committed, the ranks then
+        # probed different T1 hits and prefilled different lengths, with mismatched collectives
+        # (review, session 23). Every transfer's outcome is agreed, and a failure anywhere is a
+        # failure everywhere (a skipped demotion, a clean miss). None: one rank.
+        self.agree = None
         self.decision = "on"
         # When T1 is full: True replaces its least recently used pages (a victim cache); False
         # skips the demotion (counted in demote_skipped_pages).
@@ -198,12 +206,17 @@ class HostTier:
                 self._fence()
             self._check_ids(src.tolist(), dst_list, to_host=True)
             self._move(src, dst, to_host=True)
+            ok = True
         except Exception:  # noqa: BLE001 - a failed transfer is a skipped demotion, never partial
+            ok = False
+            logger.exception("sglang-tiered: demotion of %d pages failed; skipped", len(pairs))
+        if self.agree is not None and not self.agree(ok):  # another rank's copy failed: skipped here too
+            ok = False
+        if not ok:
             pool.abort(pairs)
             if self.t2 is not None:
                 self.t2.flush()
             self.stats.failed_demotions += len(pairs)
-            logger.exception("sglang-tiered: demotion of %d pages failed; skipped", len(pairs))
             return 0
         pool.commit(pairs, tenant, cold=kind == THROUGH, staged=kind == AHEAD)
         if self.t2 is not None:
@@ -216,7 +229,11 @@ class HostTier:
     def load(self, hashes: list[bytes], device_pages: torch.Tensor) -> bool:
         """Copy T1 pages into the given device pages. All or nothing: False means use none."""
         with self.lock:
-            return self._load(hashes, device_pages)
+            ok = self._load(hashes, device_pages)
+            if self.agree is not None and not self.agree(ok) and ok:  # failed on another rank
+                self.stats.failed_promotions += 1
+                ok = False
+            return ok
 
     def _load(self, hashes, device_pages) -> bool:
         t0 = time.perf_counter()

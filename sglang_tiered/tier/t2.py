@@ -13,11 +13,30 @@
   then moves them to the device, all or nothing. Anything else (timeout, error, short read, bad
   header) is a clean miss: the request recomputes.
 * **Identity.** An object is one page in the canonical TP-independent layout
-  ``[kv][layer][kv_head][token][dim]`` (all KV heads), behind a 64-byte header. Its key is
-  ``sgt/<model tag>/<tenant>/<chained page hash>``; the page hash already carries tenant, model,
-  weights digest, KV dtype, RoPE and attention implementation, so a tenant or a changed model
-  never finds another's page. The model tag and tenant in the key let invalidation name what to
-  remove by pattern, fleet-wide (``remove_by_regex``).
+  ``[kv][layer][kv_head][token][dim]`` (all KV heads), between a 64-byte header and a 64-byte
+  footer that repeats the header's first 48 bytes. Its key is
+  ``sgt/v3/<model tag>/<tenant>/<generation>/<chained page hash>``; the page hash already carries
+  tenant, model, weights digest, KV dtype, RoPE, attention implementation and software versions,
+  so a tenant or a changed model never finds another's page. The format version is in the key, so
+  an object of another format is never read (review, session 23: such an object kept its key
+  poisoned for good, re-read by every fetch). The model tag and tenant in the key let
+  invalidation name what to remove by pattern, fleet-wide (``remove_by_regex``).
+* **Invalidation is a generation.** A tenant's (or every tenant's) invalidation moves it to a new
+  generation, which is part of every key this server reads and writes from then on: it never
+  reads an object written under an older one, whoever wrote it and whenever. Before session 23 the
+  server refused objects *written* before its invalidation (a time in the header); a peer not told
+  of it kept re-writing the tenant's old KV with new write times, which passed (review, session
+  23). Servers share a tenant's pages only while they agree on its generation: invalidate every
+  server with the same ``generation`` (the router's ``/cache/invalidate`` does; a server given none
+  uses its clock). The generations are kept in a file per model (``cache_root()/t2``), so a restart
+  does not read the old ones again (before: the floors were in memory, and objects a peer kept
+  leased were served after a restart). Removal is still attempted (space), off the scheduler
+  thread, and once more after the lease.
+* **Torn reads.** A read checks the header (magic, format, layout digest, page hash, tenant) and
+  that the footer repeats it: an object whose memory was reused by a put while it was being read
+  (its lease ran out) shows a footer of the new object. The fetch size is capped so its deadline
+  stays within half the lease, and its transfer time at ``min_gbps`` within ``FETCH_BUDGET_S``
+  (the scheduler waits for it; at the default 0.1 GB/s that is 200 MB per fetch).
 * **Never a stall on the request path.** Every store call runs on a helper thread and is waited
   for with a deadline (``timeout_ms`` plus the transfer time at ``min_gbps``); a call that fails or
   misses its deadline opens a circuit breaker (T2 skipped for 1 s, doubling to 60 s while it keeps
@@ -25,14 +44,8 @@
   transfer can never land in a buffer another request reads.
 * **Limits.** TP = 1 only (ranks of a TP > 1 server would have to agree on every probe, which needs
   a collective on the request path; T2 turns off there with a warning), and one pipeline stage
-  (keys name no stage). Mooncake keeps a read object leased for its lease TTL (10 s by default)
-  and a peer that keeps reading renews it, so a removal may never succeed. So every object's
-  header carries its write time, and after an invalidation this server refuses the tenant's (or
-  every) object written before it (``stale_pages``), however long the object survives; the
-  removal is still retried after the lease (space), and reads pause for that time (review,
-  session 18: the invalidated tenant's pages were served again once the pause ended). Write
-  times are the writers' wall clocks: a peer's clock ahead of this one by more than the time
-  between its write and the invalidation would let that object through.
+  (keys name no stage). Host memory beside T1: three staging buffers of ``max_run_pages`` objects
+  and up to ``queue_pages`` pages copied out for the store queue, not counted in T1's size.
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import hashlib
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -53,12 +67,16 @@ from sglang_tiered.tier.t2_config import T2Config
 
 logger = logging.getLogger("sglang_tiered")
 
-HEADER_BYTES = 64
+HEADER_BYTES = 64  # and as many for the footer
 MAGIC = b"SGT2"
-FORMAT_VERSION = 2  # 2: the write time after the tenant (session 18)
+FORMAT_VERSION = 3  # 2: the write time after the tenant (session 18); 3: footer, generation keys (23)
 _ID_BYTES = 40  # magic, version, pad, layout digest, page hash, tenant: what a read must match
-_INVALIDATIONS = 65536  # tenants whose invalidation time is kept (older ones: the floor for all)
+_FOOTER_MATCH = 48  # the footer repeats the header's id and write time
+_INVALIDATIONS = 65536  # tenants whose generation is kept (older ones: folded into everyone's)
+_MASK = 2**64 - 1
 KEY_ROOT = "sgt"
+KEY_FORMAT = "v3"  # the object format, in every key: another format's objects are never read
+FETCH_BUDGET_S = 2.0  # a fetch's transfer time at min_gbps, at most (the scheduler waits for it)
 
 
 # ---------------------------------------------------------------------- stats
@@ -70,7 +88,7 @@ class T2Stats:
     fetched_bytes: int = 0
     fetch_seconds: float = 0.0  # exists + get + verify + copy into T1
     bad_pages: int = 0  # short reads or headers that did not match: treated as misses
-    stale_pages: int = 0  # written before an invalidation of their tenant here: treated as misses
+    stale_pages: int = 0  # (before session 23; generations in the keys replace the write-time check)
     offered_pages: int = 0  # T1 victims offered (after the value filter)
     filtered_pages: int = 0  # T1 victims below min_freq
     stored_pages: int = 0  # written by the worker
@@ -81,6 +99,7 @@ class T2Stats:
     skipped_down: int = 0  # probes or writes skipped while the breaker was open
     invalidations: int = 0
     removed_objects: int = 0
+    removed_bad: int = 0  # objects removed because they failed the checks (another format, torn)
 
 
 @dataclass
@@ -106,11 +125,20 @@ def layout_digest(layout: PoolLayout) -> bytes:
     return hashlib.blake2b(spec.encode(), digest_size=8).digest()
 
 
+class _Run(list):
+    """A store job's page data, with the generation its keys are written under (taken when the
+    pages left T1: a job running across an invalidation keeps the old one)."""
+
+    gen = 0
+
+
 class T2Tier:
     """T2 behind one server's T1 pool (``pool``: a ``HostPool``; ``lock``: the ``HostTier`` lock
-    that guards it). ``model_tag``: short hex naming the model identity (first key component)."""
+    that guards it). ``model_tag``: short hex naming the model identity (first key component).
+    ``state_path``: the file that keeps the invalidation generations across restarts (None: kept
+    in memory only)."""
 
-    def __init__(self, client, pool, lock, *, cfg: T2Config, model_tag: str, value_of=None):
+    def __init__(self, client, pool, lock, *, cfg: T2Config, model_tag: str, value_of=None, state_path=None):
         self.client = client
         self.pool = pool
         self.lock = lock
@@ -119,17 +147,30 @@ class T2Tier:
         self.value_of = value_of  # page hash -> sketch frequency, None where the sketch has no count
         lay = pool.layout
         self.layout = lay
-        self.obj_bytes = HEADER_BYTES + lay.page_bytes
+        self.obj_bytes = 2 * HEADER_BYTES + lay.page_bytes
         self.digest = layout_digest(lay)
         self.run = cfg.max_run_pages
+        # pages per fetch: its deadline (timeout + bytes at min_gbps) within FETCH_BUDGET_S and half
+        # the lease (an object whose lease runs out mid-read may be reused by a put: review, session
+        # 23: 256 pages of a 70B model had a 13.6 s deadline, past the 10 s lease)
+        budget = FETCH_BUDGET_S  # the transfer's share of the deadline
+        if cfg.lease_ms:
+            budget = min(budget, cfg.lease_ms / 2e3 - cfg.timeout_ms / 1e3)
+        per_page = self.obj_bytes / (cfg.min_gbps * 1e9)
+        self.fetch_pages = max(1, min(self.run, int(budget / per_page)))
+        self.state_path = state_path
         self.stats = T2Stats()
         self.decision = "on"
         self._down_until = 0.0
         self._backoff = 1.0
         self._no_read: dict = {}  # tenant hash (or None: all) -> monotonic time reads resume
-        self._invalidated: OrderedDict = OrderedDict()  # tenant hash -> time.time_ns() of its last invalidation
-        self._invalidated_all = 0  # objects written before this (ns) are refused for every tenant
+        self._invalidated: OrderedDict = OrderedDict()  # tenant hash -> its generation (last invalidation)
+        self._invalidated_all = 0  # every tenant's generation is at least this (invalidation of all)
+        self._load_generations()
         self._calls = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sglang-tiered-t2")
+        # removals: off the scheduler thread, and off the executor fetches wait on
+        self._removals = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-tiered-t2-rm")
+        self._retries: dict = {}  # pattern -> its pending retry (one per pattern)
         self._read = [_Staging(self._alloc(self.run)) for _ in range(2)]
         self._write = _Staging(self._alloc(self.run))
         self._stage_lock = threading.Lock()
@@ -149,13 +190,23 @@ class T2Tier:
         return t.view(pages, self.obj_bytes)
 
     # ------------------------------------------------------------------ keys and headers
-    def key(self, h: bytes, tenant: int) -> str:
-        return f"{KEY_ROOT}/{self.model_tag}/{tenant & (2**64 - 1):016x}/{h.hex()}"
+    def generation(self, tenant: int) -> int:
+        """The tenant's generation: its last invalidation here (or of all), 0 if none."""
+        return max(self._invalidated_all, self._invalidated.get(tenant, 0))
+
+    def key(self, h: bytes, tenant: int, gen: int | None = None) -> str:
+        g = self.generation(tenant) if gen is None else gen
+        return f"{KEY_ROOT}/{KEY_FORMAT}/{self.model_tag}/{tenant & _MASK:016x}/{g:x}/{h.hex()}"
+
+    def _tenant_prefix(self, tenant: int | None) -> str:
+        """The regex of this model's objects of ``tenant`` (None: all of them), every generation."""
+        base = f"^{KEY_ROOT}/{KEY_FORMAT}/{self.model_tag}/"
+        return base if tenant is None else base + f"{tenant & _MASK:016x}/"
 
     def _headers(self, hashes: list, tenant: int, written_ns: int = 0) -> torch.Tensor:
         stamp = written_ns.to_bytes(8, "little")
         rows = [MAGIC + FORMAT_VERSION.to_bytes(2, "little") + b"\0\0" + self.digest + h
-                + (tenant & (2**64 - 1)).to_bytes(8, "little") + stamp for h in hashes]  # fmt: skip
+                + (tenant & _MASK).to_bytes(8, "little") + stamp for h in hashes]  # fmt: skip
         hdr = torch.zeros(len(hashes), HEADER_BYTES, dtype=torch.uint8)
         filled = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8).view(len(hashes), -1)
         hdr[:, : filled.shape[1]] = filled
@@ -164,7 +215,7 @@ class T2Tier:
     def _data_view(self, staging: torch.Tensor, n: int) -> torch.Tensor:
         """The page payloads of the first ``n`` staged objects as ``[n, kv, layer, head, token, dim]``."""
         lay = self.layout
-        return staging[:n, HEADER_BYTES:].view(lay.torch_dtype).view(
+        return staging[:n, HEADER_BYTES : HEADER_BYTES + lay.page_bytes].view(lay.torch_dtype).view(
             n, 2, lay.layers, lay.kv_heads, lay.page_size, lay.head_dim)  # fmt: skip
 
     # ------------------------------------------------------------------ breaker and deadlines
@@ -236,7 +287,7 @@ class T2Tier:
     def fetch(self, hashes: list, tenant: int) -> int:
         """Bring the leading run of ``hashes`` that T2 holds into T1. Returns how many of the
         leading pages T1 holds afterwards from this fetch (0: nothing, the caller recomputes)."""
-        hashes = hashes[: self.run]
+        hashes = hashes[: self.fetch_pages]
         if not hashes or not self.may_hold(hashes[0], tenant):
             return 0
         t0 = time.perf_counter()
@@ -247,14 +298,26 @@ class T2Tier:
             return 0
         stage.busy = True
         try:
-            good = self._read_verified(stage, keys[:n], hashes[:n], tenant)
+            good, bad_first = self._read_verified(stage, keys[:n], hashes[:n], tenant)
             landed = self._into_t1(hashes[:good], stage.buf, tenant) if good else 0
         finally:
             stage.busy = False
+        if bad_first:
+            # an object that fails the checks stays bad: not read again for a while, and removed
+            # (before session 23 every fetch re-read it, and a correct put could not replace it)
+            self._remember_miss(hashes[0])
+            self.stats.removed_bad += 1
+            self._remove_async("^" + re.escape(keys[0]) + "$")
         self.stats.fetched_pages += landed
         self.stats.fetched_bytes += landed * self.layout.page_bytes
         self.stats.fetch_seconds += time.perf_counter() - t0
         return landed
+
+    def _remember_miss(self, first: bytes) -> None:
+        self._missed[first] = time.monotonic()
+        self._missed.move_to_end(first)
+        if len(self._missed) > 4096:
+            self._missed.popitem(last=False)
 
     def _leading_run(self, keys: list, first: bytes) -> int:
         """One batched existence check: how many leading pages T2 holds (0 on any failure)."""
@@ -270,37 +333,32 @@ class T2Tier:
             self._ok()
             # match_prefix runs on every admission attempt of a waiting request: do not ask
             # the store again for the same first page right away
-            self._missed[first] = time.monotonic()
-            if len(self._missed) > 4096:
-                self._missed.popitem(last=False)
+            self._remember_miss(first)
         self.stats.probe_pages_hit += n
         return n
 
-    def _read_verified(self, stage: _Staging, keys: list, hashes: list, tenant: int) -> int:
+    def _read_verified(self, stage: _Staging, keys: list, hashes: list, tenant: int) -> tuple[int, bool]:
         """One batched read into ``stage``; returns how many leading pages arrived whole with the
-        header their key promises (page hash, tenant, page format)."""
+        header their key promises (page hash, tenant, page format) and a footer that repeats it,
+        and whether the first page arrived but failed those checks."""
         ob, n = self.obj_bytes, len(keys)
         got = self._call("get", self.client.get, keys, [stage.ptr + i * ob for i in range(n)], [ob] * n,
                          nbytes=n * ob, staging=stage)  # fmt: skip
         if got is None:
-            return 0
-        good = next((i for i, g in enumerate(got) if g != ob), len(got))
+            return 0, False
+        whole = next((i for i, g in enumerate(got) if g != ob), len(got))
+        good = whole
         if good:
+            buf = stage.buf[:good]
             want = self._headers(hashes[:good], tenant)[:, :_ID_BYTES]
-            ok = (stage.buf[:good, :_ID_BYTES] == want).all(dim=1).tolist()
+            ok = (buf[:, :_ID_BYTES] == want).all(dim=1)
+            ok &= (buf[:, ob - HEADER_BYTES : ob - HEADER_BYTES + _FOOTER_MATCH] == buf[:, :_FOOTER_MATCH]).all(dim=1)
+            ok = ok.tolist()
             good = ok.index(False) if False in ok else good
-        bad = n - good
-        floor = max(self._invalidated_all, self._invalidated.get(tenant, 0))
-        if good and floor:
-            stamps = stage.buf[:good, _ID_BYTES : _ID_BYTES + 8].tolist()
-            fresh = [int.from_bytes(bytes(b), "little") >= floor for b in stamps]
-            if False in fresh:
-                self.stats.stale_pages += good - fresh.index(False)
-                good = fresh.index(False)
-        self.stats.bad_pages += bad
+        self.stats.bad_pages += n - good
         if good:
             self._ok()
-        return good
+        return good, whole > 0 and good == 0
 
     def _into_t1(self, hashes: list, staging: torch.Tensor, tenant: int) -> int:
         """Write verified staged pages into T1 slots (T1's own victims go to T2 as usual)."""
@@ -344,7 +402,8 @@ class T2Tier:
             by_tenant.setdefault(v[1], []).append(v)
         for tenant, items in by_tenant.items():
             hashes = [h for h, _, _, _ in items]
-            data = [d for _, _, _, d in items]  # per page [kv, layer, head, token, dim]; the worker stages them
+            data = _Run(d for _, _, _, d in items)  # per page [kv, layer, head, token, dim]; the worker stages them
+            data.gen = self.generation(tenant)  # now: a job running across an invalidation keeps it
             freq = max(1, min(f for _, _, f, _ in items))
             self.stats.offered_pages += len(items)
             # a refused run is counted by the queue (filtered or value-dropped): see dropped_pages
@@ -366,12 +425,14 @@ class T2Tier:
             if not st.free:  # the last put missed its deadline and may still read the buffer
                 self.stats.dropped_pages += n
                 return
-            st.buf[:n, :HEADER_BYTES] = self._headers(job.hashes, job.tenant, time.time_ns())
+            ob = self.obj_bytes
+            hdr = self._headers(job.hashes, job.tenant, time.time_ns())
+            st.buf[:n, :HEADER_BYTES] = hdr
+            st.buf[:n, ob - HEADER_BYTES :] = hdr  # the footer: a read that was overtaken by a put shows it
             view = self._data_view(st.buf, n)
             for i, page in enumerate(data):
                 view[i].copy_(page)
-            keys = [self.key(h, job.tenant) for h in job.hashes]
-            ob = self.obj_bytes
+            keys = [self.key(h, job.tenant, data.gen) for h in job.hashes]
             res = self._call("put", self.client.put, keys, [st.ptr + i * ob for i in range(n)], [ob] * n,
                              nbytes=n * ob, staging=st)  # fmt: skip
         if res is None:
@@ -388,41 +449,123 @@ class T2Tier:
             self._ok()
 
     # ------------------------------------------------------------------ invalidation
-    def invalidate(self, *, tenant: int | None = None, everything: bool = False) -> int:
-        """Remove this model's objects of ``tenant`` (or all of this model's) from the fleet store.
-        Objects read within Mooncake's lease TTL cannot be removed yet: the removal is retried
-        once after ``lease_s``, and this server does not read them from T2 meanwhile."""
+    def invalidate(self, *, tenant: int | None = None, everything: bool = False, generation: int | None = None) -> int:
+        """Move ``tenant`` (or every tenant) to a new generation: this server reads and writes its
+        pages under new keys from now on, so it never serves what was in T2 before, whoever wrote
+        it. ``generation``: the new one (ns; a fleet invalidated together passes one value, so its
+        servers keep sharing; None: now on this server's clock); it is raised above the current
+        one when it is not (an invalidation always moves). Its objects under every generation are
+        removed off the scheduler thread (space; a read object is leased and removed by the retry
+        after ``lease_ms``). Returns the new generation."""
         if tenant is None and not everything:
             return 0
         self.stats.invalidations += 1
-        now = time.time_ns()
+        gen = max(generation if generation is not None else time.time_ns(), self.generation(tenant) + 1)
         if everything:
-            self._invalidated_all = now
+            self._invalidated_all = max(self._invalidated_all, gen)
             self._invalidated.clear()
         else:
             inv = self._invalidated
             inv.pop(tenant, None)
-            inv[tenant] = now
-            if len(inv) > _INVALIDATIONS:  # the oldest's time becomes everyone's floor (stricter)
+            inv[tenant] = gen
+            if len(inv) > _INVALIDATIONS:  # the oldest's becomes everyone's floor (stricter: keys move)
                 self._invalidated_all = max(self._invalidated_all, inv.popitem(last=False)[1])
-        lease_s = self.cfg.lease_ms / 1e3 + 1.0
-        self._no_read[None if everything else tenant] = time.monotonic() + lease_s
+        self._save_generations()
+        # victims copied out of T1 before now, not yet offered: under the old generation, dropped
+        self._victims = [v for v in self._victims if not (everything or v[1] == tenant)]
         self.queue.cancel_where(lambda j: everything or j.tenant == tenant)
-        pattern = f"^{KEY_ROOT}/{self.model_tag}/" + ("" if everything else f"{tenant & (2**64 - 1):016x}/")
-        removed = self._remove(pattern)
-        timer = threading.Timer(lease_s, self._remove, args=(pattern,))
+        pattern = self._tenant_prefix(None if everything else tenant)
+        self._remove_async(pattern)
+        lease_s = self.cfg.lease_ms / 1e3 + 1.0
+        old = self._retries.pop(pattern, None)
+        if old is not None:
+            old.cancel()
+        if len(self._retries) > 1024:  # bounded: the oldest retries are given up (space only)
+            for t in list(self._retries.values())[:512]:
+                t.cancel()
+            self._retries = dict(list(self._retries.items())[512:])
+        timer = threading.Timer(lease_s, self._retry_remove, args=(pattern,))
         timer.daemon = True
+        self._retries[pattern] = timer
         timer.start()
-        return removed
+        return gen
 
-    def _remove(self, pattern: str) -> int:
+    def _retry_remove(self, pattern: str) -> None:
+        self._retries.pop(pattern, None)
+        self._remove_async(pattern)
+
+    def _remove_async(self, pattern: str) -> None:
+        """Remove the objects matching ``pattern``, on the removal thread (never waited for)."""
         if self._closed:
-            return 0
-        n = self._call("remove", self.client.remove_regex, pattern)
-        if n is None or n < 0:
-            return 0
-        self.stats.removed_objects += n
-        return n
+            return
+        try:
+            fut = self._removals.submit(self.client.remove_regex, pattern)
+        except RuntimeError:  # shut down
+            return
+        fut.add_done_callback(self._removed)
+
+    def _removed(self, fut) -> None:
+        try:
+            n = fut.result()
+        except Exception:  # noqa: BLE001 - space only: the keys are unreachable anyway
+            return
+        if isinstance(n, int) and n > 0:
+            self.stats.removed_objects += n
+
+    def wait_removals(self, timeout_s: float = 10.0) -> bool:
+        """Wait until the removals asked for so far have run (tests)."""
+        try:
+            self._removals.submit(lambda: None).result(timeout=timeout_s)
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+    # ------------------------------------------------------------------ generations on disk
+    def _load_generations(self) -> None:
+        """The generations this model's T2 keys were at (``state_path``): an invalidation before
+        a restart still holds after it."""
+        if self.state_path is None:
+            return
+        import json
+        import pathlib
+
+        try:
+            doc = json.loads(pathlib.Path(self.state_path).read_text())
+            self._invalidated_all = int(doc.get("all", 0))
+            for t, g in sorted(doc.get("tenants", {}).items(), key=lambda kv: int(kv[1]))[-_INVALIDATIONS:]:
+                self._invalidated[int(t)] = int(g)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            # unreadable: every tenant moves to a generation of its own (safe: nothing old is read)
+            self._invalidated_all = time.time_ns()
+            logger.warning("sglang-tiered: T2 generations file %s unreadable (%s); starting a new generation",
+                           self.state_path, exc)  # fmt: skip
+
+    def _save_generations(self) -> None:
+        if self.state_path is None:
+            return
+        import json
+        import os
+        import pathlib
+
+        path = pathlib.Path(self.state_path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:  # servers of one machine share the file: keep the highest of each
+                old = json.loads(path.read_text())
+            except (OSError, ValueError):
+                old = {}
+            tenants = {int(t): int(g) for t, g in (old.get("tenants") or {}).items()}
+            for t, g in self._invalidated.items():
+                tenants[t] = max(g, tenants.get(t, 0))
+            doc = {"all": max(self._invalidated_all, int(old.get("all", 0) or 0)),
+                   "tenants": {str(t): g for t, g in sorted(tenants.items(), key=lambda kv: kv[1])[-_INVALIDATIONS:]}}  # fmt: skip
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, path)
+        except (OSError, ValueError, TypeError) as exc:
+            logger.warning("sglang-tiered: cannot keep T2 generations in %s (%s)", path, exc)
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued write has been attempted (tests, benchmarks, shutdown)."""
@@ -468,6 +611,9 @@ class T2Tier:
         if self.pool.victim_listener == self.on_victim:
             self.pool.victim_listener = None
         self.queue.close(drain=False)
+        for t in list(self._retries.values()):
+            t.cancel()
+        self._removals.shutdown(wait=False, cancel_futures=True)
         self._calls.shutdown(wait=False, cancel_futures=True)
 
         def unmount():  # after a call still running returns (it may be using the client)
