@@ -378,3 +378,26 @@ def test_tp_ranks_agree_on_every_t1_transfer(side):
         assert out[0][0] == 0 and all(c.host.stats.failed_demotions > 0 for c in ranks)
     else:
         assert out[0][0] == 0 < out[0][2] and all(c.host.stats.failed_promotions > 0 for c in ranks)
+
+
+def test_t2_review_scenarios_on_a_real_mooncake_master(tmp_path):
+    """S1: a peer not told of an invalidation re-writes the tenant's old page: not served. S2:
+    the invalidating server restarts while a peer holds the object leased: still not served. S3:
+    an object of another format under a live key: read once, removed after the lease, and the
+    correct page lands and is served."""
+    import json
+    import sys
+
+    from tests.test_t2 import _need_netns
+    from tests.netns import run_in_netns
+
+    _need_netns()
+    out = tmp_path / "report.json"
+    r = run_in_netns([sys.executable, "-m", "tests.t2_review23_scenario", str(out)], timeout=300)
+    assert out.exists(), r.stdout[-3000:] + r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep.get("ok"), rep
+    assert rep["S1_B_stored"] == 1 and rep["S1_A_fetch_after_invalidation"] == 0
+    assert rep["S2_peer_read"] == 1 and rep["S2_A_refuses_before_restart"] == 0 and rep["S2_A2_fetch_after_restart"] == 0
+    assert rep["S3_gets_for_5_fetches"] == 1 and rep["S3_bad_pages"] == 1
+    assert rep["S3_after_rewrite_fetch"] == 1 and rep["A2_stats"]["removed_bad"] == 1

@@ -171,6 +171,7 @@ class T2Tier:
         # removals: off the scheduler thread, and off the executor fetches wait on
         self._removals = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-tiered-t2-rm")
         self._retries: dict = {}  # pattern -> its pending retry (one per pattern)
+        self._retry_lock = threading.Lock()  # (timers pop their own entry)
         self._read = [_Staging(self._alloc(self.run)) for _ in range(2)]
         self._write = _Staging(self._alloc(self.run))
         self._stage_lock = threading.Lock()
@@ -303,18 +304,23 @@ class T2Tier:
         finally:
             stage.busy = False
         if bad_first:
-            # an object that fails the checks stays bad: not read again for a while, and removed
+            # an object that fails the checks stays bad: removed, now and after the lease our
+            # read just took on it (Mooncake keeps a read object), and not read again until then
             # (before session 23 every fetch re-read it, and a correct put could not replace it)
-            self._remember_miss(hashes[0])
+            self._remember_miss(hashes[0], hold_s=self._lease_s())
             self.stats.removed_bad += 1
-            self._remove_async("^" + re.escape(keys[0]) + "$")
+            self._remove_with_retry("^" + re.escape(keys[0]) + "$")
         self.stats.fetched_pages += landed
         self.stats.fetched_bytes += landed * self.layout.page_bytes
         self.stats.fetch_seconds += time.perf_counter() - t0
         return landed
 
-    def _remember_miss(self, first: bytes) -> None:
-        self._missed[first] = time.monotonic()
+    def _lease_s(self) -> float:
+        return self.cfg.lease_ms / 1e3 + 1.0
+
+    def _remember_miss(self, first: bytes, hold_s: float = 0.0) -> None:
+        """Not asked for again for ``MISS_MEMO_S`` (plus ``hold_s``)."""
+        self._missed[first] = time.monotonic() + hold_s
         self._missed.move_to_end(first)
         if len(self._missed) > 4096:
             self._missed.popitem(last=False)
@@ -474,24 +480,27 @@ class T2Tier:
         # victims copied out of T1 before now, not yet offered: under the old generation, dropped
         self._victims = [v for v in self._victims if not (everything or v[1] == tenant)]
         self.queue.cancel_where(lambda j: everything or j.tenant == tenant)
-        pattern = self._tenant_prefix(None if everything else tenant)
-        self._remove_async(pattern)
-        lease_s = self.cfg.lease_ms / 1e3 + 1.0
-        old = self._retries.pop(pattern, None)
-        if old is not None:
-            old.cancel()
-        if len(self._retries) > 1024:  # bounded: the oldest retries are given up (space only)
-            for t in list(self._retries.values())[:512]:
-                t.cancel()
-            self._retries = dict(list(self._retries.items())[512:])
-        timer = threading.Timer(lease_s, self._retry_remove, args=(pattern,))
-        timer.daemon = True
-        self._retries[pattern] = timer
-        timer.start()
+        self._remove_with_retry(self._tenant_prefix(None if everything else tenant))
         return gen
 
+    def _remove_with_retry(self, pattern: str) -> None:
+        """Remove now and once more after the lease (a read object cannot be removed before)."""
+        self._remove_async(pattern)
+        timer = threading.Timer(self._lease_s(), self._retry_remove, args=(pattern,))
+        timer.daemon = True
+        with self._retry_lock:
+            old = self._retries.pop(pattern, None)
+            if old is not None:
+                old.cancel()
+            if len(self._retries) >= 1024:  # bounded: the oldest retries are given up (space only)
+                for p in list(self._retries)[:512]:
+                    self._retries.pop(p).cancel()
+            self._retries[pattern] = timer
+        timer.start()
+
     def _retry_remove(self, pattern: str) -> None:
-        self._retries.pop(pattern, None)
+        with self._retry_lock:
+            self._retries.pop(pattern, None)
         self._remove_async(pattern)
 
     def _remove_async(self, pattern: str) -> None:
@@ -611,8 +620,9 @@ class T2Tier:
         if self.pool.victim_listener == self.on_victim:
             self.pool.victim_listener = None
         self.queue.close(drain=False)
-        for t in list(self._retries.values()):
-            t.cancel()
+        with self._retry_lock:
+            for t in self._retries.values():
+                t.cancel()
         self._removals.shutdown(wait=False, cancel_futures=True)
         self._calls.shutdown(wait=False, cancel_futures=True)
 
