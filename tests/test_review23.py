@@ -401,3 +401,51 @@ def test_t2_review_scenarios_on_a_real_mooncake_master(tmp_path):
     assert rep["S2_peer_read"] == 1 and rep["S2_A_refuses_before_restart"] == 0 and rep["S2_A2_fetch_after_restart"] == 0
     assert rep["S3_gets_for_5_fetches"] == 1 and rep["S3_bad_pages"] == 1
     assert rep["S3_after_rewrite_fetch"] == 1 and rep["A2_stats"]["removed_bad"] == 1
+
+
+# ---------------------------------------------------------------------- LoRA in the router (session 23)
+def test_router_hashes_a_lora_request_in_sglangs_namespace():
+    """SGLang adds a request's adapter id to its extra key; the router hashed every LoRA request
+    as a base-model one, so the index never matched LoRA pages (and credited workers with base
+    pages that are no hit). Servers now publish their startup adapters' ids with their key, and
+    the router hashes in the adapter's namespace: the same page hashes as the server's tree."""
+    import asyncio
+    import json
+    from array import array
+
+    from sglang.srt.lora.lora_registry import LoRARef
+
+    from sglang_tiered.fleet.publisher import IndexPublisher
+    from sglang_tiered.fleet.router import Router
+    from sglang_tiered.integration.identity import startup_adapters
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+
+    refs = [LoRARef(lora_id=LoRARef.deterministic_id("ad1", "/m/ad1"), lora_name="ad1", lora_path="/m/ad1"),
+            LoRARef(lora_id=LoRARef.deterministic_id("ad2", "/m/ad2"), lora_name="ad2", lora_path="/m/ad2")]  # fmt: skip
+    adapters = startup_adapters(NS(lora_paths=refs))
+    assert adapters == {"ad1": refs[0].lora_id, "ad2": refs[1].lora_id}
+    cache = TieredRadixCache.create_simulated(64 * 16, 16)
+    pub = IndexPublisher("redis://127.0.0.1:1", "w", cache_key=cache.cache_key, adapters=adapters, start=False)
+
+    class FakeRedis:
+        async def mget(self, keys):
+            return [pub.key_json for _ in keys]
+
+    router = Router(["http://w1", "http://w2"], None, load_poll_s=0, model_path="")
+    router._redis = FakeRedis()
+    asyncio.run(router._ensure_cache_key())
+    assert router.cache_key == cache.cache_key and router.lora_ids == adapters
+    assert router.lora_namespace("/generate", {"lora_path": "ad1"}) == refs[0].lora_id
+    assert router.lora_namespace("/v1/chat/completions", {"model": "tiny:ad2"}) == refs[1].lora_id
+    assert router.lora_namespace("/v1/completions", {"model": "tiny", "lora_path": "ad1"}) == refs[0].lora_id
+    assert router.lora_namespace("/generate", {"lora_path": "loaded-later"}) == "lora-unknown:loaded-later"
+    assert router.lora_namespace("/generate", {"lora_path": ["ad1", "ad2"]}) is None  # a batch
+    assert router.lora_namespace("/generate", {"text": "hi"}) is None
+    # the server's tree, for a request SGLang gave extra_key = lora_id, holds the router's hashes
+    tokens = list(range(1000, 1000 + 5 * 16))
+    cache.driver.run(tokens, tenant="acme", extra_key=refs[0].lora_id)
+    node = next(iter(cache.root_node.children.values()))
+    mine = router.hashes_of(array("q", tokens), "acme", refs[0].lora_id)
+    assert mine[: len(node.tiered_hashes)] == list(node.tiered_hashes) and mine
+    assert router.hashes_of(array("q", tokens), "acme", None)[0] != mine[0]  # (base: another namespace)
+    assert json.loads(pub.key_json)["adapters"] == adapters

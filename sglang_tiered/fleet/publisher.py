@@ -36,12 +36,13 @@ BATCH_PAGES = 4096
 
 class IndexPublisher:
     def __init__(self, url: str, server_id: str, ttl_s: float = 30.0, *, start: bool = True,
-                 socket_timeout_s: float = 0.5, cache_key=None):  # fmt: skip
-        import json
-        from dataclasses import asdict
-
-        # routers read the cache identity from the index to compute the same page hashes
-        self.key_json = json.dumps(asdict(cache_key), sort_keys=True) if cache_key is not None else ""
+                 socket_timeout_s: float = 0.5, cache_key=None, adapters=None):  # fmt: skip
+        # routers read the cache identity from the index to compute the same page hashes, and the
+        # startup LoRA adapters' ids (SGLang adds a request's adapter id to its namespace)
+        self.adapters = dict(adapters or {})
+        self.key_json = ""
+        if cache_key is not None:
+            self.set_key(cache_key)
         self.url = url
         self.server_id = server_id
         self.ttl_s = float(ttl_s)
@@ -63,11 +64,21 @@ class IndexPublisher:
             self._thread = threading.Thread(target=self._run, name="sglang-tiered-index", daemon=True)
             self._thread.start()
 
+    def set_key(self, cache_key) -> None:
+        """The identity routers read (re-set after a weight update re-seeds it)."""
+        import json
+        from dataclasses import asdict
+
+        doc = asdict(cache_key)
+        if self.adapters:
+            doc["adapters"] = self.adapters
+        self.key_json = json.dumps(doc, sort_keys=True)
+
     @classmethod
-    def from_config(cls, cfg, cache_key=None) -> "IndexPublisher":
+    def from_config(cls, cfg, cache_key=None, adapters=None) -> "IndexPublisher":
         logger.info("sglang-tiered: publishing the fleet hint index to %s as %s (ttl %gs)",
                     cfg.index_url, cfg.server_id, cfg.index_ttl_s)  # fmt: skip
-        return cls(cfg.index_url, cfg.server_id, cfg.index_ttl_s, cache_key=cache_key)
+        return cls(cfg.index_url, cfg.server_id, cfg.index_ttl_s, cache_key=cache_key, adapters=adapters)
 
     # ---------------------------------------------------------------- scheduler side (never blocks)
     def _put(self, item) -> None:

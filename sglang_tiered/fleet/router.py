@@ -347,6 +347,10 @@ class Router:
         # to the same weights still differ) and the router must hash with the new one
         self.cache_keys: dict[str, CacheKey] = {}
         self.cache_key: Optional[CacheKey] = None  # the key most workers share (RouteRequest's hashes)
+        # each worker's startup LoRA adapters (name -> SGLang's lora_id), published with its key;
+        # ``lora_ids``: those of the workers that share ``cache_key``
+        self.adapters: dict[str, dict] = {}
+        self.lora_ids: dict = {}
         self._seeds: dict = {}  # CacheKey -> {namespace memo: seed} (bounded)
         self._memory_seeds: dict = {}
         self._ckey_task = None
@@ -575,11 +579,21 @@ class Router:
         for w, raw in zip(workers, raws):
             if raw:
                 try:
-                    self.cache_keys[w] = CacheKey(**json.loads(raw))
-                except (TypeError, ValueError):  # another version's key: its pages are not ours to match
+                    doc = json.loads(raw)
+                    adapters = doc.pop("adapters", None) or {}
+                    self.cache_keys[w] = CacheKey(**doc)
+                    self.adapters[w] = {k: v for k, v in adapters.items() if isinstance(k, str) and isinstance(v, str)}
+                except (TypeError, ValueError, AttributeError):  # another version's key: its pages are not ours to match
                     self.cache_keys.pop(w, None)
+                    self.adapters.pop(w, None)
         if self.cache_keys:
             self.cache_key = Counter(self.cache_keys.values()).most_common(1)[0][0]
+            ids: dict = {}
+            for w, k in self.cache_keys.items():
+                if k == self.cache_key:
+                    for name, lid in self.adapters.get(w, {}).items():
+                        ids.setdefault(name, lid)
+            self.lora_ids = ids
 
     async def _cache_key_loop(self):
         """Read the servers' CacheKey from the index, off the request path, then load the lookup
@@ -753,6 +767,9 @@ class Router:
         extra = body.get("extra_key") if isinstance(body, dict) else None
         # (SGLang: empty is none; the servers' middleware namespaces a client's key)
         extra = client_extra_key(extra) if isinstance(extra, str) and extra else None
+        lora = self.lora_namespace(path, body) if isinstance(body, dict) else None
+        if lora:  # SGLang: extra_key = (extra_key or "") + lora_id
+            extra = (extra or "") + lora
         try:  # the prompt only steers locality: anything odd routes by affinity + load instead
             if not isinstance(body, dict):
                 tokens = array("q")
@@ -835,6 +852,26 @@ class Router:
         except ConnectionResetError:
             self.stats.client_gone += 1
             return False
+
+    def lora_namespace(self, path: str, body: dict) -> Optional[str]:
+        """What SGLang appends to a LoRA request's extra key: its adapter's ``lora_id``. The
+        adapter is named by the OpenAI ``model`` ("base:adapter", as SGLang parses it) or by
+        ``lora_path`` (one name; a batch's list is not routed by adapter). An adapter no worker
+        published (loaded at run time: a random id) gets a namespace no page is in, so the index
+        never credits a worker with base-model pages for it. Before session 23 every LoRA request
+        was hashed as a base-model request."""
+        name = None
+        model = body.get("model") if path != "/generate" else None
+        if isinstance(model, str) and ":" in model:
+            adapter = model.split(":", 1)[1].strip()
+            if adapter in self.lora_ids:
+                name = adapter
+        if name is None:
+            lp = body.get("lora_path")
+            name = lp if isinstance(lp, str) and lp else None
+        if name is None:
+            return None
+        return self.lora_ids.get(name) or f"lora-unknown:{name}"
 
     def stats_doc(self) -> dict:
         s = self.stats

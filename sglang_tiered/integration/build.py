@@ -30,7 +30,9 @@ def from_build_context(cls, ctx):
     if cfg.index_url and ctx.tp_rank == 0:  # ranks are identical: rank 0 publishes
         from sglang_tiered.fleet.publisher import IndexPublisher
 
-        cache.attach_index(IndexPublisher.from_config(cfg, key))
+        from sglang_tiered.integration.identity import startup_adapters
+
+        cache.attach_index(IndexPublisher.from_config(cfg, key, adapters=startup_adapters(ctx.server_args)))
     sa = ctx.server_args
     cache.weight_version = str(getattr(sa, "weight_version", "") or "")
     # after a weight update the identity names this server's lifetime (on_weights_updated): the

@@ -82,6 +82,20 @@ def _lora_items(paths):
     return out
 
 
+def startup_adapters(sa) -> dict:
+    """``{adapter name: SGLang's lora_id}`` of the ``--lora-paths`` adapters, as the scheduler
+    knows them (``LoRARef``; their ids are ``uuid5(name, path)``, the same on every server:
+    ``LoRARef.deterministic_id``). Published with the identity so that a router hashes a LoRA
+    request's pages in the namespace SGLang gives it (extra_key + lora_id). Adapters loaded at
+    run time get random ids and are not in it."""
+    out = {}
+    for item in getattr(sa, "lora_paths", None) or []:
+        name, lid = getattr(item, "lora_name", None), getattr(item, "lora_id", None)
+        if isinstance(name, str) and isinstance(lid, str) and name and lid:
+            out[name] = lid
+    return out
+
+
 def lora_of(sa) -> str | None:
     """Digest of every startup adapter's files (None without ``--lora-paths``)."""
     items = _lora_items(getattr(sa, "lora_paths", None))

@@ -23,10 +23,9 @@ freed by ``release_kv_cache``. Node state is declared once, in node_state.py.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -289,8 +288,8 @@ class TieredRadixCache(RadixCache):
         if self.t1 is not None:
             self.t1.paused = self.weight_session  # (None: resumed)
         listener = self.index.listener
-        if listener is not None and hasattr(listener, "key_json"):  # routers hash with the new key
-            listener.key_json = json.dumps(asdict(key), sort_keys=True)
+        if listener is not None and hasattr(listener, "set_key"):  # routers hash with the new key
+            listener.set_key(key)
 
     def checkpoint(self, req, *, up_to: int):
         if self.disable:
