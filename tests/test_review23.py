@@ -449,3 +449,110 @@ def test_router_hashes_a_lora_request_in_sglangs_namespace():
     assert mine[: len(node.tiered_hashes)] == list(node.tiered_hashes) and mine
     assert router.hashes_of(array("q", tokens), "acme", None)[0] != mine[0]  # (base: another namespace)
     assert json.loads(pub.key_json)["adapters"] == adapters
+
+
+# ---------------------------------------------------------------------- the review of this session's changes
+def test_generations_only_move_up_survive_a_bad_file_and_spare_the_new_pages(tmp_path):
+    """(1) "all" at an earlier clock than a tenant's own invalidation moved that tenant back (and
+    its file entry brought the older generation back after a restart); (2) a generations file
+    that is JSON but not an object made the next invalidation raise in the scheduler; (3) the
+    removals matched every generation, so they deleted the pages the fleet wrote under the new
+    one."""
+    import threading
+
+    from sglang_tiered.tier.host_pool import HostPool
+    from sglang_tiered.tier.t2 import T2Tier
+    from sglang_tiered.tier.t2_config import T2Config
+    from tests.test_t2 import LAYOUT, ByteStore, H
+
+    store = ByteStore()
+    cfg = T2Config(master="127.0.0.1:1", queue_pages=8, max_run_pages=4, timeout_ms=2000, lease_ms=0)
+    state = tmp_path / "gen.json"
+
+    def tier():
+        return T2Tier(store, HostPool(LAYOUT), threading.RLock(), cfg=cfg, model_tag="m", state_path=state)
+
+    t2 = tier()
+    try:
+        g_t = t2.invalidate(tenant=7, generation=1_000)
+        g_all = t2.invalidate(everything=True, generation=500)  # an earlier clock
+        assert g_all > g_t and t2.generation(7) == g_all == t2.generation(8)
+        store.objects[t2.key(H(1), 7)] = b"new"  # written under the new generation
+        store.objects[t2.key(H(1), 7, gen=g_t)] = b"old"
+        t2.wait_removals()
+        t2._remove_async(t2._old_generations(None, g_all))  # what the retry after the lease sends
+        t2.wait_removals()
+        assert t2.key(H(1), 7) in store.objects and t2.key(H(1), 7, gen=g_t) not in store.objects
+    finally:
+        t2.close()
+    t2 = tier()  # restarted: the file says the same
+    try:
+        assert t2.generation(7) == g_all
+    finally:
+        t2.close()
+    for bad in ("[]", '{"tenants": [1]}', '{"all": "x"}', "7"):
+        state.write_text(bad)
+        t2 = tier()  # unreadable: a generation of its own, never an old one
+        try:
+            assert t2.generation(7) > g_all
+            t2.invalidate(tenant=7)  # does not raise (before: AttributeError in the scheduler)
+        finally:
+            t2.close()
+
+
+def test_router_invalidation_fills_a_null_generation_and_retries_old_servers():
+    """A body with ``"generation": null`` went out as it was (each worker took its own clock); a
+    server from before session 23 refuses the field (400): sent again without it."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from sglang_tiered.fleet.router import Router
+    from tests.test_fleet_hardening import _serve
+
+    async def main():
+        seen = {"new": [], "old": []}
+
+        def worker(kind):
+            app = web.Application()
+
+            async def inv(req):
+                body = await req.json()
+                seen[kind].append(body)
+                if kind == "old" and "generation" in body:
+                    return web.json_response({"error": {"message": "invalid payload: Object contains unknown field `generation`"}}, status=400)
+                return web.json_response({"dropped_tokens": 0}, status=202)
+
+            app.router.add_post("/cache/invalidate", inv)
+            app.router.add_get("/health", lambda _: web.json_response({}))
+            return app
+
+        runners = [await _serve(worker("new")), await _serve(worker("old"))]
+        router = Router([u for _, u in runners], None, load_poll_s=0, model_path="")
+        r_runner, url = await _serve(router.app())
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/cache/invalidate", json={"tenant": "acme", "generation": None}) as resp:
+                    assert resp.status == 202, await resp.text()
+            assert seen["new"][0]["generation"] > 0
+            assert [b.get("generation") for b in seen["old"]][-1] is None and seen["old"][-1] == {"tenant": "acme"}
+        finally:
+            await r_runner.cleanup()
+            for r, _ in runners:
+                await r.cleanup()
+
+    asyncio.run(main())
+
+
+def test_router_lora_namespace_follows_sglangs_model_parsing():
+    from sglang_tiered.core.keys import CacheKey
+    from sglang_tiered.fleet.router import Router
+
+    router = Router(["http://w1"], None, load_poll_s=0, model_path="")
+    router.cache_key = CacheKey(model_id="org/model:v2")
+    router.lora_ids = {"ad1": "id1", "ad2": "id2"}
+    assert router.lora_namespace("/v1/completions", {"model": "org/model:v2"}) is None  # the served name itself
+    assert router.lora_namespace("/v1/completions", {"model": "org/model:v2:ad1"}) == "id1"
+    assert router.lora_namespace("/v1/completions", {"model": "base:ad2", "lora_path": "ad1"}) == "id2"  # model first
+    assert router.lora_namespace("/v1/chat/completions", {"model": "base:later"}) == "lora-unknown:later"

@@ -862,10 +862,13 @@ class Router:
         was hashed as a base-model request."""
         name = None
         model = body.get("model") if path != "/generate" else None
-        if isinstance(model, str) and ":" in model:
-            adapter = model.split(":", 1)[1].strip()
-            if adapter in self.lora_ids:
-                name = adapter
+        served = self.cache_key.model_id if self.cache_key is not None else None
+        if isinstance(model, str) and ":" in model and model != served:
+            # SGLang's _parse_model_parameter: the served name (which may hold colons) first
+            if served and model.startswith(served + ":"):
+                name = model[len(served) + 1 :].strip() or None
+            else:
+                name = model.split(":", 1)[1].strip() or None
         if name is None:
             lp = body.get("lora_path")
             name = lp if isinstance(lp, str) and lp else None
@@ -975,16 +978,24 @@ class Router:
                 doc = json.loads(raw) if raw else None
             except (ValueError, RecursionError):
                 doc = None
-            if isinstance(doc, dict) and "generation" not in doc:
+            plain = raw  # (a server from before session 23 refuses the field: sent again without it)
+            if isinstance(doc, dict):
+                plain = json.dumps({k: v for k, v in doc.items() if k != "generation"}).encode()
+            if isinstance(doc, dict) and doc.get("generation") is None:
                 doc["generation"] = time.time_ns()
-                raw = json.dumps(doc).encode()
-                headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
+                raw = json.dumps(doc).encode()  # (content-length is not forwarded: aiohttp sets it)
         if fleet_wide:
+            async def send(ws, data):
+                async with self._proxy.request(request.method, ws.url + request.path_qs, data=data,
+                                               headers=headers) as up:  # fmt: skip
+                    return ws.url, up.status, (await up.read()).decode("utf-8", "replace")[:1000]
+
             async def one(ws):
                 try:
-                    async with self._proxy.request(request.method, ws.url + request.path_qs, data=raw,
-                                                   headers=headers) as up:  # fmt: skip
-                        return ws.url, up.status, (await up.read()).decode("utf-8", "replace")[:1000]
+                    res = await send(ws, raw)
+                    if request.path == "/cache/invalidate" and res[1] == 400 and "generation" in res[2] and raw != plain:
+                        res = await send(ws, plain)
+                    return res
                 except Exception as exc:  # noqa: BLE001
                     return ws.url, 502, f"{type(exc).__name__}: {exc}"[:1000]
 

@@ -158,6 +158,8 @@ def add_routes(app) -> None:
         if own is not None and (req.tenant != own or req.model_version is not None or req.all):
             return _error(403, SCOPED)
         nonce = next(_nonce)
+        if req.generation is None:  # one for every data-parallel rank (each would take its own clock)
+            req.generation = time.time_ns()
         args = invalidation_args(nonce, tenant=req.tenant, model_version=req.model_version, everything=bool(req.all),
                              generation=req.generation)  # fmt: skip
         tm = get_global_state().tokenizer_manager

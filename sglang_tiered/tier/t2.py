@@ -125,6 +125,19 @@ def layout_digest(layout: PoolLayout) -> bytes:
     return hashlib.blake2b(spec.encode(), digest_size=8).digest()
 
 
+def _generations_doc(doc) -> tuple[int, dict]:
+    """("all", {tenant: generation}) of a generations file (``TypeError``/``ValueError`` when it
+    is not one); tenants at or below "all" are left out (it decides for them)."""
+    if not isinstance(doc, dict):
+        raise TypeError("not a JSON object")
+    alls = int(doc.get("all", 0) or 0)
+    raw = doc.get("tenants") or {}
+    if not isinstance(raw, dict):
+        raise TypeError("'tenants' is not an object")
+    tenants = {int(t): int(g) for t, g in raw.items()}
+    return alls, {t: g for t, g in tenants.items() if g > alls}
+
+
 class _Run(list):
     """A store job's page data, with the generation its keys are written under (taken when the
     pages left T1: a job running across an invalidation keeps the old one)."""
@@ -199,10 +212,12 @@ class T2Tier:
         g = self.generation(tenant) if gen is None else gen
         return f"{KEY_ROOT}/{KEY_FORMAT}/{self.model_tag}/{tenant & _MASK:016x}/{g:x}/{h.hex()}"
 
-    def _tenant_prefix(self, tenant: int | None) -> str:
-        """The regex of this model's objects of ``tenant`` (None: all of them), every generation."""
-        base = f"^{KEY_ROOT}/{KEY_FORMAT}/{self.model_tag}/"
-        return base if tenant is None else base + f"{tenant & _MASK:016x}/"
+    def _old_generations(self, tenant: int | None, gen: int) -> str:
+        """The regex of this model's objects of ``tenant`` (None: every tenant) under any
+        generation but ``gen`` (the one just moved to: the fleet's new pages stay; review, session
+        23. Mooncake's regexes are ECMAScript: the lookahead works on a real master)."""
+        who = "[0-9a-f]{16}" if tenant is None else f"{tenant & _MASK:016x}"
+        return f"^{KEY_ROOT}/{KEY_FORMAT}/{self.model_tag}/{who}/(?!{gen:x}/)"
 
     def _headers(self, hashes: list, tenant: int, written_ns: int = 0) -> torch.Tensor:
         stamp = written_ns.to_bytes(8, "little")
@@ -309,7 +324,7 @@ class T2Tier:
             # (before session 23 every fetch re-read it, and a correct put could not replace it)
             self._remember_miss(hashes[0], hold_s=self._lease_s())
             self.stats.removed_bad += 1
-            self._remove_with_retry("^" + re.escape(keys[0]) + "$")
+            self._remove_with_retry("^" + re.escape(keys[0]) + "$", ("key", keys[0]))
         self.stats.fetched_pages += landed
         self.stats.fetched_bytes += landed * self.layout.page_bytes
         self.stats.fetch_seconds += time.perf_counter() - t0
@@ -466,7 +481,13 @@ class T2Tier:
         if tenant is None and not everything:
             return 0
         self.stats.invalidations += 1
-        gen = max(generation if generation is not None else time.time_ns(), self.generation(tenant) + 1)
+        # an invalidation always moves: above the tenant's generation, and for all of them above
+        # every tenant's (review, session 23: "all" at an earlier clock than a tenant's own
+        # invalidation moved that tenant back, and its file entry brought the old one back later)
+        floor = self.generation(tenant)
+        if everything and self._invalidated:
+            floor = max(floor, max(self._invalidated.values()))
+        gen = max(generation if generation is not None else time.time_ns(), floor + 1)
         if everything:
             self._invalidated_all = max(self._invalidated_all, gen)
             self._invalidated.clear()
@@ -480,27 +501,29 @@ class T2Tier:
         # victims copied out of T1 before now, not yet offered: under the old generation, dropped
         self._victims = [v for v in self._victims if not (everything or v[1] == tenant)]
         self.queue.cancel_where(lambda j: everything or j.tenant == tenant)
-        self._remove_with_retry(self._tenant_prefix(None if everything else tenant))
+        scope = None if everything else tenant
+        self._remove_with_retry(self._old_generations(scope, gen), ("gen", scope))
         return gen
 
-    def _remove_with_retry(self, pattern: str) -> None:
-        """Remove now and once more after the lease (a read object cannot be removed before)."""
+    def _remove_with_retry(self, pattern: str, scope) -> None:
+        """Remove now and once more after the lease (a read object cannot be removed before). One
+        retry per ``scope`` (a tenant, all, or one key): a later invalidation's replaces it."""
         self._remove_async(pattern)
-        timer = threading.Timer(self._lease_s(), self._retry_remove, args=(pattern,))
+        timer = threading.Timer(self._lease_s(), self._retry_remove, args=(pattern, scope))
         timer.daemon = True
         with self._retry_lock:
-            old = self._retries.pop(pattern, None)
+            old = self._retries.pop(scope, None)
             if old is not None:
                 old.cancel()
             if len(self._retries) >= 1024:  # bounded: the oldest retries are given up (space only)
                 for p in list(self._retries)[:512]:
                     self._retries.pop(p).cancel()
-            self._retries[pattern] = timer
+            self._retries[scope] = timer
         timer.start()
 
-    def _retry_remove(self, pattern: str) -> None:
+    def _retry_remove(self, pattern: str, scope) -> None:
         with self._retry_lock:
-            self._retries.pop(pattern, None)
+            self._retries.pop(scope, None)
         self._remove_async(pattern)
 
     def _remove_async(self, pattern: str) -> None:
@@ -539,10 +562,7 @@ class T2Tier:
         import pathlib
 
         try:
-            doc = json.loads(pathlib.Path(self.state_path).read_text())
-            self._invalidated_all = int(doc.get("all", 0))
-            for t, g in sorted(doc.get("tenants", {}).items(), key=lambda kv: int(kv[1]))[-_INVALIDATIONS:]:
-                self._invalidated[int(t)] = int(g)
+            alls, tenants = _generations_doc(json.loads(pathlib.Path(self.state_path).read_text()))
         except FileNotFoundError:
             return
         except (OSError, ValueError, TypeError, AttributeError) as exc:
@@ -550,10 +570,18 @@ class T2Tier:
             self._invalidated_all = time.time_ns()
             logger.warning("sglang-tiered: T2 generations file %s unreadable (%s); starting a new generation",
                            self.state_path, exc)  # fmt: skip
+            return
+        self._invalidated_all = alls
+        for t, g in sorted(tenants.items(), key=lambda kv: kv[1]):
+            self._invalidated[t] = g
 
     def _save_generations(self) -> None:
+        """Merge this server's generations into the file (the highest of each, under a lock:
+        servers of one machine share it), dropping tenants at or below "all" and folding the
+        oldest past ``_INVALIDATIONS`` into it, as in memory."""
         if self.state_path is None:
             return
+        import fcntl
         import json
         import os
         import pathlib
@@ -561,18 +589,23 @@ class T2Tier:
         path = pathlib.Path(self.state_path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            try:  # servers of one machine share the file: keep the highest of each
-                old = json.loads(path.read_text())
-            except (OSError, ValueError):
-                old = {}
-            tenants = {int(t): int(g) for t, g in (old.get("tenants") or {}).items()}
-            for t, g in self._invalidated.items():
-                tenants[t] = max(g, tenants.get(t, 0))
-            doc = {"all": max(self._invalidated_all, int(old.get("all", 0) or 0)),
-                   "tenants": {str(t): g for t, g in sorted(tenants.items(), key=lambda kv: kv[1])[-_INVALIDATIONS:]}}  # fmt: skip
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(doc))
-            os.replace(tmp, path)
+            with open(path.with_name(path.name + ".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    alls, tenants = _generations_doc(json.loads(path.read_text()))
+                except (OSError, ValueError, TypeError, AttributeError):
+                    alls, tenants = 0, {}
+                alls = max(alls, self._invalidated_all)
+                for t, g in self._invalidated.items():
+                    tenants[t] = max(g, tenants.get(t, 0))
+                kept = sorted(((g, t) for t, g in tenants.items() if g > alls))
+                if len(kept) > _INVALIDATIONS:
+                    alls = max(alls, kept[-_INVALIDATIONS - 1][0])
+                    kept = kept[-_INVALIDATIONS:]
+                doc = {"all": alls, "tenants": {str(t): g for g, t in kept}}
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(doc))
+                os.replace(tmp, path)
         except (OSError, ValueError, TypeError) as exc:
             logger.warning("sglang-tiered: cannot keep T2 generations in %s (%s)", path, exc)
 
