@@ -155,7 +155,7 @@ def _cmd_route(args: argparse.Namespace) -> int:
           tenant_header=args.tenant_header, c_tok_us=args.c_tok_us, page_size=args.page_size,
           index_ttl_s=args.index_ttl_s, index_timeout_ms=args.index_timeout_ms,
           load_poll_s=args.load_poll_ms / 1e3, worker_api_key=args.worker_api_key,
-          max_body_mb=args.max_body_mb)  # fmt: skip
+          max_body_mb=args.max_body_mb, admin_api_key=args.admin_api_key)  # fmt: skip
     return 0
 
 
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_plan)
 
-    from sglang_tiered.config import worker_api_key
+    from sglang_tiered.config import router_admin_key, worker_api_key
 
     r = sub.add_parser("route", help="tenant-affinity + cache-aware router over SGLang servers")
     r.add_argument("--workers", nargs="+", required=True, help="worker URLs (also their ids in the index)")
@@ -212,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--worker-api-key", default=worker_api_key(),
                    help="the servers' --api-key (or --admin-api-key), for the router's own calls to them "
                         "(/model_info, /server_info, /v1/loads); default: $SGLANG_TIERED_WORKER_API_KEY")
+    r.add_argument("--admin-api-key", default=router_admin_key(),
+                   help="required (Authorization: Bearer KEY) on the router's own /router/stats, /router/metrics "
+                        "and /router/decisions, which show every tenant's traffic; default: "
+                        "$SGLANG_TIERED_ROUTER_ADMIN_KEY, else open (as SGLang's admin routes without keys)")
     r.add_argument("--max-body-mb", type=_number(0.0, above=True), default=1024.0,
                    help="largest request body in MiB (default 1024)")
     r.set_defaults(func=_cmd_route)

@@ -98,6 +98,7 @@ OTHER_NAMES = {
     "SGLANG_TIERED_FUZZ_REQUESTS": "tests/test_e2e_hardening.py (make soak)",
     "SGLANG_TIERED_IN_NETNS": "bench/t2_fleet.py: set inside its loopback-only namespace",
     "SGLANG_TIERED_WORKER_API_KEY": "sglang-tiered route --worker-api-key (the router's, not a server's)",
+    "SGLANG_TIERED_ROUTER_ADMIN_KEY": "sglang-tiered route --admin-api-key (the router's, not a server's)",
 }
 PREFIX = "SGLANG_TIERED_"
 
@@ -423,6 +424,13 @@ def worker_api_key(env=None) -> Optional[str]:
     (``SGLANG_TIERED_WORKER_API_KEY``; ``sglang-tiered route --worker-api-key`` overrides)."""
     env = os.environ if env is None else env
     return env.get("SGLANG_TIERED_WORKER_API_KEY") or None
+
+
+def router_admin_key(env=None) -> Optional[str]:
+    """The key the router's own routes (/router/stats, /router/metrics, /router/decisions) require
+    (``SGLANG_TIERED_ROUTER_ADMIN_KEY``; ``sglang-tiered route --admin-api-key`` overrides)."""
+    env = os.environ if env is None else env
+    return env.get("SGLANG_TIERED_ROUTER_ADMIN_KEY") or None
 
 
 def shm_dir(env=None) -> pathlib.Path:

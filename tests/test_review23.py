@@ -556,3 +556,114 @@ def test_router_lora_namespace_follows_sglangs_model_parsing():
     assert router.lora_namespace("/v1/completions", {"model": "org/model:v2:ad1"}) == "id1"
     assert router.lora_namespace("/v1/completions", {"model": "base:ad2", "lora_path": "ad1"}) == "id2"  # model first
     assert router.lora_namespace("/v1/chat/completions", {"model": "base:later"}) == "lora-unknown:later"
+
+
+# ---------------------------------------------------------------------- the index publisher (review, session 23)
+def test_publisher_keeps_publishing_after_an_overflow():
+    """``_forget_all`` emptied the queue without lowering its page count: after one dropped
+    removal every later event was dropped, for good."""
+    from sglang_tiered.fleet import publisher as P
+
+    pub = P.IndexPublisher("redis://127.0.0.1:1", "w", start=False)
+    big = [i.to_bytes(16, "little") for i in range(P.QUEUE_PAGES)]
+    pub.on_store(big)
+    pub.on_remove([b"x" * 16])  # over the bound: dropped, and the publisher must start over
+    assert pub._overflowed.is_set() and pub.stats["dropped_events"] == 1
+    pub._forget_all()
+    assert pub._queued_pages == 0 and pub._q.empty()
+    pub.on_store([b"y" * 16])
+    assert pub.stats["dropped_events"] == 1 and pub._queued_pages == 1
+
+
+def test_publisher_withdraws_removals_lost_to_an_outage_and_resyncs_an_emptied_redis():
+    """Removals drained while Redis failed were dropped, so those pages stayed claimed; and a
+    Redis restarted empty was not resynced (redis-py reconnects by itself, no error shows), so
+    held pages came back only at the next refresh."""
+    import time
+
+    redis = pytest.importorskip("redis")
+    from sglang_tiered.fleet.index import page_key
+    from sglang_tiered.fleet.publisher import IndexPublisher
+    from tests.test_fleet import _redis_server
+
+    with _redis_server() as (_, port):
+        r = redis.Redis(port=port)
+        pub = IndexPublisher(f"redis://127.0.0.1:{port}/0", "w", ttl_s=600)
+        try:
+            pages = [bytes([i]) * 16 for i in range(20)]
+            pub.on_store(pages)
+
+            def wait(cond, what):
+                end = time.monotonic() + 10
+                while not cond():
+                    assert time.monotonic() < end, what
+                    time.sleep(0.05)
+
+            wait(lambda: all(r.hexists(page_key(h), "w") for h in pages), "published")
+            r.flushall()  # Redis loses its data (a restart, an eviction): the next batch sees it
+            pub.on_store([b"z" * 16])
+            wait(lambda: all(r.hexists(page_key(h), "w") for h in pages), "republished after the loss")
+            assert pub.stats["lost_index"] >= 1
+            # an outage: removals made meanwhile are withdrawn once Redis answers again
+            r.client_pause(2000, all=False)  # writes block past the publisher's socket timeout
+            pub.on_remove(pages[:10])
+            time.sleep(0.2)
+            pub.on_store([b"w" * 16])
+            wait(lambda: not any(r.hexists(page_key(h), "w") for h in pages[:10]), "withdrawn")
+            assert all(r.hexists(page_key(h), "w") for h in pages[10:])
+        finally:
+            pub.close()
+
+
+def test_router_refuses_a_published_key_with_a_non_text_field():
+    """A list in a published CacheKey made the key unhashable: every routed request then failed
+    (a 500 from ``matched``). Such a key is now another version's: not used."""
+    import asyncio
+    import json
+
+    from sglang_tiered.core.keys import CacheKey
+    from sglang_tiered.fleet.router import Router
+
+    good = json.dumps({"model_id": "m", "weights_digest": "w"})
+    bad = json.dumps({"model_id": ["m"], "weights_digest": "w"})
+
+    class FakeRedis:
+        async def mget(self, keys):
+            return [good, bad]
+
+    router = Router(["http://w1", "http://w2"], None, load_poll_s=0, model_path="")
+    router._redis = FakeRedis()
+    asyncio.run(router._ensure_cache_key())
+    assert router.cache_keys == {"http://w1": CacheKey(model_id="m", weights_digest="w")}
+    assert router.cache_key == CacheKey(model_id="m", weights_digest="w")
+
+
+def test_router_admin_routes_take_an_admin_key():
+    """/router/decisions listed every tenant's requests (digest, prompt length, matched tokens
+    per worker) to anyone who could reach the router, clients included; with
+    ``--admin-api-key`` only its holders read the router's own routes."""
+    import asyncio
+
+    import aiohttp
+
+    from sglang_tiered.fleet.router import Router
+    from tests.test_fleet_hardening import _serve
+
+    async def main():
+        router = Router(["http://127.0.0.1:9"], None, load_poll_s=0, model_path="", admin_api_key="s3cret")
+        runner, url = await _serve(router.app())
+        try:
+            async with aiohttp.ClientSession() as s:
+                for path in ("/router/stats", "/router/metrics", "/router/decisions"):
+                    async with s.get(url + path) as resp:
+                        assert resp.status == 401, path
+                    async with s.get(url + path, headers={"Authorization": "Bearer nope"}) as resp:
+                        assert resp.status == 401, path
+                    async with s.get(url + path, headers={"Authorization": "Bearer s3cret"}) as resp:
+                        assert resp.status == 200, path
+                async with s.get(url + "/health") as resp:
+                    assert resp.status in (200, 503)  # (open: load balancers probe it)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())

@@ -55,8 +55,11 @@ class IndexPublisher:
         self._client = None
         self._resync = True  # publish the whole held set on the next (re)connection
         self._overflowed = threading.Event()  # a removal was dropped: start over (_forget_all)
+        # removals not sent because Redis failed (withdrawn first when it is back: review, session
+        # 23, they were dropped and the pages stayed claimed); bounded, the oldest age out instead
+        self._unsent: OrderedDict = OrderedDict()
         self.stats = {"published_pages": 0, "removed_pages": 0, "dropped_events": 0, "errors": 0,
-                      "batches": 0, "refreshes": 0, "resyncs": 0}  # fmt: skip
+                      "batches": 0, "refreshes": 0, "resyncs": 0, "lost_index": 0}  # fmt: skip
         self.connected = False
         self.last_error = ""
         self._thread = None
@@ -143,11 +146,10 @@ class IndexPublisher:
         (a store of the page whose removal was dropped, say) is discarded with it, and a drop
         during this is seen on the next round. Stores queued after it only lose their claim."""
         self._overflowed.clear()
-        while True:
-            try:
-                self._q.get_nowait()
-            except queue.Empty:
-                break
+        # through _drain, which keeps the page count: emptied with get_nowait, the count stayed at
+        # the bound and every later event was dropped, for good (review, session 23)
+        while self._drain(QUEUE_PAGES + QUEUE_MAX):
+            pass
         forgotten = list(self._held)
         self._held.clear()
         self.stats["resyncs"] += 1
@@ -183,13 +185,25 @@ class IndexPublisher:
             held.popitem(last=False)
         return list(stored), list(removed)
 
+    def _keep_unsent(self, *lists) -> None:
+        u = self._unsent
+        for hs in lists:
+            for h in hs:
+                u[h] = None
+                u.move_to_end(h)
+        while len(u) > HELD_MAX:
+            u.popitem(last=False)
+
     def _send(self, stored, removed) -> None:
         c = self._client
         now = str(int(time.time()))
         ttl = max(1, int(self.ttl_s * 4))
         sid = self.server_id
         pipe = c.pipeline(transaction=False)
-        pipe.set(alive_key(sid), now, ex=max(1, int(self.ttl_s)))
+        # GET: the heartbeat as it was. Refreshed every ttl/2, it is gone only if Redis lost its
+        # data (restarted empty, flushed, evicted): redis-py reconnects by itself, no error shows,
+        # and before session 23 the held set came back only at the next refresh (review)
+        pipe.set(alive_key(sid), now, ex=max(1, int(self.ttl_s)), get=True)
         if self.key_json:
             pipe.set(ckey_key(sid), self.key_json, ex=max(1, int(self.ttl_s)))
         for h in removed:
@@ -198,7 +212,10 @@ class IndexPublisher:
             k = page_key(h)
             pipe.hset(k, sid, now)
             pipe.expire(k, ttl)
-        pipe.execute()
+        res = pipe.execute()
+        if res and res[0] is None and not self._resync:
+            self._resync = True  # (the heartbeat was missing: send everything held again)
+            self.stats["lost_index"] += 1
         self.stats["published_pages"] += len(stored)
         self.stats["removed_pages"] += len(removed)
         self.stats["batches"] += 1
@@ -216,8 +233,12 @@ class IndexPublisher:
                     self._client = self._connect()
                     self.connected = True
                     self._resync = True
+                if self._unsent:  # pages held again since are not withdrawn
+                    forgotten = [h for h in self._unsent if h not in self._held] + forgotten
+                    self._unsent.clear()
                 for i in range(0, len(forgotten), BATCH_PAGES):
                     self._send([], forgotten[i : i + BATCH_PAGES])
+                forgotten = []
                 now = time.monotonic()
                 if self._resync or now - last_refresh >= self.ttl_s / 2:
                     # refresh (also after reconnecting): everything held, in batches
@@ -238,7 +259,8 @@ class IndexPublisher:
                 self._resync = True
                 # fold everything queued into the held set meanwhile (the resync sends it all): a
                 # batch per back-off drained 4,096 pages per 2 s and the queue filled and dropped
-                self._apply_local(self._drain(QUEUE_PAGES + QUEUE_MAX))
+                _, more = self._apply_local(self._drain(QUEUE_PAGES + QUEUE_MAX))
+                self._keep_unsent(forgotten, removed, more)
                 self._stop.wait(backoff)
                 backoff = min(2.0, backoff * 2)
                 continue

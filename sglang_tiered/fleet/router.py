@@ -319,8 +319,12 @@ class Router:
                  c_tok_us: float = 35.0, page_size: Optional[int] = 16, index_ttl_s: float = 30.0,
                  index_timeout_ms: float = 50.0, health_interval_s: float = 1.0, health_misses: int = 3,
                  load_poll_s: float = 0.25, policy_kw: Optional[dict] = None,
-                 worker_api_key: Optional[str] = None, max_body_mb: float = 1024.0):  # fmt: skip
+                 worker_api_key: Optional[str] = None, max_body_mb: float = 1024.0,
+                 admin_api_key: Optional[str] = None):  # fmt: skip
         self.workers = {w.rstrip("/"): WorkerState(w.rstrip("/")) for w in workers}
+        # the router's own routes show every tenant's traffic (prompt lengths, matched tokens, the
+        # tenant's digest, per request): with a key, only its holders read them (review, session 23)
+        self.admin_api_key = admin_api_key or None
         self.redis_url = redis_url
         self.policy = AffinityCachePolicy(**{"k": k, "c_tok_s": c_tok_us * 1e-6, **(policy_kw or {})})
         self.decisions: deque = deque(maxlen=DECISIONS_KEPT)
@@ -581,6 +585,10 @@ class Router:
                 try:
                     doc = json.loads(raw)
                     adapters = doc.pop("adapters", None) or {}
+                    if not all(v is None or isinstance(v, str) for v in doc.values()):
+                        # (a list there made CacheKey unhashable: every request then failed with a
+                        # 500 in matched(); review, session 23)
+                        raise TypeError("a CacheKey field that is not text")
                     self.cache_keys[w] = CacheKey(**doc)
                     self.adapters[w] = {k: v for k, v in adapters.items() if isinstance(k, str) and isinstance(v, str)}
                 except (TypeError, ValueError, AttributeError):  # another version's key: its pages are not ours to match
@@ -1025,13 +1033,30 @@ class Router:
 
         app = web.Application(client_max_size=self.max_body)
 
+        def admin(handler):
+            async def checked(request):
+                if self.admin_api_key is not None:
+                    import hmac
+
+                    got = request.headers.get("authorization", "")
+                    if not hmac.compare_digest(got.encode("utf-8", "surrogateescape"),
+                                               f"Bearer {self.admin_api_key}".encode()):  # fmt: skip
+                        return web.json_response({"error": {"message": "the router's admin key is required"}},
+                                                 status=401)  # fmt: skip
+                return await handler(request)
+
+            return checked
+
+        @admin
         async def stats(_):
             return web.json_response(self.stats_doc())
 
+        @admin
         async def metrics(_):
             return web.Response(text=self.metrics_text(), content_type="text/plain", charset="utf-8",
                                 headers={"x-prometheus-format": "0.0.4"})  # fmt: skip
 
+        @admin
         async def decisions(_):
             return web.json_response(list(self.decisions))
 

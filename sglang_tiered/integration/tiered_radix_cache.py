@@ -188,7 +188,7 @@ class TieredRadixCache(RadixCache):
             elif self.kv_released:
                 self.t1.cancel_pending()
                 self.t1.load_locks = []
-                self.index.clear()  # device pages gone; T1's are published again at the next refresh
+                self.index.clear()  # device pages gone (T1's go unclaimed too: a missed hint, never wrong)
             else:
                 self.persist_to_host()
                 # (the persisted tree is dropped below: a lock still held on one of its nodes
