@@ -667,3 +667,28 @@ def test_router_admin_routes_take_an_admin_key():
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_dead_servers_field_leaves_a_shared_page():
+    """The key's expiry is per key: a live server refreshing a shared page kept every dead
+    server's field in it, and with server ids new at every start the hash grew without bound."""
+    import time
+
+    redis = pytest.importorskip("redis")
+    from sglang_tiered.fleet.index import page_key
+    from sglang_tiered.fleet.publisher import FIELDS_SWEPT, IndexPublisher
+    from tests.test_fleet import _redis_server
+
+    with _redis_server() as (_, port):
+        r = redis.Redis(port=port)
+        h = b"s" * 16
+        dead = {f"pod-{i}": str(int(time.time()) - 10_000) for i in range(3 * FIELDS_SWEPT)}
+        r.hset(page_key(h), mapping=dead)
+        pub = IndexPublisher(f"redis://127.0.0.1:{port}/0", "live", ttl_s=30, start=False)
+        pub._client = pub._connect()
+        pub._send([h], [])
+        assert r.hkeys(page_key(h)) == [b"live"]
+        fresh = {f"peer-{i}": str(int(time.time())) for i in range(2 * FIELDS_SWEPT)}
+        r.hset(page_key(h), mapping=fresh)
+        pub._send([h], [])
+        assert len(r.hkeys(page_key(h))) == 2 * FIELDS_SWEPT + 1  # live peers stay

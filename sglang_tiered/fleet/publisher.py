@@ -35,12 +35,25 @@ HELD_MAX = 1 << 21  # page hashes remembered for refresh (bounded; oldest forgot
 # EXPIRE). As pipelined commands they cost 7.5 us of Python per claimed page and 3.3 per removed
 # one in the scheduler's process (review, session 23: a refresh of 2^21 held pages took 17 s of
 # CPU every 15 s); as a script's arguments, about 0.3 (bench/publish_cost.py, both in one run).
+# A claimed page's hash with more than FIELDS_SWEPT fields also loses those older than the key's
+# expiry: a live server refreshing a shared page kept every dead server's field in it for good
+# (the expiry is per key; review, session 23), and with server ids new at every start it grew.
+FIELDS_SWEPT = 16
 WRITE_LUA = """
 local sid, now, ttl, n = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local oldest = tonumber(now) - ttl
 for i = 1, n do redis.call('HDEL', KEYS[i], sid) end
 for i = n + 1, #KEYS do
-  redis.call('HSET', KEYS[i], sid, now)
-  redis.call('EXPIRE', KEYS[i], ttl)
+  local k = KEYS[i]
+  redis.call('HSET', k, sid, now)
+  redis.call('EXPIRE', k, ttl)
+  if redis.call('HLEN', k) > """ + str(FIELDS_SWEPT) + """ then
+    local f = redis.call('HGETALL', k)
+    for j = 1, #f, 2 do
+      local t = tonumber(f[j + 1])
+      if t == nil or t < oldest then redis.call('HDEL', k, f[j]) end
+    end
+  end
 end
 return #KEYS
 """
