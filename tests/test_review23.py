@@ -649,11 +649,20 @@ def test_router_admin_routes_take_an_admin_key():
     from sglang_tiered.fleet.router import Router
     from tests.test_fleet_hardening import _serve
 
+    from tests.test_fleet_hardening import _echo_worker
+
     async def main():
-        router = Router(["http://127.0.0.1:9"], None, load_poll_s=0, model_path="", admin_api_key="s3cret")
+        w_runner, w_url = await _serve(_echo_worker([]))
+        router = Router([w_url], None, load_poll_s=0, model_path="", admin_api_key="s3cret")
         runner, url = await _serve(router.app())
         try:
             async with aiohttp.ClientSession() as s:
+                # the worker's URL in the response: only for the key's holders
+                async with s.post(url + "/generate", json={"input_ids": [1, 2]}) as resp:
+                    assert resp.status == 200 and "x-sglang-tiered-worker" not in resp.headers
+                async with s.post(url + "/generate", json={"input_ids": [1, 2]},
+                                  headers={"Authorization": "Bearer s3cret"}) as resp:  # fmt: skip
+                    assert resp.headers.get("x-sglang-tiered-worker") == w_url
                 for path in ("/router/stats", "/router/metrics", "/router/decisions"):
                     async with s.get(url + path) as resp:
                         assert resp.status == 401, path
@@ -665,6 +674,7 @@ def test_router_admin_routes_take_an_admin_key():
                     assert resp.status in (200, 503)  # (open: load balancers probe it)
         finally:
             await runner.cleanup()
+            await w_runner.cleanup()
 
     asyncio.run(main())
 

@@ -822,7 +822,8 @@ class Router:
                 async with self._proxy.request(request.method, ws.url + request.path_qs, data=raw,
                                                headers=headers) as up:  # fmt: skip
                     resp = response_for(up)
-                    resp.headers["x-sglang-tiered-worker"] = ws.url
+                    if self._is_admin(request):  # (with an admin key, worker URLs are for its holders)
+                        resp.headers["x-sglang-tiered-worker"] = ws.url
                     if not await self._to_client(resp.prepare(request)):
                         return resp
                     async for chunk in up.content.iter_any():
@@ -908,6 +909,15 @@ class Router:
                             "failures": x.failures, "polled_reqs": x.polled_reqs}
                         for w, x in self.workers.items()},  # fmt: skip
         }
+
+    def _is_admin(self, request) -> bool:
+        """No admin key configured, or the request carries it (``Authorization: Bearer KEY``)."""
+        if self.admin_api_key is None:
+            return True
+        import hmac
+
+        got = request.headers.get("authorization", "")
+        return hmac.compare_digest(got.encode("utf-8", "surrogateescape"), f"Bearer {self.admin_api_key}".encode())
 
     def metrics_text(self) -> str:
         """The router's counters in Prometheus' text format (``GET /router/metrics``), from the
@@ -1035,14 +1045,9 @@ class Router:
 
         def admin(handler):
             async def checked(request):
-                if self.admin_api_key is not None:
-                    import hmac
-
-                    got = request.headers.get("authorization", "")
-                    if not hmac.compare_digest(got.encode("utf-8", "surrogateescape"),
-                                               f"Bearer {self.admin_api_key}".encode()):  # fmt: skip
-                        return web.json_response({"error": {"message": "the router's admin key is required"}},
-                                                 status=401)  # fmt: skip
+                if not self._is_admin(request):
+                    return web.json_response({"error": {"message": "the router's admin key is required"}},
+                                             status=401)  # fmt: skip
                 return await handler(request)
 
             return checked
