@@ -66,7 +66,7 @@ def main(out):
         rep["S2_peer_read"] = C.fetch([H(2)], X)   # a peer reads it: leased for 3 s
         removed = A.invalidate(tenant=X)
         rep["S2_removed_now"] = removed
-        A._missed.clear(); A._no_read.clear()
+        A._missed.clear()
         rep["S2_A_refuses_before_restart"] = A.fetch([H(2)], X)
         A.close()
         A2 = tier(url, state="a")  # A restarted, with its generations file

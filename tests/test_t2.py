@@ -190,7 +190,6 @@ class T2Machine(RuleBasedStateMachine):
         self.t2._down_until = 0.0
         self.t2.invalidate(tenant=tenant)
         self.given = {g for g in self.given if g[0] != tenant}
-        self.t2._no_read.clear()
 
     @invariant()
     def t1_holds_only_correct_pages(self):

@@ -176,7 +176,6 @@ class T2Tier:
         self.decision = "on"
         self._down_until = 0.0
         self._backoff = 1.0
-        self._no_read: dict = {}  # tenant hash (or None: all) -> monotonic time reads resume
         self._invalidated: OrderedDict = OrderedDict()  # tenant hash -> its generation (last invalidation)
         self._invalidated_all = 0  # every tenant's generation is at least this (invalidation of all)
         self._load_generations()
@@ -249,7 +248,7 @@ class T2Tier:
     def may_hold(self, first: bytes, tenant: int) -> bool:
         """Worth asking T2 for a run starting at page ``first``? (cheap: the caller hashes the
         rest of the run only when this says yes)"""
-        return not self._reads_blocked(tenant) and not self._recently_missed(first) and self.available()
+        return not self._recently_missed(first) and self.available()
 
     def _failed(self, what: str, exc=None) -> None:
         self.stats.failures += 1
@@ -281,14 +280,6 @@ class T2Tier:
         return None
 
     # ------------------------------------------------------------------ read path
-    def _reads_blocked(self, tenant: int) -> bool:
-        if not self._no_read:
-            return False
-        now = time.monotonic()
-        for k in [k for k, t in self._no_read.items() if t <= now]:
-            del self._no_read[k]
-        return None in self._no_read or tenant in self._no_read
-
     MISS_MEMO_S = 2.0  # a page T2 lacked is not asked for again for this long
 
     def _recently_missed(self, h: bytes) -> bool:
