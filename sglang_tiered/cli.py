@@ -75,6 +75,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from sglang_tiered.dev.server import Server, ServerSpec
 
     model = args.model  # (make serve passes MODEL=... as --model)
+    if model and not pathlib.Path(model).exists():
+        raise ValueError(f"--model {model}: no such folder or file (a local model path; nothing is downloaded)")
     if not model:
         from sglang_tiered.dev.tiny_model import build_model
 
@@ -91,7 +93,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     log = pathlib.Path(args.log or "logs/serve.log")
     server = Server(spec, log)
     print(f"starting: {' '.join(spec.argv())}\n(log: {log})", flush=True)
-    server.start(timeout_s=args.start_timeout)
+
+    def on_term(*_):
+        raise KeyboardInterrupt
+
+    # before start(): a SIGTERM or Ctrl-C while the model loads stops the child too (it runs in its
+    # own session; review, session 23: it was left running under init)
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        server.start(timeout_s=args.start_timeout)
+    except KeyboardInterrupt:
+        return 130
     print(
         f"\nsglang-tiered is serving {model} at {server.url}  (cache backend: tiered)\n"
         "try:\n"
@@ -101,10 +113,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "Ctrl-C stops it.",
         flush=True,
     )
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     try:
-        while not stop["now"] and server.proc.poll() is None:
+        while server.proc.poll() is None:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
@@ -164,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     b = sub.add_parser("build-model", help="build the built-in tiny Llama and print its folder")
-    b.add_argument("--layers", type=int, default=4)
-    b.add_argument("--context", type=int, default=4096)
+    b.add_argument("--layers", type=_whole(1, 1024), default=4)
+    b.add_argument("--context", type=_whole(16, 1 << 24), default=4096)
     b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     b.set_defaults(func=_cmd_build_model)
 
@@ -177,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-total-tokens", type=_POSITIVE, default=default_max_total_tokens())
     s.add_argument("--tp", type=_POSITIVE, default=1)
     s.add_argument("--log", help="server log file (default logs/serve.log)")
-    s.add_argument("--start-timeout", type=float, default=300.0)
+    s.add_argument("--start-timeout", type=_number(0.0, above=True), default=300.0)
     s.add_argument("sglang_args", nargs=argparse.REMAINDER, help="extra sglang.launch_server args after --")
     s.set_defaults(func=_cmd_serve)
 
@@ -220,12 +230,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="largest request body in MiB (default 1024)")
     r.set_defaults(func=_cmd_route)
 
+    from sglang_tiered.dev.server import ServerStartError
+
     args = ap.parse_args(argv)
     if getattr(args, "sglang_args", None) and args.sglang_args[0] == "--":
         args.sglang_args = args.sglang_args[1:]
     try:
         return args.func(args)
-    except (OSError, ValueError) as exc:  # a missing or malformed file, a bad model: say so, no traceback
+    except (OSError, ValueError, ServerStartError) as exc:  # a missing or malformed file, a bad model: say so, no traceback
         ap.exit(2, f"sglang-tiered {args.cmd}: {exc}\n")
 
 

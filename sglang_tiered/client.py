@@ -37,11 +37,20 @@ BORDERLINE_FRACTION = 0.5  # an execution is borderline when a signal reaches ha
 SKIP_SAVE_KEY = "lmcache.skip_save"
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
 def _env_bool(name: str) -> bool:
+    """A yes/no knob; anything else is a ``ValueError`` (a typo such as ``flase`` meant "on"
+    before session 23), as the numeric knobs are."""
     v = os.environ.get(name)
     if v is None:
         return DEFAULTS[name]
-    return v.strip().lower() not in ("0", "false", "no", "off", "")
+    w = v.strip().lower()
+    if w not in _TRUE + _FALSE:
+        raise ValueError(f"{name}={v!r}: expected one of {', '.join(x for x in _TRUE + _FALSE if x)}")
+    return w in _TRUE
 
 
 def _env_num(name: str, kind):
@@ -105,6 +114,8 @@ class KVCacheLayeringPolicy:
         min_history_turns: Optional[int] = None,
         chars_per_token: Optional[float] = None,
     ):
+        if enabled is not None and not isinstance(enabled, bool):
+            raise ValueError(f"enabled must be True, False or None, got {enabled!r}")  # ("false" was on)
         self._enabled = enabled
         self._min_prefix = min_prefix_tokens
         self._min_context = min_context_tokens

@@ -105,3 +105,11 @@ def test_edge_prompts_do_not_crash_or_leak(tiered_server):
     assert greedy(tiered_server, make_prompt(1, 400))["meta_info"]["cached_tokens"] >= 0
     status, _ = tiered_server.request("GET", "/health")
     assert status == 200
+
+
+def test_a_stock_server_beside_the_plugin_is_sglangs_own(reference_server):
+    """The plugin is installed in this environment, but the reference server did not ask for the
+    tiered backend: no /cache/* routes and no request middleware (review, session 23: both were
+    mounted on every server)."""
+    assert reference_server.request("GET", "/cache/stats")[0] == 404
+    assert "mounted /cache/stats" not in reference_server.log_path.read_text(errors="replace")

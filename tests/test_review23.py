@@ -702,3 +702,115 @@ def test_a_dead_servers_field_leaves_a_shared_page():
         r.hset(page_key(h), mapping=fresh)
         pub._send([h], [])
         assert len(r.hkeys(page_key(h))) == 2 * FIELDS_SWEPT + 1  # live peers stay
+
+
+# ---------------------------------------------------------------------- stock SGLang stays stock (review, session 23)
+def test_a_stock_server_gets_no_routes_and_no_middleware(monkeypatch):
+    """The HTTP hook mounted /cache/* and the request middleware on every server of a machine
+    where the package is installed, tiered or not."""
+    from sglang_tiered.integration import hooks, http
+
+    def boom():
+        raise AssertionError("installed on a stock server")
+
+    monkeypatch.setattr(http, "install", boom)
+    assert hooks._before_http_server(NS(radix_cache_backend=None, tokenizer_worker_num=1)) is None
+    assert hooks._before_http_server(NS(radix_cache_backend="lru", tokenizer_worker_num=4)) is None
+
+
+def test_a_bad_variable_does_not_stop_a_stock_process(monkeypatch, caplog):
+    """register() runs in every SGLang process; a bad SGLANG_TIERED_* variable stopped stock
+    servers (exit 2). It now warns; a tiered launch stops in the server-args hook instead."""
+    from sglang_tiered.integration import hooks, plugin
+
+    monkeypatch.setenv("SGLANG_TIERED_HOST_GBS", "1")
+    with caplog.at_level("WARNING", logger="sglang_tiered"):
+        plugin.register()  # no SystemExit
+    assert "invalid configuration" in caplog.text
+    assert hooks._before_check_server_args(NS(radix_cache_backend=None)) is None
+    with pytest.raises(SystemExit) as exc:
+        hooks._before_check_server_args(NS(radix_cache_backend="tiered", tp_size=1, pp_size=1, dp_size=1))
+    assert exc.value.code == 2
+
+
+def test_prefix_attention_serves_tiered_servers_only(monkeypatch):
+    """SGLANG_TIERED_PREFIX_ATTENTION=on replaced torch_native attention for every server of
+    the process, stock ones included."""
+    from sglang.srt.layers.attention import attention_registry as reg
+
+    from sglang_tiered.integration import prefix_attention as pa
+
+    monkeypatch.setattr(pa, "_INSTALLED", False)
+    monkeypatch.setitem(reg.ATTENTION_BACKENDS, "torch_native", lambda runner: ("sglang's", runner))
+    pa.install()
+    factory = reg.ATTENTION_BACKENDS["torch_native"]
+    runner = NS(server_args=NS(radix_cache_backend=None))
+    assert factory(runner) == ("sglang's", runner)
+
+
+# ---------------------------------------------------------------------- CLI and client (review, session 23)
+def test_serve_refuses_a_taken_port_and_a_missing_model(tmp_path):
+    """SGLang binds its port only after loading the model, so ``serve`` took whatever answered on
+    a taken port for its own server; a mistyped model path was a traceback and a hub lookup."""
+    import socket
+    import subprocess
+    import sys
+
+    from sglang_tiered.dev.server import Server, ServerSpec, ServerStartError
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        sk.listen()
+        port = sk.getsockname()[1]
+        with pytest.raises(ServerStartError, match="in use"):
+            Server(ServerSpec(model_path=str(tmp_path), port=port), tmp_path / "log").start(timeout_s=5)
+    out = subprocess.run([sys.executable, "-m", "sglang_tiered.cli", "serve", "--model", str(tmp_path / "typo")],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2 and "no such folder or file" in out.stderr and "Traceback" not in out.stderr
+    for argv in (["build-model", "--layers", "-1"], ["build-model", "--context", "0"],
+                 ["serve", "--start-timeout", "nan"]):  # fmt: skip
+        out = subprocess.run([sys.executable, "-m", "sglang_tiered.cli", *argv], capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+        assert out.returncode == 2 and "Traceback" not in out.stderr, (argv, out.stderr)
+
+
+def test_serve_stops_its_server_when_interrupted_while_it_starts(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) while the model loaded left the server running under init: it runs in
+    its own session. ``Server.start`` now stops the child on any interruption."""
+    import subprocess
+    import sys
+
+    from sglang_tiered.dev import server as srv
+
+    script = tmp_path / "slow.py"
+    script.write_text("import time\ntime.sleep(300)\n")
+    spec = srv.ServerSpec(model_path=str(tmp_path))
+    monkeypatch.setattr(srv.ServerSpec, "argv", lambda self: [sys.executable, str(script)])
+    s = srv.Server(spec, tmp_path / "log")
+
+    def interrupt(_timeout):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(s, "wait_ready", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        s.start()
+    assert s.proc.poll() is not None  # stopped, not orphaned
+    assert subprocess.run(["pgrep", "-f", str(script)], capture_output=True).returncode == 1
+
+
+def test_plan_and_client_knobs_refuse_nonsense(monkeypatch):
+    from sglang_tiered.client import KVCacheLayeringPolicy
+    from sglang_tiered.core.planner import ModelShape
+
+    for cfg in ([1], {"num_attention_heads": 0, "hidden_size": 64, "num_hidden_layers": 2},
+                {"num_attention_heads": "8", "hidden_size": 64, "num_hidden_layers": 2},
+                {"num_attention_heads": 8, "hidden_size": 64, "num_hidden_layers": -2}):  # fmt: skip
+        with pytest.raises(ValueError):
+            ModelShape.from_config(cfg)
+    monkeypatch.setenv("KV_CACHE_LAYERING", "flase")
+    with pytest.raises(ValueError, match="KV_CACHE_LAYERING"):
+        assert KVCacheLayeringPolicy().enabled
+    monkeypatch.setenv("KV_CACHE_LAYERING", "off")
+    assert not KVCacheLayeringPolicy().enabled
+    with pytest.raises(ValueError):
+        KVCacheLayeringPolicy(enabled="false")

@@ -31,7 +31,17 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: dict, params: float | None = None) -> "ModelShape":
+        if not isinstance(cfg, dict):
+            raise ValueError("the model config is not a JSON object")
         cfg = cfg.get("text_config", cfg)
+        if not isinstance(cfg, dict):
+            raise ValueError("the model config's text_config is not a JSON object")
+        for name in ("num_attention_heads", "hidden_size", "num_hidden_layers", "num_key_value_heads",
+                     "head_dim", "intermediate_size", "vocab_size"):  # fmt: skip
+            v = cfg.get(name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                # (a 0 divided, a string raised, a negative printed negative times: review, session 23)
+                raise ValueError(f"the model config's {name} must be a whole number >= 1, got {v!r}")
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // heads

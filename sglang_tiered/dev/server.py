@@ -28,6 +28,8 @@ def cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # nothing downloads at run time: a mistyped local path must not become a hub download
+    env.setdefault("HF_HUB_OFFLINE", "1")
     if extra:
         env.update(extra)
     return env
@@ -106,6 +108,16 @@ class Server:
         return f"http://{self.spec.host}:{self.spec.port}"
 
     def start(self, timeout_s: float = 240.0) -> "Server":
+        import socket
+
+        # SGLang binds its port only after the model loaded: whatever answers there before is
+        # another process, which wait_ready would take for this server (review, session 23)
+        with socket.socket(socket.AF_INET6 if ":" in self.spec.host else socket.AF_INET) as sk:
+            sk.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as SGLang's server: TIME_WAIT is free)
+            try:
+                sk.bind((self.spec.host, self.spec.port))
+            except OSError as exc:
+                raise ServerStartError(f"port {self.spec.port} on {self.spec.host} is in use ({exc.strerror})") from None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = cpu_env(self.spec.env)
         if self.spec.tp > 1:
@@ -116,7 +128,11 @@ class Server:
             cwd=self.spec.cwd,
         )
         log.close()
-        self.wait_ready(timeout_s)
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:  # (Ctrl-C, SIGTERM, not ready): the child is in its own session
+            self.stop()
+            raise
         return self
 
     def log_tail(self, n: int = 60) -> str:

@@ -167,6 +167,11 @@ def _before_http_server(*args, **kwargs):
     from sglang_tiered.integration.http import install
 
     server_args = args[0] if args else kwargs.get("server_args")
+    if getattr(server_args, "radix_cache_backend", None) != BACKEND_NAME:
+        # a server that did not ask for the tiered backend is SGLang's own: no routes, no
+        # middleware (review, session 23: every stock server got /cache/*, and the middleware's
+        # rewrites and refusals)
+        return None
     workers = int(getattr(server_args, "tokenizer_worker_num", 1) or 1)
     if workers > 1:
         # Extra tokenizer workers re-import SGLang's app without our middleware and routes.
@@ -181,11 +186,18 @@ def _before_http_server(*args, **kwargs):
 
 
 def _before_check_server_args(server_args, *args, **kwargs):
+    """In the launcher, before any scheduler starts, for the tiered backend only: the environment
+    (``load_config``, which plugin.register only warns about: a stock server must not stop for
+    our variables), SGLang's own arguments, and the named T1's owner lock."""
     from sglang_tiered.config import ConfigError, check_server_args, load_config
+    from sglang_tiered.integration.plugin import _claim_named_host_tier
+
     if getattr(server_args, "radix_cache_backend", None) != BACKEND_NAME:
         return None
     try:
-        check_server_args(load_config(), server_args)
+        cfg = load_config()
+        check_server_args(cfg, server_args)
+        _claim_named_host_tier(cfg)
     except ConfigError as exc:
         msg = f"sglang-tiered: invalid configuration: {exc}"
         logger.error(msg)

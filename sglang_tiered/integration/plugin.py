@@ -62,16 +62,15 @@ def register() -> None:
     """Entry point: check compatibility, then register the ``tiered`` backend once per process."""
     from sglang_tiered.config import ConfigError, load_config
 
+    # This runs in every SGLang process of a machine where the package is installed, whatever the
+    # backend: a bad SGLANG_TIERED_* variable must not stop a stock server (review, session 23).
+    # The launch of a tiered server is stopped by the server-args hook (hooks.py), before the
+    # model loads, which also takes the named T1's owner lock.
     try:
         cfg = load_config()
-        _claim_named_host_tier(cfg)
     except ConfigError as exc:
-        # Bad configuration fails fast, before the model loads: stop the launch itself (SGLang
-        # only swallows Exception subclasses).
-        msg = f"sglang-tiered: invalid configuration: {exc}"
-        logger.error(msg)
-        print(msg, file=sys.stderr, flush=True)
-        raise SystemExit(2) from exc
+        cfg = None
+        logger.warning("sglang-tiered: invalid configuration (a --radix-cache-backend tiered launch stops on it): %s", exc)
     from sglang_tiered.config import lifetime_id
 
     lifetime_id()  # in the launcher: set before any scheduler starts, so all of them inherit it
@@ -89,10 +88,10 @@ def register() -> None:
             from sglang_tiered.integration.hooks import register_hooks
 
             register_hooks()
-        if cfg.prefix_attention:
+        if cfg is not None and cfg.prefix_attention:
             from sglang_tiered.integration.prefix_attention import install
 
-            install()
+            install()  # (the attention backend it registers serves tiered servers only)
     except Exception as exc:
         # SGLang logs and swallows plugin exceptions; make sure the cause is impossible to miss.
         msg = f"sglang-tiered: plugin registration failed: {exc}"

@@ -102,12 +102,19 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
+    from sglang.srt.layers.attention import attention_registry
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
 
+    from sglang_tiered.integration.protocol import BACKEND_NAME
+
     cls = _backend_class()
+    sglangs = attention_registry.ATTENTION_BACKENDS.get("torch_native")
 
     @register_attention_backend("torch_native")
     def create_prefix_rows_torch_native_backend(runner):
+        sa = getattr(runner, "server_args", None)
+        if sglangs is not None and getattr(sa, "radix_cache_backend", None) != BACKEND_NAME:
+            return sglangs(runner)  # a stock server keeps SGLang's own (review, session 23)
         # logged here, not at install: the plugin loads before SGLang configures its logging
         logger.info("sglang-tiered: torch_native extend attention computes only new rows "
                     "(SGLANG_TIERED_PREFIX_ATTENTION=on)")  # fmt: skip
