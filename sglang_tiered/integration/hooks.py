@@ -185,13 +185,30 @@ def _before_http_server(*args, **kwargs):
     return None
 
 
+def _claim_named_host_tier(cfg) -> None:
+    """In the launcher: own the named T1 for this server's lifetime (one writer per file), before
+    any scheduler starts; a second live server with the same name stops here with exit code 2."""
+    import multiprocessing
+
+    if not cfg.host_name or cfg.host_mode == "off":
+        return
+    from sglang_tiered.config import ConfigError
+    from sglang_tiered.tier.host_pool import HostPoolError, acquire_owner, inherited_owner
+
+    if multiprocessing.current_process().name != "MainProcess" or inherited_owner(cfg.host_name):
+        return  # a process of this server: schedulers check the launcher's token when they map T1
+
+    try:
+        acquire_owner(cfg.host_name, export=True)
+    except HostPoolError as exc:
+        raise ConfigError(f"SGLANG_TIERED_HOST_NAME={cfg.host_name!r}: {exc}") from None
+
+
 def _before_check_server_args(server_args, *args, **kwargs):
     """In the launcher, before any scheduler starts, for the tiered backend only: the environment
     (``load_config``, which plugin.register only warns about: a stock server must not stop for
     our variables), SGLang's own arguments, and the named T1's owner lock."""
     from sglang_tiered.config import ConfigError, check_server_args, load_config
-    from sglang_tiered.integration.plugin import _claim_named_host_tier
-
     if getattr(server_args, "radix_cache_backend", None) != BACKEND_NAME:
         return None
     try:

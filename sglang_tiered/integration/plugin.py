@@ -39,25 +39,6 @@ def tiered_cache_factory(ctx):
     return cache
 
 
-def _claim_named_host_tier(cfg) -> None:
-    """In the launcher: own the named T1 for this server's lifetime (one writer per file), before
-    any scheduler starts; a second live server with the same name stops here with exit code 2."""
-    import multiprocessing
-
-    if not cfg.host_name or cfg.host_mode == "off":
-        return
-    from sglang_tiered.config import ConfigError
-    from sglang_tiered.tier.host_pool import HostPoolError, acquire_owner, inherited_owner
-
-    if multiprocessing.current_process().name != "MainProcess" or inherited_owner(cfg.host_name):
-        return  # a process of this server: schedulers check the launcher's token when they map T1
-
-    try:
-        acquire_owner(cfg.host_name, export=True)
-    except HostPoolError as exc:
-        raise ConfigError(f"SGLANG_TIERED_HOST_NAME={cfg.host_name!r}: {exc}") from None
-
-
 def register() -> None:
     """Entry point: check compatibility, then register the ``tiered`` backend once per process."""
     from sglang_tiered.config import ConfigError, load_config
