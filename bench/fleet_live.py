@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.live_compare import stream_generate  # noqa: E402
 from bench.trace_replay import environment  # noqa: E402
-from sglang_tiered.dev.server import Server, ServerSpec, add_threads_option, free_port, use_server_threads  # noqa: E402
+from sglang_tiered.dev.server import (Server, ServerSpec, add_threads_option, free_port, start_redis,  # noqa: E402
+                                      use_server_threads)
 from sglang_tiered.dev.workloads import multi_tenant  # noqa: E402
 
 LOGS = ROOT / "logs" / "fleet_live"
@@ -252,8 +253,7 @@ def main(argv=None) -> int:
     try:
         rport = free_port()
         redis_url = f"redis://127.0.0.1:{rport}/0"
-        procs.append(subprocess.Popen([shutil.which("redis-server"), "--port", str(rport), "--bind", "127.0.0.1",
-                                       "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL))  # fmt: skip
+        procs.append(start_redis(rport))
         ports = server_ports(4)  # 3 tiered servers + the no-cache reference
         for i in range(3):
             port = ports[i]

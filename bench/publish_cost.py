@@ -8,9 +8,6 @@
 from __future__ import annotations
 
 import pathlib
-import shutil
-import socket
-import subprocess
 import sys
 import time
 
@@ -20,22 +17,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 def main() -> int:
     import redis
 
+    from sglang_tiered.dev.server import free_port, start_redis
     from sglang_tiered.fleet.index import page_key
     from sglang_tiered.fleet.publisher import IndexPublisher
 
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    p = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                          "--appendonly", "no"], stdout=subprocess.DEVNULL)  # fmt: skip
+    port = free_port()
+    p = start_redis(port)
     try:
         r = redis.Redis(port=port)
-        for _ in range(100):
-            try:
-                r.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
         pub = IndexPublisher(f"redis://127.0.0.1:{port}/0", "w", ttl_s=30, start=False)
         pub._client = pub._connect()
         pages = [i.to_bytes(16, "little") for i in range(4096)]

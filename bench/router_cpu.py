@@ -26,7 +26,6 @@ import concurrent.futures as cf
 import json
 import os
 import pathlib
-import shutil
 import signal
 import statistics
 import subprocess
@@ -37,6 +36,8 @@ import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from sglang_tiered.dev.server import free_port, start_redis  # noqa: E402
 
 # ---------------------------------------------------------------------------- stub workers
 STUB = r'''
@@ -130,13 +131,6 @@ R.serve(sys.argv[6:], sys.argv[3], host="127.0.0.1", port=int(sys.argv[4]), mode
 '''
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def wait_http(url: str, timeout: float = 120.0) -> None:
     t_end = time.time() + timeout
@@ -219,8 +213,7 @@ def fleet(model: str, first_token_ms: float):
     try:
         rport = free_port()
         redis_url = f"redis://127.0.0.1:{rport}/0"
-        procs.append(subprocess.Popen([shutil.which("redis-server"), "--port", str(rport), "--bind", "127.0.0.1",
-                                       "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL))  # fmt: skip
+        procs.append(start_redis(rport))
         ports = [free_port() for _ in range(3)]
         stub = subprocess.Popen([sys.executable, "-c", STUB, model, redis_url, str(first_token_ms / 1e3),
                                  *map(str, ports)], env={**os.environ, "PYTHONPATH": str(ROOT)},

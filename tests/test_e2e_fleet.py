@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -34,21 +33,12 @@ def _get(url, timeout=10):
 
 
 def start_redis(port: int, log) -> subprocess.Popen:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
-    p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                         stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-    import socket
+    from sglang_tiered.dev.server import RedisMissing, start_redis as start
 
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return p
-        except OSError:
-            time.sleep(0.05)
-    p.kill()
-    raise RuntimeError("redis-server did not start")
+    try:
+        return start(port, log)
+    except RedisMissing as exc:
+        pytest.skip(str(exc))
 
 
 def start_router(workers, redis_url, port, model, log) -> subprocess.Popen:

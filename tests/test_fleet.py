@@ -465,29 +465,17 @@ def test_publisher_batch_last_event_wins():
 
 @contextlib.contextmanager
 def _redis_server():
-    """A throwaway redis-server on 127.0.0.1 (skips the test when none is installed), answering
-    pings: yields (process, port); killed at exit."""
-    import shutil
-    import socket
-    import subprocess
+    """A throwaway redis-server on 127.0.0.1 (skips the test when none is installed), accepting
+    connections: yields (process, port); killed at exit."""
+    from sglang_tiered.dev.server import RedisMissing, free_port, start_redis
 
-    redis = pytest.importorskip("redis")
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed")
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                         stdout=subprocess.DEVNULL)  # fmt: skip
+    pytest.importorskip("redis")
+    port = free_port()
     try:
-        r = redis.Redis(port=port)
-        for _ in range(100):
-            try:
-                r.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
+        p = start_redis(port)
+    except RedisMissing as exc:
+        pytest.skip(str(exc))
+    try:
         yield p, port
     finally:
         p.kill()

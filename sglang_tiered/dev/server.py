@@ -24,6 +24,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class RedisMissing(RuntimeError):
+    pass
+
+
+def start_redis(port: int, log=subprocess.DEVNULL, timeout_s: float = 10.0) -> subprocess.Popen:
+    """A throwaway ``redis-server`` on 127.0.0.1:``port`` (no persistence), returned once it
+    accepts connections; ``RedisMissing`` when it is not installed (tests skip on it). One helper
+    for the tests and the benchmarks, which each started their own."""
+    import shutil
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RedisMissing("redis-server is not installed (apt-get install -y redis-server)")
+    p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                         stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and p.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return p
+        except OSError:
+            time.sleep(0.05)
+    p.kill()
+    p.wait(timeout=10)
+    raise RuntimeError(f"redis-server did not start on 127.0.0.1:{port}")
+
+
 def cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -108,8 +135,6 @@ class Server:
         return f"http://{self.spec.host}:{self.spec.port}"
 
     def start(self, timeout_s: float = 240.0) -> "Server":
-        import socket
-
         # SGLang binds its port only after the model loaded: whatever answers there before is
         # another process, which wait_ready would take for this server (review, session 23)
         with socket.socket(socket.AF_INET6 if ":" in self.spec.host else socket.AF_INET) as sk:
