@@ -275,6 +275,13 @@ def _text(env, field: str) -> Optional[str]:
     return env.get(ENV[field]) or None
 
 
+def _on_off(env, field: str, default: str) -> bool:
+    v = env.get(ENV[field], default).strip().lower()
+    if v not in ("on", "off"):
+        raise ConfigError(f"{ENV[field]}={v!r}: expected on or off")
+    return v == "on"
+
+
 def _t2(env) -> Optional[T2Config]:
     url = (env.get(ENV["t2"]) or "").strip()
     if not url:
@@ -292,12 +299,6 @@ def load_config(env=None) -> TieredConfig:
     debug = env.get(ENV["debug"], "0").strip()
     if debug not in ("0", "1"):
         raise ConfigError(f"SGLANG_TIERED_DEBUG={debug!r}: expected 0 or 1")
-    pa = env.get(ENV["prefix_attention"], "off").strip().lower()
-    if pa not in ("on", "off"):
-        raise ConfigError(f"SGLANG_TIERED_PREFIX_ATTENTION={pa!r}: expected on or off")
-    iv = env.get(ENV["identity_versions"], "on").strip().lower()
-    if iv not in ("on", "off"):
-        raise ConfigError(f"SGLANG_TIERED_IDENTITY_VERSIONS={iv!r}: expected on or off")
     labels = (env.get(ENV["tenant_labels"]) or "").strip().lower() or None
     fields = {
         "host_mode": env.get(ENV["host_mode"], "auto").strip().lower(),
@@ -306,7 +307,7 @@ def load_config(env=None) -> TieredConfig:
         "host_name": _text(env, "host_name"),
         "tenant_header": _text(env, "tenant_header"),
         "tenant_labels": labels,
-        "identity_versions": iv == "on",
+        "identity_versions": _on_off(env, "identity_versions", "on"),
         "debug": debug == "1",
         "store": env.get(ENV["store"], "async").strip().lower(),
         "store_queue_pages": _pages(env, "store_queue_pages", 1, MAX_STORE_QUEUE_PAGES),
@@ -314,7 +315,7 @@ def load_config(env=None) -> TieredConfig:
         "server_id": _text(env, "server_id"),
         "index_ttl_s": _float(env, "index_ttl_s"),
         "t2": _t2(env),
-        "prefix_attention": pa == "on",
+        "prefix_attention": _on_off(env, "prefix_attention", "off"),
         "guarantee": env.get(ENV["guarantee"], "strict").strip().lower(),
         "lru_tree_pages": _pages(env, "lru_tree_pages", 0, MAX_LRU_TREE_PAGES),
     }

@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import logging
 import time
@@ -914,8 +915,6 @@ class Router:
         """No admin key configured, or the request carries it (``Authorization: Bearer KEY``)."""
         if self.admin_api_key is None:
             return True
-        import hmac
-
         got = request.headers.get("authorization", "")
         return hmac.compare_digest(got.encode("utf-8", "surrogateescape"), f"Bearer {self.admin_api_key}".encode())
 
@@ -987,8 +986,9 @@ class Router:
         except ValueError as exc:
             return web.json_response({"error": {"message": str(exc)}}, status=400)
         live = [w for w in self.workers.values() if w.healthy] or list(self.workers.values())
-        fleet_wide = request.path == "/flush_cache" or (request.path == "/cache/invalidate" and request.method == "POST")
-        if request.path == "/cache/invalidate" and fleet_wide:
+        invalidate = request.path == "/cache/invalidate" and request.method == "POST"
+        fleet_wide = invalidate or request.path == "/flush_cache"
+        if invalidate:
             # every worker, with one T2 generation: they keep sharing the tenant's T2 pages after
             # it (each would take its own clock's), and none keeps serving what was invalidated
             # (session 23: the call reached one worker, and its peers kept the old KV, in T2 too)
@@ -1011,7 +1011,7 @@ class Router:
             async def one(ws):
                 try:
                     res = await send(ws, raw)
-                    if request.path == "/cache/invalidate" and res[1] == 400 and "generation" in res[2] and raw != plain:
+                    if invalidate and res[1] == 400 and "generation" in res[2] and raw != plain:
                         res = await send(ws, plain)
                     return res
                 except Exception as exc:  # noqa: BLE001

@@ -56,18 +56,17 @@ def setup_host_tier(cache, ctx, cfg) -> None:
         # every rank has T1, or none: a rank that could not build it (its memory check, a named
         # T1's owner lock taken by another rank) left the ranks deciding T1 hits apart (review,
         # session 23). Every rank gets here, whatever it decided (all decide alike but for errors).
-        from sglang_tiered.integration.host_setup import _agree, tp_agreement
+        from sglang_tiered.integration.host_setup import tp_agreement
 
-        group = getattr(ctx.params, "tp_cache_group", None)
-        if _agree(1 if host is not None else 0, group) == 0 and host is not None:
+        agree = tp_agreement(getattr(ctx.params, "tp_cache_group", None))
+        if agree is not None and not agree(host is not None) and host is not None:
             host.pool.close()
             host = None
             cache.host_decision = "off: another TP rank could not build T1"
             logger.warning("sglang-tiered: T1 %s", cache.host_decision)
-        if host is not None:
-            host.agree = tp_agreement(group)
-            if host.agree is not None:
-                logger.info("sglang-tiered: T1: the %d TP ranks agree on every transfer's outcome", cache.tp_size)
+        if host is not None and agree is not None:
+            host.agree = agree
+            logger.info("sglang-tiered: T1: the %d TP ranks agree on every transfer's outcome", cache.tp_size)
     if host is None:
         if cfg.t2 is not None:  # (T2 stages its pages in T1: review, session 18, it said "unset")
             cache.t2_decision = f"off: T2 needs T1 (T1 {cache.host_decision})"

@@ -109,19 +109,16 @@ def software_of() -> str:
     """The versions of the code that computes KV: ``sglang=..;torch=..;sglang-tiered=..``."""
     from importlib import metadata
 
-    parts = []
-    for dist in ("sglang", "torch", "sglang-tiered"):
-        try:
-            parts.append(f"{dist}={metadata.version(dist)}")
-        except metadata.PackageNotFoundError:
-            parts.append(f"{dist}=none")
-    try:
-        import torch
+    import torch
 
-        parts[1] = f"torch={torch.__version__}"  # the build (+cu130, +cpu), which metadata may lack
-    except ImportError:
-        pass
-    return ";".join(parts)
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "none"
+
+    # torch's own string carries the build (+cu130, +cpu), which the metadata may lack
+    return f"sglang={version('sglang')};torch={torch.__version__};sglang-tiered={version('sglang-tiered')}"
 
 
 def cache_key_from_context(ctx, *, versions: bool = True) -> CacheKey:

@@ -32,11 +32,10 @@ class Invalidation:
         self.count = 0  # invalidated nodes still held by running requests (V1)
         self.versions: dict[str, str] = {}  # identity names an invalidation may target
         self.last: dict = {}  # what the last HTTP invalidation dropped (stats)
+        self.generation: Optional[int] = None  # T2's generation given with the request being applied
 
     def reset(self) -> None:
         self.count = 0
-
-    generation: Optional[int] = None  # T2's generation given with the invalidation being applied
 
     def invalidate(self, *, tenant_hash: Optional[int] = None, version_hash: Optional[int] = None,
                    everything: bool = False) -> dict:  # fmt: skip

@@ -183,18 +183,16 @@ class TieredRadixCache(RadixCache):
         if self.t1 is not None and getattr(self, "root_node", None) is not None:
             if self.t1.paused or getattr(self, "_pending_key", None) is not None:
                 self.t1.drop_all()
-                self.t1.load_locks = []  # nodes of the tree being dropped (idle: none normally)
                 self.index.clear()
             elif self.kv_released:
                 self.t1.cancel_pending()
-                self.t1.load_locks = []
                 self.index.clear()  # device pages gone (T1's go unclaimed too: a missed hint, never wrong)
             else:
                 self.persist_to_host()
-                # (the persisted tree is dropped below: a lock still held on one of its nodes
-                # would be released into the new tree's counts. Idle flushes hold none; review,
-                # session 23: only a load-back whose batch never ran could)
-                self.t1.load_locks = []
+            # locks on nodes of the tree dropped below would be released into the new tree's
+            # counts (idle flushes hold none: only a load-back whose batch never ran; before
+            # session 23 the persist branch kept them)
+            self.t1.load_locks = []
         else:
             self.index.clear()
         super().reset()

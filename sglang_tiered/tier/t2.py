@@ -51,8 +51,12 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import fcntl
 import hashlib
+import json
 import logging
+import os
+import pathlib
 import re
 import threading
 import time
@@ -75,7 +79,7 @@ _FOOTER_MATCH = 48  # the footer repeats the header's id and write time
 _INVALIDATIONS = 65536  # tenants whose generation is kept (older ones: folded into everyone's)
 _MASK = 2**64 - 1
 KEY_ROOT = "sgt"
-KEY_FORMAT = "v3"  # the object format, in every key: another format's objects are never read
+KEY_FORMAT = f"v{FORMAT_VERSION}"  # the object format, in every key: another format's objects are never read
 FETCH_BUDGET_S = 2.0  # a fetch's transfer time at min_gbps, at most (the scheduler waits for it)
 
 
@@ -549,14 +553,11 @@ class T2Tier:
         a restart still holds after it."""
         if self.state_path is None:
             return
-        import json
-        import pathlib
-
         try:
             alls, tenants = _generations_doc(json.loads(pathlib.Path(self.state_path).read_text()))
         except FileNotFoundError:
             return
-        except (OSError, ValueError, TypeError, AttributeError) as exc:
+        except (OSError, ValueError, TypeError) as exc:
             # unreadable: every tenant moves to a generation of its own (safe: nothing old is read)
             self._invalidated_all = time.time_ns()
             logger.warning("sglang-tiered: T2 generations file %s unreadable (%s); starting a new generation",
@@ -572,11 +573,6 @@ class T2Tier:
         oldest past ``_INVALIDATIONS`` into it, as in memory."""
         if self.state_path is None:
             return
-        import fcntl
-        import json
-        import os
-        import pathlib
-
         path = pathlib.Path(self.state_path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -584,7 +580,7 @@ class T2Tier:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 try:
                     alls, tenants = _generations_doc(json.loads(path.read_text()))
-                except (OSError, ValueError, TypeError, AttributeError):
+                except (OSError, ValueError, TypeError):
                     alls, tenants = 0, {}
                 alls = max(alls, self._invalidated_all)
                 for t, g in self._invalidated.items():
