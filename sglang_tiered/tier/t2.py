@@ -302,7 +302,8 @@ class T2Tier:
         if not hashes or not self.may_hold(hashes[0], tenant):
             return 0
         t0 = time.perf_counter()
-        keys = [self.key(h, tenant) for h in hashes]
+        gen = self.generation(tenant)
+        keys = [self.key(h, tenant, gen) for h in hashes]
         n = self._leading_run(keys, hashes[0])
         stage = next((s for s in self._read if s.free), None) if n else None
         if stage is None:
