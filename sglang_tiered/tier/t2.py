@@ -40,7 +40,9 @@
 * **Never a stall on the request path.** Every store call runs on a helper thread and is waited
   for with a deadline (``timeout_ms`` plus the transfer time at ``min_gbps``); a call that fails or
   misses its deadline opens a circuit breaker (T2 skipped for 1 s, doubling to 60 s while it keeps
-  failing). A staging buffer whose call timed out is not reused until that call returns, so a late
+  failing). A put the store answers with error codes only (full, or refused) closes the writes
+  alone for that time: the store is up and its objects are still worth reading (before, a full
+  store stopped every read too). A staging buffer whose call timed out is not reused until that call returns, so a late
   transfer can never land in a buffer another request reads.
 * **Limits.** TP = 1 only (ranks of a TP > 1 server would have to agree on every probe, which needs
   a collective on the request path; T2 turns off there with a warning), and one pipeline stage
@@ -101,6 +103,7 @@ class T2Stats:
     dropped_pages: int = 0  # dropped here: the store was full or down (see T2Tier.dropped_pages for the total)
     failures: int = 0  # calls that errored or missed their deadline
     skipped_down: int = 0  # probes or writes skipped while the breaker was open
+    put_refused: int = 0  # puts the store answered with error codes only (full): writes paused
     invalidations: int = 0
     removed_objects: int = 0
     removed_bad: int = 0  # objects removed because they failed the checks (another format, torn)
@@ -180,6 +183,9 @@ class T2Tier:
         self.decision = "on"
         self._down_until = 0.0
         self._backoff = 1.0
+        # the writes' own breaker: a store that answers puts with error codes (full) is up for reads
+        self._writes_down_until = 0.0
+        self._write_backoff = 1.0
         self._invalidated: OrderedDict = OrderedDict()  # tenant hash -> its generation (last invalidation)
         self._invalidated_all = 0  # every tenant's generation is at least this (invalidation of all)
         self._load_generations()
@@ -263,6 +269,21 @@ class T2Tier:
 
     def _ok(self) -> None:
         self._backoff = 1.0
+
+    @property
+    def writes_up(self) -> bool:
+        """False while puts are skipped: the breaker is open, or the store refused a whole put."""
+        return self.up and time.monotonic() >= self._writes_down_until
+
+    def _refused(self, codes) -> None:
+        """The store answered a put with error codes only (full, or refusing): pause the writes
+        alone, 1 s doubling to 60 s while it keeps refusing; reads go on."""
+        self.stats.put_refused += 1
+        self._writes_down_until = time.monotonic() + self._write_backoff
+        if self.stats.put_refused == 1 or self._write_backoff >= 60:
+            logger.warning("sglang-tiered: T2 refused a put (codes %s); pausing writes for %.0f s",
+                           codes, self._write_backoff)  # fmt: skip
+        self._write_backoff = min(60.0, self._write_backoff * 2)
 
     def _call(self, what: str, fn, *args, nbytes: int = 0, staging: _Staging | None = None):
         """Run one store call on a helper thread with a deadline; None on error or timeout."""
@@ -431,7 +452,7 @@ class T2Tier:
         n = len(job.hashes)
         if not n:
             return
-        if not self.up:
+        if not self.writes_up:
             self.stats.skipped_down += n
             self.stats.dropped_pages += n
             return
@@ -456,14 +477,15 @@ class T2Tier:
             self.stats.dropped_pages += n
             return
         stored = sum(1 for r in res if r == 0)
-        if res and all(r < 0 for r in res):  # store down or full: back off (drops are counted)
-            self._failed("put", f"codes {sorted(set(res))[:3]}")
+        if res and all(r < 0 for r in res):  # full or refusing: pause writes (drops are counted)
+            self._refused(sorted(set(res))[:3])
         self.stats.stored_pages += stored
         self.stats.stored_bytes += stored * self.layout.page_bytes
         self.stats.dropped_pages += n - stored  # full store, or already there under lease
         self.stats.store_seconds += time.perf_counter() - t0
         if stored:
             self._ok()
+            self._write_backoff = 1.0
 
     # ------------------------------------------------------------------ invalidation
     def invalidate(self, *, tenant: int | None = None, everything: bool = False, generation: int | None = None) -> int:
@@ -629,6 +651,7 @@ class T2Tier:
         snap.update(
             name="t2", enabled=True, backend=self.cfg.url, decision=self.decision, available=self.up,
             down_for_s=round(max(0.0, self._down_until - time.monotonic()), 3),
+            writes_down_for_s=round(max(0.0, self._writes_down_until - time.monotonic()), 3),
             read_gbps=round(s.fetched_bytes / s.fetch_seconds / 1e9, 3) if s.fetch_seconds else None,
             write_gbps=round(s.stored_bytes / s.store_seconds / 1e9, 3) if s.store_seconds else None,
             dropped_pages=self.dropped_pages,

@@ -1,0 +1,87 @@
+"""Findings left open in session 23, fixed in session 24, each with the test that failed before
+its fix."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from tests.test_t2 import LAYOUT, ByteStore, H, page_data
+
+
+class FullStore(ByteStore):
+    """A store that answers puts with Mooncake's "no space" code while ``full`` (it is up: reads
+    of what it holds still work)."""
+
+    full = False
+
+    def put(self, keys, ptrs, sizes):
+        if self.full:
+            return [-200] * len(keys)
+        return super().put(keys, ptrs, sizes)
+
+
+def _t2(store):
+    from sglang_tiered.tier.host_pool import HostPool
+    from sglang_tiered.tier.t2 import T2Tier
+    from sglang_tiered.tier.t2_config import T2Config
+
+    cfg = T2Config(master="127.0.0.1:1", queue_pages=16, max_run_pages=4, timeout_ms=2000, lease_ms=0)
+    pool = HostPool(LAYOUT)
+    t2 = T2Tier(store, pool, threading.RLock(), cfg=cfg, model_tag="m")
+    t2.start()
+    return pool, t2
+
+
+def _write_t1(pool, t2, hashes, tenant):
+    pairs = pool.reserve(hashes, evict=True)
+    for h, slot in pairs:
+        pool.data[:, :, :, slot] = page_data(h, tenant)
+    pool.commit(pairs, tenant)
+    t2.flush()
+    assert t2.wait_idle()
+
+
+def test_a_full_store_pauses_writes_and_keeps_serving_reads():
+    """A put the store answered with error codes only (full) opened the one breaker, so every
+    read skipped T2 too, for up to 60 s while the store kept refusing: the pages it held were
+    recomputed. Now it pauses the writes alone; reads go on."""
+    store = FullStore()
+    pool, t2 = _t2(store)
+    try:
+        _write_t1(pool, t2, [H(i) for i in range(6)], 1)
+        _write_t1(pool, t2, [H(10 + i) for i in range(6)], 1)  # H(0..5) go to T2
+        assert t2.stats.stored_pages == 6
+        store.full = True
+        _write_t1(pool, t2, [H(20 + i) for i in range(6)], 1)  # H(10..15) refused
+        assert t2.stats.put_refused >= 1 and t2.stats.stored_pages == 6
+        assert not t2.writes_up and t2.up and t2.stats.failures == 0
+        snap = t2.snapshot()
+        assert snap["available"] and snap["writes_down_for_s"] > 0
+        got = t2.fetch([H(0), H(1)], 1)  # the store still holds them: served
+        assert got == 2
+        slot = pool.slot_of[H(0)]
+        assert torch.equal(pool.data[:, :, :, slot], page_data(H(0), 1))
+        # once the store has room and the pause is over, writes land again
+        store.full = False
+        t2._writes_down_until = time.monotonic()
+        _write_t1(pool, t2, [H(30 + i) for i in range(6)], 1)
+        assert t2.stats.stored_pages > 6 and t2._write_backoff == 1.0
+    finally:
+        t2.close()
+
+
+def test_a_store_that_fails_still_closes_reads_and_writes():
+    """Errors and missed deadlines (the store unreachable) still open the breaker for both."""
+    store = FullStore()
+    pool, t2 = _t2(store)
+    try:
+        _write_t1(pool, t2, [H(i) for i in range(6)], 1)
+        store.fault = "fail"
+        _write_t1(pool, t2, [H(10 + i) for i in range(6)], 1)
+        assert t2.stats.failures >= 1 and not t2.up and not t2.writes_up
+        assert t2.fetch([H(0)], 1) == 0 and t2.stats.skipped_down >= 1
+    finally:
+        t2.close()
