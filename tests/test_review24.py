@@ -85,3 +85,46 @@ def test_a_store_that_fails_still_closes_reads_and_writes():
         assert t2.fetch([H(0)], 1) == 0 and t2.stats.skipped_down >= 1
     finally:
         t2.close()
+
+
+def test_router_parses_a_big_body_off_the_event_loop(monkeypatch):
+    """A body of many MiB was parsed by ``json.loads`` on the router's event loop (a 64 MiB one:
+    about a second in which no other stream moved). Now a body over ``BIG_PROMPT_CHARS`` is
+    parsed, and its prompt taken, on a worker thread; small ones stay on the loop (cheaper)."""
+    import asyncio
+    import json
+
+    import aiohttp
+
+    from sglang_tiered.fleet import router as router_mod
+    from tests.test_fleet_hardening import _echo_worker, _serve
+
+    threads: list = []
+    parse = router_mod._parse_body
+
+    def spy(raw):
+        threads.append((len(raw), threading.current_thread() is threading.main_thread()))
+        return parse(raw)
+
+    monkeypatch.setattr(router_mod, "_parse_body", spy)
+
+    async def main():
+        hits: list = []
+        w_runner, w_url = await _serve(_echo_worker(hits))
+        router = router_mod.Router([w_url], None, load_poll_s=0, model_path="")
+        r_runner, r_url = await _serve(router.app())
+        try:
+            async with aiohttp.ClientSession() as s:
+                small = json.dumps({"input_ids": list(range(64))})
+                big = json.dumps({"input_ids": list(range(100_000, 100_000 + 40_000))})
+                assert len(big) > router_mod.BIG_PROMPT_CHARS
+                for body in (small, big, "{not json" + " " * router_mod.BIG_PROMPT_CHARS):
+                    async with s.post(r_url + "/generate", data=body) as resp:
+                        assert resp.status == 200
+        finally:
+            await r_runner.cleanup()
+            await w_runner.cleanup()
+        assert [on_loop for _, on_loop in threads] == [True, False, False]
+        assert len(hits) == 3  # each forwarded whole (a body that is not JSON too: the worker answers it)
+
+    asyncio.run(main())

@@ -91,7 +91,16 @@ SLOW_LOOKUPS_DOWN = 3  # index lookups timing out in a row before the index is t
 MEMORY_KEY = CacheKey(model_id="sglang-tiered-router-memory")  # seeds the routing memory's page chain
 DEFAULT_PAGE_SIZE = 16  # until the workers' own is known (SGLang's default is 1; CUDA backends often 16+)
 KEY_REFRESH_S = 2.0  # the workers' CacheKeys are re-read this often
-BIG_PROMPT_CHARS = 1 << 16  # prompts longer than this are tokenized off the event loop
+BIG_PROMPT_CHARS = 1 << 16  # bodies longer than this are parsed and tokenized off the event loop
+
+
+def _parse_body(raw: bytes):
+    """A request body as JSON; ``{}`` when it is not JSON (or nests deeper than the parser goes):
+    such a body routes by affinity and load, and the worker answers it."""
+    try:
+        return json.loads(raw) if raw else {}
+    except (ValueError, RecursionError):
+        return {}
 DECISIONS_KEPT = 4096  # /router/decisions: the last this many (bounded; about 1 KiB each)
 # request headers not forwarded as they came (aiohttp sets them for the upstream request) ...
 HOP_REQUEST_HEADERS = frozenset(("host", "content-length", "transfer-encoding", "connection", "te", "upgrade",
@@ -759,10 +768,11 @@ class Router:
 
         t0 = time.perf_counter()
         raw = await request.read()
-        try:
-            body = json.loads(raw) if raw else {}
-        except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
-            body = {}
+        # a body of many MiB is parsed (and its prompt tokenized) off the event loop: on it, a
+        # 64 MiB body stalled every stream the router proxied (review, session 23)
+        big = len(raw) > BIG_PROMPT_CHARS
+        loop = asyncio.get_running_loop()
+        body = await loop.run_in_executor(None, _parse_body, raw) if big else _parse_body(raw)
         try:
             headers = self._upstream_headers(request)
         except ValueError as exc:
@@ -782,11 +792,10 @@ class Router:
         try:  # the prompt only steers locality: anything odd routes by affinity + load instead
             if not isinstance(body, dict):
                 tokens = array("q")
-            elif len(raw) > BIG_PROMPT_CHARS and self.tokenizer is not None:
+            elif big:
                 # a 4 MiB prompt tokenized on the event loop stalled every stream the router
                 # proxied for 7 s (review, session 19)
-                loop = asyncio.get_running_loop()
-                tokens = token_array(await loop.run_in_executor(None, self.tokens_of, path, body))
+                tokens = await loop.run_in_executor(None, lambda: token_array(self.tokens_of(path, body)))
             else:
                 tokens = token_array(self.tokens_of(path, body))
         except Exception:  # noqa: BLE001
