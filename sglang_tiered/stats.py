@@ -75,6 +75,7 @@ class T2TierStats(msgspec.Struct, kw_only=True):
     available: bool = False  # False while the circuit breaker skips T2 (after an error or timeout)
     down_for_s: float = 0.0
     writes_down_for_s: float = 0.0  # puts paused after the store refused a whole put (full)
+    host_bytes: int = 0  # host memory T2 takes beside T1 at most (staging buffers, store queue)
     probes: int = 0  # batched existence checks
     probe_pages_hit: int = 0
     fetched_pages: int = 0  # verified pages brought into T1 (then promoted like T1 hits)

@@ -128,3 +128,36 @@ def test_router_parses_a_big_body_off_the_event_loop(monkeypatch):
         assert len(hits) == 3  # each forwarded whole (a body that is not JSON too: the worker answers it)
 
     asyncio.run(main())
+
+
+def test_t2_is_built_only_where_its_host_memory_is_available(monkeypatch):
+    """T2's staging buffers and store-queue copies (1.5 + 2.0 GiB for an 8B model at the
+    defaults) were neither counted nor checked beside T1: a host sized for T1 alone could run out
+    of memory once the queue filled. Now T2 stays off, with the reason, where the memory is not
+    available, and its stats report what it takes."""
+    import types
+
+    from sglang_tiered.integration import t2_setup as t2s
+    from sglang_tiered.tier.t2 import t2_host_bytes
+    from sglang_tiered.tier.t2_config import parse_t2_url
+    from tests.test_review18 import _cache
+
+    made: list = []
+    monkeypatch.setattr(t2s, "MooncakeClient", lambda cfg: made.append(cfg) or ByteStore())
+    cfg = parse_t2_url("mooncake://127.0.0.1:1?max_run_pages=4&queue_pages=64&mode=on")
+    cache = _cache()
+    need = t2_host_bytes(cache.t1.host.pool.layout, cfg)
+    assert need == 3 * 4 * (cache.t1.host.pool.layout.page_bytes + 2 * 64) + 64 * cache.t1.host.pool.layout.page_bytes
+    monkeypatch.setattr(t2s, "_mem_available", lambda: need)  # less than need / 0.9
+    decision = t2s.build_t2(cache, types.SimpleNamespace(tp_size=1), cfg)
+    assert decision.startswith("off: T2 needs") and "host memory" in decision and made == []
+    assert cache.t1.host.t2 is None and cache.t1.host.pool.victim_listener is None
+
+    monkeypatch.setattr(t2s, "_mem_available", lambda: 10 * need)
+    monkeypatch.setattr(t2s, "break_even_gbps", lambda ctx, kv, k0: (None, "not measured here"))
+    decision = t2s.build_t2(cache, types.SimpleNamespace(tp_size=1), cfg)
+    assert decision.startswith("on") and cache.t1.host.t2 is not None
+    try:
+        assert cache.t1.host.t2.snapshot()["host_bytes"] == need
+    finally:
+        cache.t1.host.t2.close()

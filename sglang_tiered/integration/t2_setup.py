@@ -18,7 +18,8 @@ import time
 import torch
 
 from sglang_tiered.integration.host_setup import break_even_gbps
-from sglang_tiered.tier.t2 import KEY_ROOT, T2Tier
+from sglang_tiered.tier.host_pool import _mem_available
+from sglang_tiered.tier.t2 import KEY_ROOT, T2Tier, t2_host_bytes
 from sglang_tiered.tier.t2_client import MooncakeClient
 from sglang_tiered.tier.t2_config import T2Config
 
@@ -82,6 +83,14 @@ def build_t2(cache, ctx, cfg: T2Config) -> str:
         # each pipeline stage holds its own layers, and keys and headers name no stage: one
         # stage would take another's layers as its own (review, session 18)
         decision = f"off: --pp-size {pp} (T2 keys name no pipeline stage)"
+        logger.warning("sglang-tiered: T2 %s", decision)
+        return decision
+    need = t2_host_bytes(cache.t1.host.pool.layout, cfg)
+    avail = _mem_available()
+    if avail is not None and need > 0.9 * avail:  # (T1's own rule, host_pool.py)
+        decision = (f"off: T2 needs {need / 1e9:.2f} GB of host memory beside T1 (staging and store "
+                    f"queue: max_run_pages={cfg.max_run_pages}, queue_pages={cfg.queue_pages}) but only "
+                    f"{avail / 1e9:.2f} GB is available")  # fmt: skip
         logger.warning("sglang-tiered: T2 %s", decision)
         return decision
     t2 = None

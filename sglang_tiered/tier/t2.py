@@ -47,7 +47,9 @@
 * **Limits.** TP = 1 only (ranks of a TP > 1 server would have to agree on every probe, which needs
   a collective on the request path; T2 turns off there with a warning), and one pipeline stage
   (keys name no stage). Host memory beside T1: three staging buffers of ``max_run_pages`` objects
-  and up to ``queue_pages`` pages copied out for the store queue, not counted in T1's size.
+  and up to ``queue_pages`` pages copied out for the store queue, beside T1's size
+  (``t2_host_bytes``): T2 is built only where the host has that memory available (session 24;
+  before, it was neither counted nor checked), and ``/cache/stats`` reports it (``host_bytes``).
 """
 
 from __future__ import annotations
@@ -124,6 +126,13 @@ class _Staging:
 
     def __post_init__(self):
         self.ptr = self.buf.data_ptr()
+
+
+def t2_host_bytes(layout: PoolLayout, cfg: T2Config) -> int:
+    """Host memory T2 takes beside T1 at most: three staging buffers of ``max_run_pages``
+    objects (two for reads, one for writes) and ``queue_pages`` pages copied out of T1 for the
+    store queue."""
+    return 3 * cfg.max_run_pages * (2 * HEADER_BYTES + layout.page_bytes) + cfg.queue_pages * layout.page_bytes
 
 
 def layout_digest(layout: PoolLayout) -> bytes:
@@ -652,6 +661,7 @@ class T2Tier:
             name="t2", enabled=True, backend=self.cfg.url, decision=self.decision, available=self.up,
             down_for_s=round(max(0.0, self._down_until - time.monotonic()), 3),
             writes_down_for_s=round(max(0.0, self._writes_down_until - time.monotonic()), 3),
+            host_bytes=t2_host_bytes(self.layout, self.cfg),
             read_gbps=round(s.fetched_bytes / s.fetch_seconds / 1e9, 3) if s.fetch_seconds else None,
             write_gbps=round(s.stored_bytes / s.store_seconds / 1e9, 3) if s.store_seconds else None,
             dropped_pages=self.dropped_pages,
