@@ -417,6 +417,7 @@ class TieredRadixCache(RadixCache):
     def _split_node(self, key, child, split_len: int):
         new_node = super()._split_node(key, child, split_len)
         new_node.tiered_tick = child.tiered_tick
+        new_node.tiered_aged = child.tiered_aged  # (an aged node's upper half is aged alike)
         if self.policy.following != "adaptive":
             # SGLang stamps the node it splits (both halves) as used now; so does exact lru
             child.tiered_tick = new_node.tiered_tick = self.clock.current
