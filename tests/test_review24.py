@@ -222,3 +222,18 @@ def test_cold_aging_is_undone_once_the_cache_follows_lru(page, cap_pages, args):
     assert tiered >= lru - 0.002 and pol.adaptive_exits >= 1
     pol.check_invariants()
     cache.check_invariants()
+
+
+def test_a_request_too_big_for_the_cache_is_not_in_flight_for_good():
+    """The simulator's driver dropped a request bigger than the cache after matching it, and the
+    tiered cache kept its id in flight for good: every later request counted as overlapping, so
+    the policy stayed at exact lru for the rest of a trace (safe, but silently no wins)."""
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+
+    cache = TieredRadixCache.create_simulated(256, 16)
+    assert not cache.driver.run(list(range(16, 16 + 512))).served
+    assert cache.in_flight == {}
+    cache.driver.run(list(range(16, 16 + 64)))
+    cache.driver.run(list(range(16, 16 + 64)))
+    assert cache.policy.stats.overlapped_requests == 0 and cache.in_flight == {}
+    cache.check_invariants()

@@ -204,8 +204,13 @@ class CacheDriver:
             cache.evict(EvictParams(num_tokens=need - alloc.available_size()))
         new_idx = alloc.alloc(need) if need else torch.empty(0, dtype=torch.int64)
         spent = time.perf_counter() - t0
-        if new_idx is None:  # cannot fit even after eviction: the scheduler would queue it
+        if new_idx is None:  # cannot fit even after eviction: dropped here
             cache.unlock(req.lock)
+            # SGLang refuses a prompt longer than its pool before it is queued, and finishes one
+            # aborted while waiting without ``release_kv_cache`` (``release_aborted_request``): the
+            # cache forgets it (before, the tiered cache kept it "in flight" for good, so every
+            # later request counted as overlapping and its policy stayed at lru: review, session 24)
+            cache.release_aborted_request(req)
             return RequestOutcome(n, 0, spent, served=False)
         row = self.req_pool.alloc_row()
         req.kv.req_pool_idx = row
