@@ -237,3 +237,111 @@ def test_a_request_too_big_for_the_cache_is_not_in_flight_for_good():
     cache.driver.run(list(range(16, 16 + 64)))
     assert cache.policy.stats.overlapped_requests == 0 and cache.in_flight == {}
     cache.check_invariants()
+
+
+# ---------------------------------------------------------------- review of the real tree's layer
+# (a helper drove TieredRadixCache in SGLang's call order over a strict allocator and a KV oracle:
+# tests/strict_sim.py; no wrong KV, double free or leak on ordinary servers; these under EAGLE)
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_eagle_checkpoint_never_extends_an_invalidated_path(ps):
+    """EAGLE + an invalidation held back by a running request: a later request with the same
+    prompt must not extend the invalidated path. The probe built a plain child key, never found
+    the bigram-keyed child, and SGLang's checkpoint then asserted in the scheduler (a double free
+    under ``python -O``)."""
+    from tests.strict_sim import Req, Sim
+
+    s = Sim(64, ps, eagle=True)
+    a = Req(list(range(1, 10)))
+    assert s.admit(a, chunk=6)
+    s.next_chunk(a, 5)  # a holds the node of its first chunk
+    s.cache.invalidate(everything=True)  # held back: a holds it
+    b = Req(list(range(1, 10)) + [77])
+    assert s.admit(b)
+    s.decode(b, 5)
+    s.release(b)
+    s.check()
+
+
+def test_eagle_admission_reports_only_the_pages_the_tree_took():
+    """EAGLE: SGLang's bigram insert covers one token fewer than the request; a page-aligned
+    checkpoint reported one page the tree never got to the index and the duel."""
+    from sglang_tiered.integration.index_hints import tree_pages
+    from tests.strict_sim import Req, Sim
+
+    held: set = set()
+
+    class Listener:
+        def on_store(self, hs):
+            held.update(hs)
+
+        def on_remove(self, hs):
+            held.difference_update(hs)
+
+        def on_clear(self):
+            held.clear()
+
+    s = Sim(64, 4, eagle=True)
+    s.cache.attach_index(Listener())
+    a = Req(list(range(1, 13)))
+    assert s.admit(a, chunk=8)
+    s.next_chunk(a, 4)  # checkpoint(up_to=8)
+    assert held == tree_pages(s.cache.root_node)
+    s.check()
+
+
+def test_eagle_page_hashes_check_at_page_size_one():
+    """EAGLE at page size 1: the checker hashed a bigram node's L + 1 raw tokens against its L
+    hashes (a false H1: ``sanity_check`` raised in the scheduler); and bigram siblings that differ
+    only in the token after a page had one hash, so evicting one dropped the other's page from the
+    duel's record (its "stale sides"). Each page's hash now takes the token after it too."""
+    from tests.strict_sim import Req, Sim
+
+    s = Sim(64, 1, eagle=True)
+    a = Req(list(range(1, 8)))
+    assert s.admit(a)
+    s.decode(a, 5)
+    s.release(a)
+    s.cache.check_invariants()
+
+
+def test_a_waiting_requests_refresh_reaches_the_lru_order():
+    """SGLang refreshes waiting requests' cached prefixes (``touch_prefix``, on by default for
+    fcfs + lru); only ``last_access_time`` moved, not the tick the victim queue orders by, so
+    "following lru" evicted a waiting request's prefix that SGLang's lru keeps."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from tests.strict_sim import Req, Sim
+
+    s = Sim(64, 4)
+    a = Req([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    b = Req([11, 12, 13, 14, 15, 16, 17, 18, 19])
+    for r in (a, b):
+        assert s.admit(r)
+        s.decode(r, 5)
+        s.release(r)
+    assert s.cache.policy.followed_order == "lru"
+    s.cache.touch_prefix(RadixKey(array("q", [1, 2, 3, 4, 5, 6, 7, 8, 9]), None, limit=8))  # a waits again
+    s.cache.evict(EvictParams(num_tokens=4))
+    kept = {tuple(n.key.token_ids[:1]) for n in s.cache.root_node.children.values()}
+    assert (1,) in kept, "SGLang's lru evicts b (least recently used) and keeps the touched a"
+    s.check()
+
+
+@pytest.mark.parametrize("opts", [
+    dict(cap=40, host=16), dict(cap=24, ps=4, host=8, fuzz=1), dict(cap=32, ps=1, host=0, fuzz=1),
+    dict(cap=48, ps=2, host=8), dict(eagle=1, ps=1), dict(eagle=1, ps=2), dict(eagle=1, ps=4),
+])  # fmt: skip
+def test_random_scheduler_runs_keep_every_oracle(opts):
+    """Random runs in SGLang's call order (chunks, decode, finish, abort, retraction, eviction,
+    flush, invalidation, T1 probes, weight updates; random admission answers with ``fuzz``):
+    every tree slot holds its path's KV, no slot is freed twice or leaked, the sizes and every
+    invariant hold after each step (tests/strict_sim.py)."""
+    from tests import strict_sim
+
+    for seed in range(40):
+        strict_sim.run(seed, dict(opts, eagle=opts.get("eagle", 0), steps=250))

@@ -92,18 +92,22 @@ def _token_bytes(tokens) -> bytes:
 _PAGE_HASH = hashlib.blake2b(digest_size=DIGEST_SIZE)  # copied per page: no parameter parsing
 
 
-def chain_page_hashes(prev: bytes, tokens, page_size: int = 16) -> list[bytes]:
+def chain_page_hashes(prev: bytes, tokens, page_size: int = 16, overlap: int = 0) -> list[bytes]:
     """Hashes of the full pages of ``tokens``, chained from ``prev`` (the seed or the last hash
-    of the preceding pages). A trailing partial page is not hashed."""
+    of the preceding pages). A trailing partial page is not hashed. ``overlap`` 1: each page also
+    takes the token after it (an EAGLE tree's bigram keys: ``page_size`` positions span
+    ``page_size + 1`` tokens, and two nodes that differ only in that token are different
+    entries; without it they had one hash: review, session 24)."""
     data = memoryview(_token_bytes(tokens))
     step = page_size * 8
+    width = step + overlap * 8
     out: list[bytes] = []
     append, fresh = out.append, _PAGE_HASH.copy
     h = prev
-    for off in range(0, (len(data) // step) * step, step):
+    for off in range(0, max(0, (len(data) - overlap * 8) // step) * step, step):
         x = fresh()  # = blake2b(h + page, digest_size=DIGEST_SIZE), without the copies
         x.update(h)
-        x.update(data[off : off + step])
+        x.update(data[off : off + width])
         h = x.digest()
         append(h)
     return out

@@ -67,7 +67,11 @@ class Admission:
         cache, policy = self.cache, self.cache.policy
         ps = cache.page_size
         cpl = req.kv.cache_protected_len
-        aligned = (up_to // ps) * ps
+        # the tokens SGLang's insert covers: under EAGLE its key is bigrams, one fewer than the
+        # tokens (``eagle``), page-aligned (before, one page too many was counted as stored and
+        # told to the index and the duel, and a partial admission lost a page: review, session 24)
+        eagle = int(cache.is_eagle)
+        aligned = ((up_to - eagle) // ps) * ps
         anchor = req.last_node if req.last_node is not None else cache.root_node
         # KV computed under an older identity epoch (a weight update or an invalidation since the
         # request matched) is never adopted: left to the request, freed at its release
@@ -87,7 +91,8 @@ class Admission:
         assert len(base) * ps == cpl or anchor is cache.root_node, (len(base), cpl)
         prev = base[-1] if base else cache.hashes.seed(req.extra_key, req.cache_salt)
         tokens = req.full_untruncated_fill_ids
-        new = chain_page_hashes(prev, tokens[len(base) * ps : aligned], ps) if aligned > cpl else []
+        # (EAGLE: a page's hash takes the token after it too, as the tree's bigram key does)
+        new = chain_page_hashes(prev, tokens[len(base) * ps : aligned + eagle], ps, eagle) if aligned > cpl else []
         hashes = base + new
         n_admit = self._decide(req, first, counted or 0, base, new, hashes, int(up_to > aligned))
         admit_len = cpl + n_admit * ps
@@ -105,6 +110,8 @@ class Admission:
             return None
         if admit_len >= aligned:
             admit_len = up_to  # admit everything: let SGLang page-align as usual
+        else:
+            admit_len += eagle  # (SGLang's bigram key of admit_len + 1 tokens: admit_len positions)
         before = cache.evictable_size_ + cache.protected_size_
         cache.clock.now()
         return AdmissionPlan(anchor, cpl, admit_len, hashes, new[:n_admit], before)

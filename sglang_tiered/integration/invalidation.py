@@ -176,8 +176,13 @@ class Invalidation:
             return False
         ps = self.cache.page_size
         tokens = req.full_untruncated_fill_ids
-        if len(tokens) < cpl + ps:
+        # the child key as the tree makes it: under EAGLE a page of bigrams spans ps + 1 tokens
+        # (a plain key never found the invalidated child there, and SGLang's checkpoint then
+        # extended the invalidated path: an assertion in the scheduler, a double free under -O;
+        # review, session 24)
+        eagle = self.cache.is_eagle
+        if len(tokens) < cpl + ps + eagle:
             return False
-        key = RadixKey(tokens[cpl : cpl + ps], req.extra_key, cache_salt=req.cache_salt)
+        key = RadixKey(tokens[cpl : cpl + ps + eagle], req.extra_key, is_bigram=eagle, cache_salt=req.cache_salt)
         child = anchor.children.get(key.child_key(ps))
         return child is not None and child.tiered_invalid

@@ -7,7 +7,8 @@ is inserted (``attach``), never again; nodes created without hashes get them on 
 (``ensure``).
 
 Invariants (checked by ``check``):
-  H1 ``node.tiered_hashes == chain_page_hashes(prev, node tokens, page_size)`` where ``prev`` is
+  H1 ``node.tiered_hashes == chain_page_hashes(prev, node tokens, page_size)`` (a bigram key, EAGLE:
+     each page with the token after it) where ``prev`` is
      the parent's last hash or the namespace seed;
   H2 ``node.tiered_end == parent.tiered_end + len(node.key)``.
 """
@@ -56,7 +57,7 @@ class PageHashes:
             node = node.parent
         for n in reversed(chain):
             p = n.parent
-            n.tiered_hashes = chain_page_hashes(self.prev_of(p, n.key), n.key.raw_token_ids(), self.page_size)
+            n.tiered_hashes = chain_page_hashes(self.prev_of(p, n.key), n.key.raw_token_ids(), self.page_size, int(n.key.is_bigram))
             n.tiered_end = p.tiered_end + len(n.key)
 
     def attach(self, node, hashes: list) -> None:
@@ -107,6 +108,6 @@ class PageHashes:
             if n.tiered_hashes is None:
                 continue
             p = n.parent
-            want = chain_page_hashes(self.prev_of(p, n.key), n.key.raw_token_ids(), self.page_size)
+            want = chain_page_hashes(self.prev_of(p, n.key), n.key.raw_token_ids(), self.page_size, int(n.key.is_bigram))
             assert n.tiered_hashes == want, f"H1 violated: stale page hashes on node {n.id}"
             assert n.tiered_end == p.tiered_end + len(n.key), f"H2 violated: stale depth on node {n.id}"

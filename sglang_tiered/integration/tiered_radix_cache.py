@@ -322,6 +322,21 @@ class TieredRadixCache(RadixCache):
             result = self.t1.probe(params, result)
         return result
 
+    def touch_prefix(self, key) -> None:
+        """SGLang's refresh of a waiting request's cached path (``SchedulePolicy`` calls it while
+        the request waits; on by default for fcfs + lru): its ``last_access_time``, and our logical
+        tick, which the victim queue orders by (before, only the former moved, so "following lru"
+        evicted a waiting request's prefix that SGLang's lru keeps: review, session 24)."""
+        key, _ = key.maybe_to_bigram_view(self.is_eagle)
+        if self.disable or len(key) == 0:
+            return
+        key = key.page_aligned(self.page_size)
+        if len(key) == 0:
+            return
+        self.clock.now()
+        _, node = self._match_prefix_helper(self.root_node, key)
+        self.clock.stamp(node, self.root_node)
+
     def init_load_back(self, params):
         """Promote the T1 pages probed for this request into new device pages, all or nothing.
         Returns (loaded_tokens, new_last_node); (0, node) is a clean miss (recompute)."""
