@@ -165,7 +165,8 @@ def _cmd_route(args: argparse.Namespace) -> int:
           tenant_header=args.tenant_header, c_tok_us=args.c_tok_us, page_size=args.page_size,
           index_ttl_s=args.index_ttl_s, index_timeout_ms=args.index_timeout_ms,
           load_poll_s=args.load_poll_ms / 1e3, worker_api_key=args.worker_api_key,
-          max_body_mb=args.max_body_mb, admin_api_key=args.admin_api_key)  # fmt: skip
+          max_body_mb=args.max_body_mb, admin_api_key=args.admin_api_key,
+          parse_limit_mb=args.parse_limit_mb)  # fmt: skip
     return 0
 
 
@@ -228,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                         "$SGLANG_TIERED_ROUTER_ADMIN_KEY, else open (as SGLang's admin routes without keys)")
     r.add_argument("--max-body-mb", type=_number(0.0, above=True), default=1024.0,
                    help="largest request body in MiB (default 1024)")
+    r.add_argument("--parse-limit-mb", type=_number(0.0), default=4.0,
+                   help="bodies larger than this (MiB) are not parsed for routing (parsing holds the event loop: "
+                        "64 MiB, half a second for every stream); they go by tenant header and load (default 4)")
     r.set_defaults(func=_cmd_route)
 
     from sglang_tiered.dev.server import ServerStartError

@@ -91,7 +91,13 @@ SLOW_LOOKUPS_DOWN = 3  # index lookups timing out in a row before the index is t
 MEMORY_KEY = CacheKey(model_id="sglang-tiered-router-memory")  # seeds the routing memory's page chain
 DEFAULT_PAGE_SIZE = 16  # until the workers' own is known (SGLang's default is 1; CUDA backends often 16+)
 KEY_REFRESH_S = 2.0  # the workers' CacheKeys are re-read this often
-BIG_PROMPT_CHARS = 1 << 16  # bodies longer than this are parsed and tokenized off the event loop
+BIG_PROMPT_CHARS = 1 << 16  # prompts of bodies longer than this are tokenized off the event loop
+# Bodies longer than this are not parsed for routing (``parse_limit_mb``): ``json.loads`` holds the
+# GIL, so on a worker thread it stalls the event loop as much as on it (64 MiB: 0.45 s vs 0.55 s,
+# every stream the router proxies waits; measured session 24). Such a body (past any model's
+# context as text; large multimodal payloads) is routed by the tenant header and load alone and
+# forwarded as it is; the worker parses it, as it would without the router.
+PARSE_LIMIT_MB = 4.0
 
 
 def _parse_body(raw: bytes):
@@ -317,6 +323,7 @@ class RouterStats:
     load_poll_errors: int = 0
     failed: int = 0
     client_gone: int = 0  # the client closed its connection before the response ended
+    unparsed_bodies: int = 0  # bodies over the parse limit: routed by tenant header and load alone
     matched_tokens: int = 0
     prompt_tokens: int = 0
     route_ms_total: float = 0.0
@@ -330,7 +337,7 @@ class Router:
                  index_timeout_ms: float = 50.0, health_interval_s: float = 1.0, health_misses: int = 3,
                  load_poll_s: float = 0.25, policy_kw: Optional[dict] = None,
                  worker_api_key: Optional[str] = None, max_body_mb: float = 1024.0,
-                 admin_api_key: Optional[str] = None):  # fmt: skip
+                 admin_api_key: Optional[str] = None, parse_limit_mb: float = PARSE_LIMIT_MB):  # fmt: skip
         self.workers = {w.rstrip("/"): WorkerState(w.rstrip("/")) for w in workers}
         # the router's own routes show every tenant's traffic (prompt lengths, matched tokens, the
         # tenant's digest, per request): with a key, only its holders read them (review, session 23)
@@ -382,6 +389,9 @@ class Router:
         if not max_body_mb > 0:
             raise ValueError(f"max_body_mb must be > 0, got {max_body_mb}")
         self.max_body = int(max_body_mb * (1 << 20))
+        if not parse_limit_mb >= 0:
+            raise ValueError(f"parse_limit_mb must be >= 0, got {parse_limit_mb}")
+        self.parse_limit = int(parse_limit_mb * (1 << 20))
 
     # ------------------------------------------------------------------ setup
     async def start(self):
@@ -768,11 +778,11 @@ class Router:
 
         t0 = time.perf_counter()
         raw = await request.read()
-        # a body of many MiB is parsed (and its prompt tokenized) off the event loop: on it, a
-        # 64 MiB body stalled every stream the router proxied (review, session 23)
-        big = len(raw) > BIG_PROMPT_CHARS
-        loop = asyncio.get_running_loop()
-        body = await loop.run_in_executor(None, _parse_body, raw) if big else _parse_body(raw)
+        if len(raw) > self.parse_limit:  # (PARSE_LIMIT_MB: parsing it would stall every stream)
+            self.stats.unparsed_bodies += 1
+            body = {}
+        else:
+            body = _parse_body(raw)
         try:
             headers = self._upstream_headers(request)
         except ValueError as exc:
@@ -792,9 +802,10 @@ class Router:
         try:  # the prompt only steers locality: anything odd routes by affinity + load instead
             if not isinstance(body, dict):
                 tokens = array("q")
-            elif big:
+            elif len(raw) > BIG_PROMPT_CHARS:
                 # a 4 MiB prompt tokenized on the event loop stalled every stream the router
-                # proxied for 7 s (review, session 19)
+                # proxied for 7 s (review, session 19; the tokenizer releases the GIL)
+                loop = asyncio.get_running_loop()
                 tokens = await loop.run_in_executor(None, lambda: token_array(self.tokens_of(path, body)))
             else:
                 tokens = token_array(self.tokens_of(path, body))
@@ -913,6 +924,7 @@ class Router:
             "load_poll_errors": s.load_poll_errors,
             "failed": s.failed,
             "client_gone": s.client_gone,
+            "unparsed_bodies": s.unparsed_bodies,
             "mean_route_ms": s.route_ms_total / n,
             "reasons": dict(s.reasons),
             "workers": {w: {"routed": x.routed, "inflight": x.inflight, "healthy": x.healthy,
@@ -956,6 +968,7 @@ class Router:
             ("retries", "Requests retried on another worker", s.retries),
             ("failed", "Requests that failed", s.failed),
             ("client_gone", "Requests whose client left before the response ended", s.client_gone),
+            ("unparsed_bodies", "Bodies over the parse limit, routed by tenant header and load alone", s.unparsed_bodies),
             ("health_downs", "Workers taken out of the routing set by health checks", s.health_downs),
             ("load_polls", "/v1/loads polls", s.load_polls),
             ("load_poll_errors", "/v1/loads polls that failed", s.load_poll_errors),
