@@ -106,11 +106,12 @@ real cache's own hits on the same (sampled) pages are counted too. It then follo
   ``O`` is 0 there, 8,971 raw). While lru is followed the cap is off:
   the pages the real cache holds and lru does not were all dropped by lru, so they are older
   than any page lru holds and go first (up to node granularity). That needs the real cache's
-  lru order to be its last uses: cold aging (the adaptive order's) wrote older ticks into cold
-  prompts' nodes, and an aged node the cap had kept (lru held it too) went before older pages
-  after the switch, a loss no bound saw (session 24: 0.91 points below lru on a review helper's
-  trace). The integration undoes the aging whenever the real cache leaves adaptive
-  (``adaptive_exits``; integration/evict.py ``unage``). With tree shadows ``M`` is
+  lru order to be its last uses: the adaptive order ages cold prompts' nodes and keeps a split
+  node's old tick, and such a node the cap had kept (lru held it too) went before older pages
+  after the switch, a loss no bound saw (session 24: 0.91 and 0.34 points below lru on review
+  helpers' traces). The integration keeps lru's tick on every node beside the adaptive one and
+  sets it back whenever the real cache leaves adaptive (``adaptive_exits``; integration/evict.py
+  ``unage``). With tree shadows ``M`` is
   exact (the lru bias measured while following lru was 0 on every cell checked); with page
   shadows (caches over ``lru_tree_pages``) there is no ``L`` and the option does nothing.
   ``O`` is a count, not a bound given in advance (on the hot set under scans,

@@ -146,13 +146,11 @@ class Admission:
         if plan.cpl == 0 and policy.adaptive_extras:
             # A cold prompt (nothing of it cached): its new nodes enter aged, so a one-shot prompt
             # cannot push out reused context; one that comes back is stamped fresh on use.
-            # The aging is the adaptive order's alone: the true tick is kept beside it, and once
-            # the real cache follows a fixed order the tree's aged ticks are undone (``unage``).
+            # The aging is the adaptive order's alone (``tiered_lru`` keeps the last use): once
+            # the real cache follows a fixed order, the tree's ticks are lru's again (``unage``).
             n, old = req.last_node, policy.tick - policy.cold_age()
             while n is not cache.root_node and not is_reused(n.hit_count):
-                if n.tiered_tick > old:
-                    n.tiered_aged = (old, n.tiered_tick)
-                    n.tiered_tick = old
+                n.tiered_tick = old
                 n.tiered_cold = True
                 n = n.parent
-            cache.eviction.aged = True
+            cache.eviction.diverged = True

@@ -32,7 +32,7 @@ class LogicalClock:
         stamped with it: its ancestors are too)."""
         tick = self.current
         while node is not root and node.tiered_tick != tick:
-            node.tiered_tick = tick
+            node.tiered_tick = node.tiered_lru = tick
             node = node.parent
 
 

@@ -27,10 +27,11 @@ class Eviction:
         self.cache = cache
         self.queue: Optional[VictimQueue] = None  # adaptive order: persistent across calls
         self.pin_budget_pages = cache.policy.pin_budget_pages()
-        # Cold aging (admission) writes an older tick into a cold prompt's nodes: the adaptive
-        # order's, not lru's. ``aged``: nodes were aged since the last ``unage``; ``_exits``: the
-        # policy's exits from adaptive already seen (``AdaptivePolicy.adaptive_exits``).
-        self.aged = False
+        # The adaptive order's ticks differ from lru's (``node.tiered_lru``) where it aged a cold
+        # prompt (admission) or kept a split's old tick: ``diverged`` says some may since the
+        # last ``unage``; ``_exits``: the policy's exits from adaptive already seen
+        # (``AdaptivePolicy.adaptive_exits``).
+        self.diverged = False
         self._exits = cache.policy.adaptive_exits
 
     def reset(self) -> None:
@@ -40,32 +41,31 @@ class Eviction:
         self.queue = VictimQueue(self.cache.evictable_leaves) if adaptive else None
 
     def unage(self) -> int:
-        """Undo the cold aging of every node not used since it was aged: its tick is its last
-        use again. Run once the real cache follows a fixed order after an adaptive episode, so
-        that following lru is SGLang's lru exactly: an aged node kept by the divergence cap (lru
-        holds it too) went before older pages lru evicts first, and those losses came after the
-        fallback, outside every bound (review, session 24: 0.91 points below lru). The victim
-        queue takes the later ticks lazily (stale entries are re-queued). Returns nodes unaged."""
-        cache, n_unaged = self.cache, 0
-        stack = list(cache.root_node.children.values())
+        """Give every node its lru tick again (``tiered_lru``: its last use, as SGLang's
+        ``last_access_time`` orders it). Run once the real cache follows a fixed order after an
+        adaptive episode, so that following lru is SGLang's lru exactly: the adaptive order ages
+        cold prompts and keeps a split node's old tick, and such a node that the divergence cap
+        had kept (lru held it too) went before older pages after the fallback, a loss outside
+        every bound (review, session 24: 0.91 points below lru from aging; a second trace from
+        splits). The victim queue takes the later ticks lazily (stale entries are re-queued).
+        Returns the nodes changed."""
+        changed = 0
+        stack = list(self.cache.root_node.children.values())
         while stack:
             n = stack.pop()
-            aged = n.tiered_aged
-            if aged is not None:
-                if n.tiered_tick == aged[0]:  # (used since: stamped with a later tick, kept)
-                    n.tiered_tick = aged[1]
-                    n_unaged += 1
-                n.tiered_aged = None
+            if n.tiered_tick != n.tiered_lru:
+                n.tiered_tick = n.tiered_lru
+                changed += 1
             stack.extend(n.children.values())
-        self.aged = False
-        return n_unaged
+        self.diverged = False
+        return changed
 
     def victims(self):
         """The eviction order: the persistent queue (adaptive) or a heap built now (fixed)."""
         policy = self.cache.policy
         if policy.adaptive_exits != self._exits:  # the real cache left adaptive since: undo its aging
             self._exits = policy.adaptive_exits
-            if self.aged and policy.following != "adaptive":
+            if self.diverged and policy.following != "adaptive":
                 self.unage()
         if self.queue is not None and self.cache.policy.followed_order in ("adaptive", "lru"):
             return self.queue  # (lru: the same queue with no boost; exactly SGLang's lru order)

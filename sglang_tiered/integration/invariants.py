@@ -8,9 +8,9 @@
   T1 locks: ``lock_ref >= 0``, and a locked node's parent (unless the root) holds at least as many;
   T2 device accounting: ``evictable_size_`` / ``protected_size_`` equal the sums over unlocked /
      locked nodes, and every node has one slot per token;
-  T3 aging: an aged node's true tick is later than its aged one; once the eviction has seen the
-     policy's last exit from adaptive (``Eviction.unage``), no node is still aged while a fixed
-     order is followed (following lru is SGLang's lru exactly);
+  T3 ticks: a node's lru tick is at least its adaptive one; once the eviction has seen the
+     policy's last exit from adaptive (``Eviction.unage``) and a fixed order is followed, they
+     are equal on every node (following lru is SGLang's lru exactly);
   plus H1-H2 (page_hashes.py), I1 (core/eviction.py), the host pool's
   ``free + resident == capacity``, the store queue's and the policy's own checkers, and S4
   (``check_store_fenced``): a page with a pending T1 write is a page of the tree.
@@ -29,10 +29,8 @@ def check_tree(cache) -> None:
     stack = list(cache.root_node.children.values())
     while stack:
         n = stack.pop()
-        aged = n.tiered_aged
-        if aged is not None:
-            assert aged[0] < aged[1], f"T3 violated: node {n.id} aged to a later tick"
-            assert not (unaged and n.tiered_tick == aged[0]), f"T3 violated: node {n.id} still aged under a fixed order"
+        assert n.tiered_lru >= n.tiered_tick, f"T3 violated: node {n.id}'s lru tick is older than its tick"
+        assert not (unaged and n.tiered_lru != n.tiered_tick), f"T3 violated: node {n.id} not on lru's tick under a fixed order"
         assert n.lock_ref >= 0, f"T1 violated: lock_ref={n.lock_ref} on node {n.id}"
         if n.lock_ref > 0:
             assert n.parent is cache.root_node or n.parent.lock_ref >= n.lock_ref, \

@@ -9,7 +9,7 @@ that reads or writes these attributes imports this one (importing it is what dec
 | ``tiered_end`` | ``int`` | token depth of the node's end (with ``tiered_hashes``) | ``PageHashes`` |
 | ``tiered_tick`` | ``float`` | logical time of last use (request tick + sequence) | ``LogicalClock`` |
 | ``tiered_cold`` | ``bool`` | entered aged as part of a cold prompt | admission |
-| ``tiered_aged`` | ``(aged tick, true tick) or None`` | the aging written into ``tiered_tick`` | admission |
+| ``tiered_lru`` | ``float`` | the tick SGLang's lru order gives it (its last use, splits included); ``tiered_tick`` is the adaptive order's: older where it aged a cold prompt or kept a split's | ``LogicalClock`` |
 | ``tiered_invalid`` | ``bool`` | invalidated; never matched again, freed when released | ``Invalidation`` |
 | ``tiered_entry`` | ``(tick, protected) or None`` | the node's live entry in the victim queue | ``core.eviction.VictimQueue`` |
 """
@@ -26,7 +26,7 @@ TreeNode.tiered_hashes = None
 TreeNode.tiered_end = 0
 TreeNode.tiered_tick = 0
 TreeNode.tiered_cold = False
-TreeNode.tiered_aged = None
+TreeNode.tiered_lru = 0
 TreeNode.tiered_invalid = False
 TreeNode.tiered_entry = None
 

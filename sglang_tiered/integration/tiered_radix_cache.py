@@ -432,10 +432,13 @@ class TieredRadixCache(RadixCache):
     def _split_node(self, key, child, split_len: int):
         new_node = super()._split_node(key, child, split_len)
         new_node.tiered_tick = child.tiered_tick
-        new_node.tiered_aged = child.tiered_aged  # (an aged node's upper half is aged alike)
+        # SGLang stamps the node it splits (both halves) as used now: lru's tick; the adaptive
+        # order keeps the old one (a split is not a use of the lower half), until it is left
+        child.tiered_lru = new_node.tiered_lru = self.clock.current
         if self.policy.following != "adaptive":
-            # SGLang stamps the node it splits (both halves) as used now; so does exact lru
             child.tiered_tick = new_node.tiered_tick = self.clock.current
+        else:
+            self.eviction.diverged = True
         self.invalidation.on_split(new_node, child)
         self.hashes.split(new_node, child, split_len)
         return new_node
@@ -478,7 +481,7 @@ class TieredRadixCache(RadixCache):
         new.hit_count = 1
         new.tiered_hashes = list(hashes)
         new.tiered_end = parent.tiered_end + n
-        new.tiered_tick = self.policy.tick
+        new.tiered_tick = new.tiered_lru = self.policy.tick
         parent.children[key.child_key(self.page_size)] = new
         self.evictable_size_ += n
         self._update_leaf_status(parent)
