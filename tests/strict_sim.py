@@ -21,14 +21,13 @@ import random
 from array import array
 
 import torch
-from sglang.srt.managers.schedule_batch import ReqKvInfo
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sglang_tiered.core.policy import PolicyConfig
 from sglang_tiered.core.tenants import name_hash, tenant_of
-from sglang_tiered.dev.simulate import SimKVCache, SimReqToTokenPool
+from sglang_tiered.dev.simulate import SimKVCache, SimReq, SimReqToTokenPool
 from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
 
 
@@ -93,23 +92,17 @@ def kv_value(ns, tokens_prefix) -> float:
     return float(int.from_bytes(h, "little") % (1 << 23) + 1)
 
 
-class Req:
+class Req(SimReq):
+    """The simulator's request (``SimReq``: the fields the tree cache reads) with decode state."""
+
     _n = 0
 
     def __init__(self, tokens, *, salt=None, extra_key=None, no_store=False, max_new=0, rid=None):
         Req._n += 1
-        self.rid = rid or f"r{Req._n}"
-        self.origin_input_ids = array("q", tokens)
+        super().__init__(rid or f"r{Req._n}", array("q", tokens), cache_salt=salt, extra_key=extra_key,
+                         no_store=no_store)  # fmt: skip
+        self.full_untruncated_fill_ids = array("q", tokens)  # (its own: decode replaces it)
         self.output_ids = array("q")
-        self.full_untruncated_fill_ids = array("q", tokens)
-        self.cache_salt = salt or None
-        self.extra_key = extra_key
-        self.priority = None
-        self.kv = ReqKvInfo()
-        self.lock = None
-        self.last_node = None
-        self.skip_radix_cache_insert = False
-        self.no_store = no_store
         self.max_new = max_new
         self.prefix_len = 0
         self.extend_end = 0
