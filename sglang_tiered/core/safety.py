@@ -101,8 +101,8 @@ class SafetyDuel:
         self._overlap_left = 0.0
         # Follow the leader (``guard_leader``): each fixed order's shadow hits, decayed per request
         self._leader = dict.fromkeys(FIXED_ORDERS, 0.0) if cfg.guard_leader else None
-        # times the real cache left the adaptive order for a fixed one (the integration then
-        # undoes the cold aging it wrote into node ticks: integration/evict.py ``unage``)
+        # times the real cache left the adaptive order for a fixed one (the integration then sets
+        # the adaptive order's node ticks back to lru's: integration/evict.py ``unage``)
         self.adaptive_exits = 0
         if self._guard and (cfg.guard_start_lru or cfg.guard_leader):
             # Start as SGLang's lru: its first hold measures the page model's bias against the
@@ -465,7 +465,7 @@ class SafetyDuel:
         return min(bound, max(-bound, b[0] / b[1])) if b[1] else 0.0
 
     def _follow(self, order: str) -> None:
-        if self.following == "adaptive":  # the integration undoes the adaptive order's aging
+        if self.following == "adaptive":  # (the integration sets the tree's ticks back to lru's)
             self.adaptive_exits += 1
         if order == "lru" and self._budgeted:
             self._switch_mark = [self._margin, float(self._shadow.cap)]  # measure the switch's cost

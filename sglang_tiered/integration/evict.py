@@ -63,7 +63,7 @@ class Eviction:
     def victims(self):
         """The eviction order: the persistent queue (adaptive) or a heap built now (fixed)."""
         policy = self.cache.policy
-        if policy.adaptive_exits != self._exits:  # the real cache left adaptive since: undo its aging
+        if policy.adaptive_exits != self._exits:  # the real cache left adaptive since: lru's ticks back
             self._exits = policy.adaptive_exits
             if self.diverged and policy.following != "adaptive":
                 self.unage()
