@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sglang_tiered.core.policy import PolicyConfig
 from sglang_tiered.core.tenants import name_hash, tenant_of
-from sglang_tiered.dev.simulate import SimKVCache, SimReq, SimReqToTokenPool
+from sglang_tiered.dev.simulate import SimKVCache, SimPageAllocator, SimReq, SimReqToTokenPool
 from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
 
 
@@ -35,21 +35,13 @@ class DoubleFree(AssertionError):
     pass
 
 
-class StrictAlloc:
+class StrictAlloc(SimPageAllocator):
+    """The simulator's allocator, strict: a page freed twice (or not handed out) raises, and the
+    pages in use are kept (``used``) for the oracle."""
+
     def __init__(self, capacity_tokens, page_size, kv):
-        self.page_size = page_size
-        self.num_pages = capacity_tokens // page_size
-        self.size = self.num_pages * page_size
-        self.device = torch.device("cpu")
-        self._kv = kv
-        self.free_pages = list(range(self.num_pages, 0, -1))
+        super().__init__(capacity_tokens, page_size, kv)
         self.used = set()
-
-    def available_size(self):
-        return len(self.free_pages) * self.page_size
-
-    def get_kvcache(self):
-        return self._kv
 
     def alloc_pages(self, n):
         if n > len(self.free_pages):
@@ -61,26 +53,20 @@ class StrictAlloc:
         return out
 
     def alloc(self, num_tokens):
-        ps = self.page_size
-        pages = self.alloc_pages(-(-num_tokens // ps))
+        pages = self.alloc_pages(-(-num_tokens // self.page_size))
         if pages is None:
             return None
         t = torch.tensor(pages, dtype=torch.int64)
-        return (t[:, None] * ps + torch.arange(ps)).reshape(-1)[:num_tokens]
+        return (t[:, None] * self.page_size + self._offsets).reshape(-1)[:num_tokens]
 
     def free(self, indices):
         if indices.numel() == 0:
             return
-        pages = torch.unique(indices // self.page_size).tolist()
-        for p in pages:
+        for p in torch.unique(indices // self.page_size).tolist():
             if p not in self.used:
                 raise DoubleFree(f"double free of page {p}")
             self.used.discard(p)
             self.free_pages.append(p)
-
-    def free_segment(self, free_index, *, start_pos):
-        assert start_pos % self.page_size == 0, start_pos
-        self.free(free_index)
 
     def free_segments(self, segs):
         for idx, start in segs:
