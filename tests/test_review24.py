@@ -67,9 +67,9 @@ def test_a_full_store_pauses_writes_and_keeps_serving_reads():
         assert torch.equal(pool.data[:, :, :, slot], page_data(H(0), 1))
         # once the store has room and the pause is over, writes land again
         store.full = False
-        t2._writes_down_until = time.monotonic()
+        t2.write_breaker.until = time.monotonic()
         _write_t1(pool, t2, [H(30 + i) for i in range(6)], 1)
-        assert t2.stats.stored_pages > 6 and t2._write_backoff == 1.0
+        assert t2.stats.stored_pages > 6 and t2.write_breaker.backoff == 1.0
     finally:
         t2.close()
 

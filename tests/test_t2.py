@@ -124,7 +124,7 @@ class T2Machine(RuleBasedStateMachine):
         cfg = T2Config(master="127.0.0.1:1", queue_pages=8, max_run_pages=4, timeout_ms=20, min_gbps=1e4, lease_ms=0)
         self.t2 = T2Tier(self.store, self.pool, threading.RLock(), cfg=cfg, model_tag="m")
         self.t2.start()
-        self.t2._backoff = 0.0  # no breaker pauses inside a test step (still counted as failures)
+        self.t2.breaker.backoff = 0.0  # no breaker pauses inside a test step (still counted as failures)
         # Deterministic writes for Hypothesis replays: the queue drains when a rule says so
         # (the tier's worker thread is exercised by the Mooncake tests below).
         from sglang_tiered.core.store_queue import StoreQueue
@@ -182,12 +182,12 @@ class T2Machine(RuleBasedStateMachine):
     @rule(fault=st.sampled_from([None, None, "fail", "late", "lie", "tear"]))
     def set_fault(self, fault):
         self.store.fault = fault
-        self.t2._down_until = 0.0
+        self.t2.breaker.until = 0.0
 
     @rule(tenant=st.sampled_from([1, 2]))
     def invalidate(self, tenant):
         self.store.fault = None
-        self.t2._down_until = 0.0
+        self.t2.breaker.until = 0.0
         self.t2.invalidate(tenant=tenant)
         self.given = {g for g in self.given if g[0] != tenant}
 

@@ -111,6 +111,35 @@ class T2Stats:
     removed_bad: int = 0  # objects removed because they failed the checks (another format, torn)
 
 
+class _Breaker:
+    """A pause that doubles while its cause repeats: ``trip`` pauses for ``backoff`` seconds (1 s,
+    doubling to 60 s), ``ok`` resets it. T2 keeps two: one for every call (errors, missed
+    deadlines) and one for writes alone (the store refused a whole put: full)."""
+
+    __slots__ = ("until", "backoff")
+
+    def __init__(self):
+        self.until = 0.0
+        self.backoff = 1.0
+
+    @property
+    def closed(self) -> bool:
+        return time.monotonic() >= self.until
+
+    def left_s(self) -> float:
+        return round(max(0.0, self.until - time.monotonic()), 3)
+
+    def trip(self) -> float:
+        """Pause now; returns the pause's length."""
+        pause = self.backoff
+        self.until = time.monotonic() + pause
+        self.backoff = min(60.0, pause * 2)
+        return pause
+
+    def ok(self) -> None:
+        self.backoff = 1.0
+
+
 @dataclass
 class _Staging:
     """A registered buffer of ``pages`` objects; busy while a store call may still write it."""
@@ -190,11 +219,8 @@ class T2Tier:
         self.state_path = state_path
         self.stats = T2Stats()
         self.decision = "on"
-        self._down_until = 0.0
-        self._backoff = 1.0
-        # the writes' own breaker: a store that answers puts with error codes (full) is up for reads
-        self._writes_down_until = 0.0
-        self._write_backoff = 1.0
+        self.breaker = _Breaker()  # every call
+        self.write_breaker = _Breaker()  # writes alone: a store that refuses puts (full) is up for reads
         self._invalidated: OrderedDict = OrderedDict()  # tenant hash -> its generation (last invalidation)
         self._invalidated_all = 0  # every tenant's generation is at least this (invalidation of all)
         self._load_generations()
@@ -256,7 +282,7 @@ class T2Tier:
     @property
     def up(self) -> bool:
         """False while the circuit breaker skips T2 (after an error or a missed deadline)."""
-        return time.monotonic() >= self._down_until
+        return self.breaker.closed
 
     def available(self) -> bool:
         if not self.up:
@@ -271,28 +297,22 @@ class T2Tier:
 
     def _failed(self, what: str, exc=None) -> None:
         self.stats.failures += 1
-        self._down_until = time.monotonic() + self._backoff
-        if self.stats.failures == 1 or self._backoff >= 60:
-            logger.warning("sglang-tiered: T2 %s failed (%s); skipping T2 for %.0f s", what, exc or "error", self._backoff)
-        self._backoff = min(60.0, self._backoff * 2)
-
-    def _ok(self) -> None:
-        self._backoff = 1.0
+        pause = self.breaker.trip()
+        if self.stats.failures == 1 or pause >= 60:
+            logger.warning("sglang-tiered: T2 %s failed (%s); skipping T2 for %.0f s", what, exc or "error", pause)
 
     @property
     def writes_up(self) -> bool:
         """False while puts are skipped: the breaker is open, or the store refused a whole put."""
-        return self.up and time.monotonic() >= self._writes_down_until
+        return self.up and self.write_breaker.closed
 
     def _refused(self, codes) -> None:
         """The store answered a put with error codes only (full, or refusing): pause the writes
         alone, 1 s doubling to 60 s while it keeps refusing; reads go on."""
         self.stats.put_refused += 1
-        self._writes_down_until = time.monotonic() + self._write_backoff
-        if self.stats.put_refused == 1 or self._write_backoff >= 60:
-            logger.warning("sglang-tiered: T2 refused a put (codes %s); pausing writes for %.0f s",
-                           codes, self._write_backoff)  # fmt: skip
-        self._write_backoff = min(60.0, self._write_backoff * 2)
+        pause = self.write_breaker.trip()
+        if self.stats.put_refused == 1 or pause >= 60:
+            logger.warning("sglang-tiered: T2 refused a put (codes %s); pausing writes for %.0f s", codes, pause)
 
     def _call(self, what: str, fn, *args, nbytes: int = 0, staging: _Staging | None = None):
         """Run one store call on a helper thread with a deadline; None on error or timeout."""
@@ -377,7 +397,7 @@ class T2Tier:
             return 0
         n = next((i for i, f in enumerate(found) if f != 1), len(found))
         if n == 0:
-            self._ok()
+            self.breaker.ok()
             # match_prefix runs on every admission attempt of a waiting request: do not ask
             # the store again for the same first page right away
             self._remember_miss(first)
@@ -404,7 +424,7 @@ class T2Tier:
             good = ok.index(False) if False in ok else good
         self.stats.bad_pages += n - good
         if good:
-            self._ok()
+            self.breaker.ok()
         return good, whole > 0 and good == 0
 
     def _into_t1(self, hashes: list, staging: torch.Tensor, tenant: int) -> int:
@@ -493,8 +513,8 @@ class T2Tier:
         self.stats.dropped_pages += n - stored  # full store, or already there under lease
         self.stats.store_seconds += time.perf_counter() - t0
         if stored:
-            self._ok()
-            self._write_backoff = 1.0
+            self.breaker.ok()
+            self.write_breaker.ok()
 
     # ------------------------------------------------------------------ invalidation
     def invalidate(self, *, tenant: int | None = None, everything: bool = False, generation: int | None = None) -> int:
@@ -659,8 +679,7 @@ class T2Tier:
         snap = asdict(s)
         snap.update(
             name="t2", enabled=True, backend=self.cfg.url, decision=self.decision, available=self.up,
-            down_for_s=round(max(0.0, self._down_until - time.monotonic()), 3),
-            writes_down_for_s=round(max(0.0, self._writes_down_until - time.monotonic()), 3),
+            down_for_s=self.breaker.left_s(), writes_down_for_s=self.write_breaker.left_s(),
             host_bytes=t2_host_bytes(self.layout, self.cfg),
             read_gbps=round(s.fetched_bytes / s.fetch_seconds / 1e9, 3) if s.fetch_seconds else None,
             write_gbps=round(s.stored_bytes / s.store_seconds / 1e9, 3) if s.store_seconds else None,
