@@ -180,15 +180,22 @@ def _tokens(uid, n: int):
     return array("q", out[:n])
 
 
+def _hot_set_under_scans(page: int, rounds: int, hot_reqs: int, scan_pages: int) -> list:
+    """A hot set of two-page requests under two one-shot scans per round: lru thrashes it; the
+    adaptive policy, aging the scans, would keep it, so the duel leaves lru."""
+    reqs = []
+    for rnd in range(rounds):
+        reqs += [(_tokens(("hot", k), 2 * page), "hot") for k in range(hot_reqs)]
+        reqs += [(_tokens(("scan", rnd, j), scan_pages * page), None) for j in range(2)]
+    return reqs
+
+
 def _cold_aging_carried_into_lru(page: int, rounds: int, hot_reqs: int, scan_pages: int, reuse: int, cut: int):
     """First a hot set under one-shot scans (lru thrashes it; the adaptive policy, aging the
     scans, would keep it: the duel leaves lru), then new cold prompts, each coming back ``reuse``
     prompts later (inside lru's reach). Cut where the old code lost most (found by a review
     helper stepping the policy: the fallback to lru comes during the second phase)."""
-    reqs = []
-    for rnd in range(rounds):
-        reqs += [(_tokens(("hot", k), 2 * page), "hot") for k in range(hot_reqs)]
-        reqs += [(_tokens(("scan", rnd, j), scan_pages * page), None) for j in range(2)]
+    reqs = _hot_set_under_scans(page, rounds, hot_reqs, scan_pages)
     i = 0
     while len(reqs) < cut:
         reqs.append((_tokens(("A", i), 8 * page), "x"))
@@ -209,7 +216,7 @@ def test_cold_aging_is_undone_once_the_cache_follows_lru(page, cap_pages, args):
     came back, after the episode and outside every bound (a review helper's trace: 0.91 points
     below lru at 1,000 pages). Now the aging is undone once the real cache follows a fixed order,
     and the loss stays within the budget at every point of the trace."""
-    from tests.test_strict_guarantee import _run_page
+    from tests.test_strict_guarantee import _run_page, assert_within_budget
 
     reqs = _cold_aging_carried_into_lru(page, *args)
     lru, lru_per_req, _ = _run_page(reqs, cap_pages * page, page, "lru")
@@ -217,11 +224,7 @@ def test_cold_aging_is_undone_once_the_cache_follows_lru(page, cap_pages, args):
     pol = cache.policy
     snap = pol.snapshot()
     assert snap["fallbacks"] >= 1 and snap["following"] == "lru"  # an episode, then lru
-    lost = seen = 0
-    for a, b, (t, _) in zip(per_req, lru_per_req, reqs):
-        lost += b - a
-        seen += len(t) // page
-        assert lost <= (pol.cfg.guard_budget * seen + snap["cap_over_kept"]) * page + 1e-9, (seen, lost)
+    assert_within_budget(reqs, per_req, lru_per_req, pol, page)
     assert tiered >= lru - 0.002 and pol.adaptive_exits >= 1
     pol.check_invariants()
     cache.check_invariants()
@@ -355,10 +358,7 @@ def _split_kept_old_tick_into_lru(page: int, rounds=64, hot_reqs=50, scan_pages=
     """The cold-aging trace's phases (the duel leaves lru, then falls back), with requests that
     split cold prompts' nodes while the adaptive order is followed, then a stream of one-shot
     prompts and the split prompts again (a second review helper's trace, built the same way)."""
-    reqs = []
-    for rnd in range(rounds):
-        reqs += [(_tokens(("hot", k), 2 * page), "hot") for k in range(hot_reqs)]
-        reqs += [(_tokens(("scan", rnd, j), scan_pages * page), None) for j in range(2)]
+    reqs = _hot_set_under_scans(page, rounds, hot_reqs, scan_pages)
     split = []
     for i in range(k0 + n_split):
         reqs.append((_tokens(("A", i), a_pages * page), "x"))
@@ -378,7 +378,7 @@ def test_a_split_kept_under_adaptive_takes_lrus_tick_on_the_fallback():
     tick (a split is not a use of the lower half), and after the fallback "exact lru" evicted
     those lower halves before older pages (0.34 points below lru on this trace). Every node now
     keeps lru's tick beside the adaptive one (``tiered_lru``), and leaving adaptive restores it."""
-    from tests.test_strict_guarantee import _run_page
+    from tests.test_strict_guarantee import _run_page, assert_within_budget
 
     page, cap_pages = 16, 200
     reqs = _split_kept_old_tick_into_lru(page)
@@ -387,10 +387,6 @@ def test_a_split_kept_under_adaptive_takes_lrus_tick_on_the_fallback():
     pol = cache.policy
     snap = pol.snapshot()
     assert snap["fallbacks"] >= 1 and snap["following"] == "lru"
-    lost = seen = 0
-    for a, b, (t, _) in zip(per_req, lru_per_req, reqs):
-        lost += b - a
-        seen += len(t) // page
-        assert lost <= (pol.cfg.guard_budget * seen + snap["cap_over_kept"]) * page + 1e-9, (seen, lost)
+    assert_within_budget(reqs, per_req, lru_per_req, pol, page)
     assert tiered >= lru - 0.002
     cache.check_invariants()

@@ -40,6 +40,17 @@ LRU_TREE_OPEN = PolicyConfig(tree_shadow_pages=0, shadow_pages=8, guard_entry_ro
                              guard_prepay=False)  # fmt: skip
 
 
+def assert_within_budget(reqs, per_req, lru_per_req, pol, page: int, what="") -> None:
+    """The strict bound at every point of a trace: tokens lost to lru so far <= (the budget per
+    page reference so far + the counted overshoot) pages."""
+    over = pol.snapshot()["cap_over_kept"]
+    lost = seen = 0
+    for a, b, (t, _) in zip(per_req, lru_per_req, reqs):
+        lost += b - a
+        seen += len(t) // page
+        assert lost <= (pol.cfg.guard_budget * seen + over) * page + 1e-9, (what, seen, lost)
+
+
 def _family_cell(seed: int, fraction: float):
     """A generated workload of the family at the capacity bench/workload_family.py gives it."""
     import bookkeeping  # bench/ (tests/test_bookkeeping_digest.py puts it on the path the same way)
@@ -69,12 +80,7 @@ def test_strict_loss_to_lru_is_within_budget_plus_counted_overshoot(build, confi
     bound = (pol.cfg.guard_budget * refs + snap["cap_over_kept"]) * PAGE / total_tokens
     assert tiered >= lru - bound - 1e-9, (build.__name__, tiered, lru, bound, snap)
     # ... and at every point of the trace, not only at its end
-    lost = 0
-    seen = 0
-    for a, b, (t, _) in zip(per_req, lru_per_req, reqs):
-        lost += b - a
-        seen += len(t) // PAGE
-        assert lost <= (pol.cfg.guard_budget * seen + snap["cap_over_kept"]) * PAGE + 1e-9, (build.__name__, lost)
+    assert_within_budget(reqs, per_req, lru_per_req, pol, PAGE, build.__name__)
     pol.check_invariants()
 
 
