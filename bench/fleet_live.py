@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.live_compare import stream_generate  # noqa: E402
 from bench.trace_replay import environment  # noqa: E402
-from sglang_tiered.dev.server import (Server, ServerSpec, add_threads_option, free_port, start_redis,  # noqa: E402
-                                      use_server_threads)
+from sglang_tiered.dev.server import (Server, ServerSpec, add_threads_option, cpu_quota_group, free_port,  # noqa: E402
+                                      remove_cgroup, start_redis, use_server_threads)
 from sglang_tiered.dev.workloads import multi_tenant  # noqa: E402
 
 LOGS = ROOT / "logs" / "fleet_live"
@@ -241,9 +241,16 @@ def main(argv=None) -> int:
                     help="ours, smg-<policy>, or a variant of ours: " + (", ".join(VARIANTS) or "none"))
     ap.add_argument("--rounds", type=int, default=2, help="runs per router, order reversed every other round")
     ap.add_argument("--name", default="fleet_live")
+    ap.add_argument("--server-cpus", type=float, default=None, metavar="CORES",
+                    help="each tiered server in its own cgroup with a CPU quota of CORES (e.g. 0.5): fixed compute per "
+                         "server, as on a fleet where each has its own accelerator; without it the servers share "
+                         "this host's cores and one that gets more requests also gets more CPU (needs root)")
     add_threads_option(ap)
     args = ap.parse_args(argv)
     use_server_threads(args.threads)
+    groups = []
+    if args.server_cpus is not None:  # fail before anything starts
+        groups = [cpu_quota_group(f"sglang-tiered-fleet-{os.getpid()}-{i}", args.server_cpus) for i in range(3)]
     from sglang_tiered.dev.tiny_model import build_model
 
     model = str(build_model())
@@ -260,7 +267,7 @@ def main(argv=None) -> int:
             env = {"SGLANG_TIERED_INDEX_URL": redis_url, "SGLANG_TIERED_SERVER_ID": f"http://127.0.0.1:{port}",
                    "SGLANG_TIERED_INDEX_TTL_S": "30", "SGLANG_TIERED_HOST": "off"}  # fmt: skip
             servers.append(Server(ServerSpec(model_path=model, port=port, max_total_tokens=args.pool_tokens, env=env,
-                                             dtype=args.dtype),
+                                             dtype=args.dtype, cgroup=groups[i] if groups else None),
                                   LOGS / f"server-{i}.log"))  # fmt: skip
         ref = Server(ServerSpec(model_path=model, backend=None, disable_radix_cache=True, dtype=args.dtype,
                                 port=ports[3]),
@@ -369,7 +376,9 @@ def main(argv=None) -> int:
         doc = {"meta": env, "args": vars(args), "rows": rows, "summary": summary,
                "per_request_fields": PER_REQUEST_FIELDS, "per_request": per_request,
                "kinds": [w["kind"] for w in work], "tenants": [w["tenant"] for w in work],
-               "note": "same 3 servers (tiered, T1 off), caches flushed and Redis emptied between routers"}  # fmt: skip
+               "note": "same 3 servers (tiered, T1 off), caches flushed and Redis emptied between routers"
+                       + (f"; each server capped at {args.server_cpus} CPU (cgroup quota)" if groups else
+                          "; the servers share the host's cores")}  # fmt: skip
         (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
         with open(out / f"{args.name}.csv", "w", newline="") as f:
             keys = dict.fromkeys(k for r in rows for k in r if k not in ("per_worker", "round", "explain", "hit_by_kind"))
@@ -392,7 +401,8 @@ def main(argv=None) -> int:
         ax[2].bar(names, [r["req_per_s"] for r in rows]); ax[2].set_title("requests/s")
         for a in ax:
             a.tick_params(axis="x", rotation=30, labelsize=8)
-        fig.suptitle(f"3-server loopback fleet (git {env.get('git_sha')}, sglang {env.get('sglang')})")
+        cpus = f", {args.server_cpus} CPU per server" if groups else ", servers share the host's cores"
+        fig.suptitle(f"3-server loopback fleet (git {env.get('git_sha')}, sglang {env.get('sglang')}{cpus})")
         fig.tight_layout()
         fig.savefig(out / f"{args.name}.png", dpi=110)
         print(f"wrote {out / args.name}.{{json,csv,png}}")
@@ -402,6 +412,8 @@ def main(argv=None) -> int:
                 p.terminate()
         for s in servers:
             s.stop()
+        for g in groups:
+            remove_cgroup(g)
     return 0
 
 

@@ -76,6 +76,63 @@ def use_server_threads(threads: int | None) -> None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
+CGROUP_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/cpu")
+
+
+def cpu_quota_group(name: str, cores: float) -> str:
+    """A cgroup named ``name`` whose processes together get at most ``cores`` CPUs (CFS quota):
+    servers started in it (``ServerSpec.cgroup``) each have fixed compute, as on a fleet where each
+    server has its own accelerator, instead of taking what the others leave idle on a shared host.
+    cgroup v2 (a root whose ``cgroup.subtree_control`` enables ``cpu``) or v1 (the ``cpu``
+    hierarchy); ``RuntimeError`` saying why when neither is writable (not root, no cgroup fs)."""
+    if not cores > 0:
+        raise ValueError(f"cores must be > 0, got {cores}")
+    period = 100_000
+    quota = max(1000, int(cores * period))
+    errors = []
+    for root in CGROUP_ROOTS:
+        v2 = os.path.exists(os.path.join(root, "cgroup.subtree_control"))
+        if v2:
+            try:
+                with open(os.path.join(root, "cgroup.subtree_control")) as f:
+                    enabled = f.read().split()
+            except OSError as exc:
+                errors.append(f"{root}: {exc.strerror}")
+                continue
+            if "cpu" not in enabled:
+                errors.append(f"{root}: cgroup v2 without the cpu controller enabled for children")
+                continue
+        elif not os.path.exists(os.path.join(root, "cpu.cfs_quota_us")):
+            continue
+        path = os.path.join(root, name)
+        try:
+            os.makedirs(path, exist_ok=True)
+            if v2:
+                with open(os.path.join(path, "cpu.max"), "w") as f:
+                    f.write(f"{quota} {period}")
+            else:
+                with open(os.path.join(path, "cpu.cfs_period_us"), "w") as f:
+                    f.write(str(period))
+                with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
+                    f.write(str(quota))
+            return path
+        except OSError as exc:
+            errors.append(f"{path}: {exc.strerror}")
+    raise RuntimeError("no writable cgroup with a CPU quota here (" + ("; ".join(errors) or "no cgroup fs") + ")")
+
+
+def remove_cgroup(path: str) -> None:
+    """Remove a group made by ``cpu_quota_group`` once its processes have exited (best effort)."""
+    for _ in range(50):
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # still has processes (exiting): retry briefly
+            time.sleep(0.1)
+
+
 class ServerStartError(RuntimeError):
     pass
 
@@ -95,6 +152,7 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
     python: str | None = None  # interpreter (default: this one)
     cwd: str | None = None  # working directory of the server process
+    cgroup: str | None = None  # a cgroup directory the server joins before it starts (``cpu_quota_group``)
 
     def argv(self) -> list[str]:
         args = [
@@ -148,9 +206,15 @@ class Server:
         if self.spec.tp > 1:
             env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(self.spec.tp)))
         log = open(self.log_path, "wb")
+        procs_file = os.path.join(self.spec.cgroup, "cgroup.procs") if self.spec.cgroup else None
+
+        def join_cgroup() -> None:  # in the child, before exec: every process it starts inherits it
+            with open(procs_file, "w") as f:
+                f.write(str(os.getpid()))
+
         self.proc = subprocess.Popen(
             self.spec.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            cwd=self.spec.cwd,
+            cwd=self.spec.cwd, preexec_fn=join_cgroup if procs_file else None,
         )
         log.close()
         try:
