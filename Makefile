@@ -33,6 +33,7 @@ fleet-sim: env
 
 # Live loopback fleet: Redis + 3 tiered servers behind our router vs smg round_robin,
 # cache_aware, prefix_hash; JSON/CSV/PNG under bench/results/. Not part of CI (about 10 min).
+# FLEET_BENCH_ARGS="--threads 1 --server-cpus 0.5": fixed compute per server (cgroup quota, root).
 fleet-bench: env redis
 	@HF_HUB_OFFLINE=1 $(PY) bench/fleet_live.py $(FLEET_BENCH_ARGS)
 
