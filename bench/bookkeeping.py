@@ -6,6 +6,7 @@ speed-up changed no decision.
     .venv/bin/python bench/bookkeeping.py --digests            # print the digest of every cell
     .venv/bin/python bench/bookkeeping.py --time               # us/request, lru vs tiered, ratio
     .venv/bin/python bench/bookkeeping.py --time --cells mooncake:0.01 family-21:0.2
+    .venv/bin/python bench/bookkeeping.py --time --batch 8 --cells mooncake:0.01   # 8 in flight
 
 The timed region is ``CacheDriver.run``'s (match_prefix, init_load_back, lock, evict, alloc, then
 checkpoint, free, unlock; not the forward pass), for both caches alike.
@@ -89,16 +90,42 @@ def digest(name: str, frac: float, config=None) -> dict:
     return {"hits": hits, "snapshot": snap, "hit_tokens": r["hit_tokens"]}
 
 
-def time_cell(name: str, frac: float, runs: int, config=None) -> tuple[list, list]:
+def time_cell(name: str, frac: float, runs: int, config=None, batch: int = 0) -> tuple[list, list]:
     """us/request (mean over one replay) of SGLang lru and tiered (its policy ``config``, None:
-    the default), ``runs`` interleaved pairs."""
+    the default), ``runs`` interleaved pairs. ``batch`` > 0: requests in flight together
+    (``replay_concurrent``, up to ``batch`` at once, whole prompts), the whole replay timed for
+    both (the simulated scheduler's own work included, the same for both)."""
     reqs = load(name)[0]
     cap = capacity_tokens(name, frac)
     lru, tiered = [], []
     for _ in range(runs):
-        lru.append(replay_sglang(reqs, cap, "lru")["us_per_req"])
-        tiered.append(replay_tiered(reqs, cap, config)["us_per_req"])
+        if batch:
+            lru.append(concurrent_us(reqs, cap, batch, None))
+            tiered.append(concurrent_us(reqs, cap, batch, config or False))
+        else:
+            lru.append(replay_sglang(reqs, cap, "lru")["us_per_req"])
+            tiered.append(replay_tiered(reqs, cap, config)["us_per_req"])
     return lru, tiered
+
+
+def concurrent_us(reqs, cap: int, batch: int, tiered) -> float:
+    """us/request of one ``replay_concurrent`` through SGLang's lru (``tiered`` None) or tiered
+    (``tiered``: its PolicyConfig, or False for the default)."""
+    import time
+
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    from sglang_tiered.dev.simulate import CacheDriver, make_params, replay_concurrent
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+
+    if tiered is None:
+        params, alloc, pool = make_params(cap, PAGE, 1 << 17, eviction_policy="lru")
+        driver = CacheDriver(RadixCache(params), alloc, pool)
+    else:
+        driver = TieredRadixCache.create_simulated(cap, PAGE, policy_config=tiered or None).driver
+    t0 = time.perf_counter()
+    replay_concurrent(driver, [(r.tokens, r.tenant) for r in reqs], batch=batch)
+    return (time.perf_counter() - t0) * 1e6 / len(reqs)
 
 
 def _cell(s: str):
@@ -115,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--time", action="store_true", help="time lru vs tiered per cell")
     ap.add_argument("--cells", nargs="+", type=_cell, default=None, help="NAME:FRACTION, e.g. mooncake:0.01")
     ap.add_argument("--runs", type=int, default=2, help="interleaved lru/tiered pairs per cell")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="--time with up to BATCH requests in flight together (replay_concurrent); 0: one at a time")
     ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="PolicyConfig overrides for tiered's timing and digests, e.g. guard_leader=0.999")
     args = ap.parse_args(argv)
@@ -127,7 +156,7 @@ def main(argv=None) -> int:
     if args.time:
         print(f"{'cell':24s} {'pages':>7s} {'lru us':>8s} {'tiered us':>9s} {'ratio':>6s}  (each pair; mean over one replay)")
         for c in args.cells or TIME_CELLS:
-            lru, tiered = time_cell(*c, args.runs, config)
+            lru, tiered = time_cell(*c, args.runs, config, args.batch)
             pairs = "  ".join(f"{a:.0f}/{b:.0f}={b / a:.2f}" for a, b in zip(lru, tiered))
             ratio = sum(tiered) / sum(lru)
             print(f"{c[0] + ':' + str(c[1]):24s} {capacity_tokens(*c) // PAGE:7d} {sum(lru) / len(lru):8.1f} "

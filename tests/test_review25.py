@@ -43,3 +43,56 @@ def test_cpu_quota_caps_a_busy_child():
     finally:
         remove_cgroup(group)
     assert not os.path.exists(group)
+
+
+class _Counted:
+    """Delegates to ``obj``, counting calls of its ``run`` (the shadows and miniatures use slots)."""
+
+    def __init__(self, obj, counter, key):
+        self._obj, self._counter, self._key = obj, counter, key
+
+    def run(self, *a, **kw):
+        self._counter[self._key] += 1
+        return self._obj.run(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._obj, name)
+
+
+def test_overlap_steps_only_lru_shadow_and_sketch():
+    """While requests overlap the real cache follows lru whatever the shadows say (guard_serial),
+    so slru's and lfu's shadows and the miniatures skip those requests (they were 1/4 of the
+    cache's work in a concurrent replay); lru's shadow (the bound's yardstick) and the sketch
+    (T1's and T2's page value) keep stepping, and serial traffic steps everything again."""
+    from collections import Counter
+
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+
+    cache = TieredRadixCache.create_simulated(64 * 16, 16)
+    pol, drv = cache.policy, cache.driver
+    assert pol._tree and pol._serial_guard
+    calls: Counter = Counter()
+    for o in ("lru", "slru", "lfu"):
+        pol._shadows[o] = _Counted(pol._shadows[o], calls, o)
+    pol._shadow = pol._shadows["lru"]
+    pol._minis = [_Counted(m, calls, f"mini{i}") for i, m in enumerate(pol._minis)]
+    toks = lambda s: list(range(s, s + 40))  # noqa: E731
+
+    drv.run(toks(0))  # one at a time: everything steps
+    assert all(calls[k] == 1 for k in ("lru", "slru", "lfu", "mini0", "mini1", "mini2")), calls
+    calls.clear()
+    a = drv.begin(toks(1000))
+    b = drv.begin(toks(2000))  # starts while a is in flight
+    drv.end(a)
+    drv.end(b)
+    assert calls["lru"] == 2 and not any(calls[k] for k in ("slru", "lfu", "mini0", "mini1", "mini2")), calls
+    assert pol.stats.overlapped_requests == 1 and pol.following == "lru"
+    # the sketch still counted both requests' pages
+    from sglang_tiered.core.keys import chain_page_hashes
+
+    for s in (1000, 2000):
+        h = chain_page_hashes(cache.hashes.seed(None, None), toks(s), 16)
+        assert pol.frequency(h[0]) >= 1
+    calls.clear()
+    drv.run(toks(3000))  # serial again: everything steps
+    assert all(calls[k] == 1 for k in ("lru", "slru", "lfu", "mini0", "mini1", "mini2")), calls

@@ -99,6 +99,14 @@ class SafetyDuel:
         # which the real cache stays at lru after the last overlap (``note_overlap``)
         self._serial_guard = self._guard and cfg.guard_div_cap and cfg.guard_serial and not cfg.guard_leader
         self._overlap_left = 0.0
+        # The last request started while another was in flight (``note_overlap``; cleared by
+        # ``note_serial``). Meanwhile the real cache is lru whatever the shadows say, so only what
+        # outlives the overlap is stepped: lru's shadow (the bound's yardstick, whose content must
+        # be lru's when serial traffic resumes) and the sketch (T1's and T2's value of a page).
+        # slru's and lfu's shadows and the miniatures skip those requests (counted as 0 hits for
+        # slru and lfu: behind lru, so neither can lead until its shadow has caught up), and the
+        # turnover of serial references that must pass before lru is left steps them all again.
+        self._overlapping = False
         # Follow the leader (``guard_leader``): each fixed order's shadow hits, decayed per request
         self._leader = dict.fromkeys(FIXED_ORDERS, 0.0) if cfg.guard_leader else None
         # times the real cache left the adaptive order for a fixed one (the integration then sets
@@ -116,18 +124,25 @@ class SafetyDuel:
         back to lru, exactly, until a shadow turnover passes without overlap (``guard_serial``)."""
         self.stats.overlapped_requests += 1
         if self._serial_guard:
+            self._overlapping = True
             self._overlap_left = float(self._shadow.cap)
             self._trial = None
             if self.following != "lru":  # now: the next eviction is already lru's
                 self._follow("lru")
                 self._credit = 0.0
 
+    def note_serial(self) -> None:
+        """A request started with no other in flight (the cache tells: match_prefix)."""
+        self._overlapping = False
+
     def _safety_tree(self, pages: list, start: int, tail: int, real: int, n: int) -> None:
         """The duel's per-request step with the tree shadows (every order's, or lru's alone):
         ``pages`` the request's page hashes from its first, ``pages[start:]`` (``n`` of them) this
         step's references."""
         sh = self._shadows
-        if self._tree:
+        if self._overlapping:  # lru's shadow alone (see ``_overlapping``)
+            hits = {"lru": sh["lru"].run(pages, tail, start), "slru": 0.0, "lfu": 0.0}
+        elif self._tree:
             hits = {o: sh[o].run(pages, tail, start) for o in FIXED_ORDERS}
         else:  # lru's tree alone: slru and lfu are the page models, their hits scaled to pages
             hits = {"lru": sh["lru"].run(pages, tail, start)}
@@ -144,7 +159,10 @@ class SafetyDuel:
         """The safety duel, once per request: ``n`` sampled page references of which the real
         cache hit ``real`` (a prefix of them); each fixed-order shadow hits some."""
         hits = {"lru": self._shadow.run(sampled)}
-        self._model_hits(hits, sampled, 1.0)
+        if self._overlapping:  # lru's shadow alone (see ``_overlapping``)
+            hits["slru"] = hits["lfu"] = 0.0
+        else:
+            self._model_hits(hits, sampled, 1.0)
         self._duel_step(hits, real, n)
 
     def _model_hits(self, hits: dict, sampled: list, scale: float) -> None:

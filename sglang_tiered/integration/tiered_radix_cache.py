@@ -312,6 +312,8 @@ class TieredRadixCache(RadixCache):
             # one at a time (PolicyConfig.guard_serial)
             if self.in_flight:
                 self.policy.note_overlap()
+            else:
+                self.policy.note_serial()
             if len(self.in_flight) >= IN_FLIGHT_MAX:  # never released (aborted): forget the oldest
                 del self.in_flight[next(iter(self.in_flight))]
             self.in_flight[req.rid] = None
