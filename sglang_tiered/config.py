@@ -357,11 +357,12 @@ def _check_names(env) -> None:
             raise ConfigError(f"{ENV[field]}={env[ENV[field]]!r} does nothing here: {why}")
 
 
-def check_server_args(cfg: TieredConfig, server_args) -> None:
+def check_server_args(cfg: TieredConfig, server_args, bigram_keys: bool = False) -> None:
     """What the environment cannot tell alone: options that SGLang's own arguments make unusable
-    (``server_args``: SGLang's ``ServerArgs``, read by attribute). Called in the launcher before any
-    scheduler starts (integration/hooks.py), so these fail before the model loads instead of being
-    turned off with a warning in every scheduler."""
+    (``server_args``: SGLang's ``ServerArgs``, read by attribute; ``bigram_keys``: its speculative
+    algorithm keys the radix tree by bigrams, EAGLE-style, as SGLang's ``is_eagle`` says). Called in
+    the launcher before any scheduler starts (integration/hooks.py), so these fail before the model
+    loads instead of being turned off with a warning in every scheduler."""
     def arg(name: str) -> int:
         return int(getattr(server_args, name, 1) or 1)
 
@@ -379,6 +380,15 @@ def check_server_args(cfg: TieredConfig, server_args) -> None:
         # (review, session 22); with auto, T1 is turned off for PP (integration/host_setup.py)
         _bad("host_mode", cfg.host_mode, f"T1 with --pp-size {pp} is not supported (pipeline stages would "
              "decide T1 hits separately): use SGLANG_TIERED_HOST=auto or off")  # fmt: skip
+    if bigram_keys:
+        # T1 cannot serve a bigram-keyed tree (integration/host_setup.py turns it off under auto)
+        algo = getattr(server_args, "speculative_algorithm", None)
+        if cfg.host_mode == "on":
+            _bad("host_mode", cfg.host_mode, f"T1 with --speculative-algorithm {algo} is not supported (the tree's "
+                 "keys are bigrams, which T1 cannot serve): use SGLANG_TIERED_HOST=auto or off")  # fmt: skip
+        if cfg.t2 is not None:
+            raise ConfigError(f"SGLANG_TIERED_T2 is set and T2 (which stages pages in T1) is not supported with "
+                              f"--speculative-algorithm {algo}: unset it")  # fmt: skip
     if cfg.t2 is not None:
         for size, flag in ((tp, "--tp-size"), (pp, "--pp-size")):
             if size > 1:

@@ -99,3 +99,45 @@ def test_overlap_steps_only_lru_shadow_and_sketch():
     calls.clear()
     drv.run(toks(3000))  # serial again: everything steps
     assert all(calls[k] == 1 for k in ("lru", "slru", "lfu", "mini0", "mini1", "mini2")), calls
+
+
+# --- EAGLE: T1 was write-only (review, session 25) --------------------------------------------
+
+def test_eagle_turns_t1_off_and_says_why():
+    """SGLang's match_prefix turns an EAGLE server's key into a bigram view in place, so T1's probe
+    never served a hit while every eviction still copied pages into T1. T1 is now off there."""
+    import types
+
+    from sglang_tiered.config import load_config
+    from sglang_tiered.integration.host_setup import BIGRAM_OFF, build_host_tier
+
+    cache = types.SimpleNamespace(is_eagle=True)  # nothing else is read before the decision
+    for mode in ("auto", "on"):
+        assert build_host_tier(cache, None, load_config({"SGLANG_TIERED_HOST": mode})) == (None, BIGRAM_OFF)
+
+
+@pytest.mark.parametrize("env,says", [
+    ({"SGLANG_TIERED_HOST": "on"}, "T1 with --speculative-algorithm EAGLE3 is not supported"),
+    ({"SGLANG_TIERED_T2": "mooncake://127.0.0.1:50051"}, "T2 .* is not supported with --speculative-algorithm"),
+])  # fmt: skip
+def test_eagle_with_t1_on_or_t2_stops_the_launch(env, says):
+    import types
+
+    from sglang_tiered.config import ConfigError, check_server_args, load_config
+
+    args = types.SimpleNamespace(tp_size=1, pp_size=1, dp_size=1, tokenizer_worker_num=1,
+                                 speculative_algorithm="EAGLE3")  # fmt: skip
+    with pytest.raises(ConfigError, match=says):
+        check_server_args(load_config(env), args, bigram_keys=True)
+    check_server_args(load_config({}), args, bigram_keys=True)  # auto: T1 turned off, nothing to stop
+    check_server_args(load_config(env), args, bigram_keys=False)
+
+
+@pytest.mark.parametrize("name,bigram", [(None, False), ("EAGLE", True), ("eagle3", True), ("NEXTN", True),
+                                         ("NGRAM", False), ("no-such-algorithm", False)])  # fmt: skip
+def test_bigram_keys_follow_sglangs_is_eagle(name, bigram):
+    import types
+
+    from sglang_tiered.integration.hooks import _bigram_keys
+
+    assert _bigram_keys(types.SimpleNamespace(speculative_algorithm=name)) is bigram

@@ -204,6 +204,21 @@ def _claim_named_host_tier(cfg) -> None:
         raise ConfigError(f"SGLANG_TIERED_HOST_NAME={cfg.host_name!r}: {exc}") from None
 
 
+def _bigram_keys(server_args) -> bool:
+    """SGLang keys the radix tree by bigrams for this speculative algorithm (its ``is_eagle``, as
+    mem_cache/kv_cache_builder.py passes it to the cache); an unknown name is SGLang's to refuse."""
+    name = getattr(server_args, "speculative_algorithm", None)
+    if not name:
+        return False
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    try:
+        algo = SpeculativeAlgorithm.from_string(name)
+    except ValueError:
+        return False
+    return bool(getattr(algo, "is_eagle", lambda: False)())
+
+
 def _before_check_server_args(server_args, *args, **kwargs):
     """In the launcher, before any scheduler starts, for the tiered backend only: the environment
     (``load_config``, which plugin.register only warns about: a stock server must not stop for
@@ -213,7 +228,7 @@ def _before_check_server_args(server_args, *args, **kwargs):
         return None
     try:
         cfg = load_config()
-        check_server_args(cfg, server_args)
+        check_server_args(cfg, server_args, bigram_keys=_bigram_keys(server_args))
         _claim_named_host_tier(cfg)
     except ConfigError as exc:
         msg = f"sglang-tiered: invalid configuration: {exc}"

@@ -124,10 +124,18 @@ def staging_pages(cfg, device_pages: int, t1_pages: int) -> int:
     return min(store_queue_pages(cfg, device_pages), max(64, t1_pages // 16), t1_pages // 4)
 
 
+BIGRAM_OFF = "off: EAGLE-style speculative decoding keys the tree by bigrams, which T1 cannot serve"
+
+
 def build_host_tier(cache, ctx, cfg):
     """Return (HostTier or None, decision text)."""
     if cfg.host_mode == "off":
         return None, "off: SGLANG_TIERED_HOST=off"
+    if cache.is_eagle:
+        # EAGLE-style speculative decoding keys the tree by bigrams (SGLang's match_prefix turns the
+        # key into a bigram view in place), which T1's probe and load-back do not build: T1 was
+        # written (every eviction copied its pages) and never read (review, session 25)
+        return None, BIGRAM_OFF
     kv = cache.token_to_kv_pool_allocator.get_kvcache()
     if not hasattr(kv, "k_buffer") or not hasattr(kv, "v_buffer"):
         return None, f"off: unsupported KV pool {type(kv).__name__} (MHA pools only)"
