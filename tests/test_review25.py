@@ -141,3 +141,52 @@ def test_bigram_keys_follow_sglangs_is_eagle(name, bigram):
     from sglang_tiered.integration.hooks import _bigram_keys
 
     assert _bigram_keys(types.SimpleNamespace(speculative_algorithm=name)) is bigram
+
+
+def test_flush_with_a_load_back_whose_batch_never_ran_tells_the_index():
+    """reset's persist branch demotes what it can, but a node locked by a load-back whose batch
+    never ran stays on the device until super().reset() drops it: its pages were never reported
+    gone, so the fleet index and the policy's record of device pages kept them (I1)."""
+    import logging
+
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams
+
+    from sglang_tiered.integration.index_hints import tree_pages
+    from tests.strict_sim import Req, Sim
+
+    logging.disable(logging.WARNING)
+    try:
+        class Listener:
+            removed: list = []
+
+            def on_store(self, h):
+                pass
+
+            def on_remove(self, h):
+                self.removed.extend(h)
+
+            def on_clear(self):
+                pass
+
+        sim = Sim(64, 4, host_pages=16)
+        c = sim.cache
+        c.index.listener = Listener()
+        toks = list(range(100, 117))
+        a = Req(toks, rid="a")
+        assert sim.admit(a)
+        sim.release(a)
+        c.evict(EvictParams(num_tokens=10**6))  # to T1
+        b = Req(toks, rid="b")
+        m = sim.match(b)
+        lk = c.lock(b.last_node)
+        loaded = c.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
+                                                     host_hit_length=m.host_hit_length, req=b))  # fmt: skip
+        c.unlock(lk)
+        assert loaded and loaded[0] == 16 and c.t1.load_locks  # loaded back; its batch never runs
+        held = tree_pages(c.root_node)
+        c.reset()  # /flush_cache
+        assert c.index.device == set() and not tree_pages(c.root_node)
+        assert not set(Listener.removed) & held  # T1 still holds them: still on this server
+        c.check_invariants()
+    finally:
+        logging.disable(logging.NOTSET)

@@ -189,6 +189,12 @@ class TieredRadixCache(RadixCache):
                 self.index.clear()  # device pages gone (T1's go unclaimed too: a missed hint, never wrong)
             else:
                 self.persist_to_host()
+                if self.root_node.children:
+                    # locked nodes stay on the device through persist_to_host (a load-back whose
+                    # batch never ran) and are dropped below: their pages leave the device, kept
+                    # as held where T1 has them (review, session 25: the index and the policy's
+                    # record of device pages kept them)
+                    self.index.device_removed(list(tree_pages(self.root_node)), kept=self.t1.holds)
             # locks on nodes of the tree dropped below would be released into the new tree's
             # counts (idle flushes hold none: only a load-back whose batch never ran; before
             # session 23 the persist branch kept them)
