@@ -238,6 +238,13 @@ class Sim:
         req.kv.kv_committed_len = hi
         return True
 
+    def postfill(self, req):
+        """SGLang's checkpoint right after a request's last prefill chunk, while it goes on to
+        decode (mem_cache/common.py ``checkpoint_kv_cache``; review, session 25)."""
+        if not req.skip_radix_cache_insert:
+            self.cache.checkpoint(req, up_to=req.extend_end)
+        req.prefix_len = req.extend_end
+
     def decode(self, req, tok):
         """After the prefill: output tokens; each decode step computes the KV of the last output."""
         req.refresh_fill_ids()
@@ -373,6 +380,8 @@ def run(seed, opts, log=None):
     mode = opts.get("mode", rng.choice([None, "all+lru", "tinylfu+adaptive", "tinylfu+slru"]))
     ops = set(opts.get("ops", "new,admit,chunk,decode,finish,abort,retract,evict,flush,inv,probe").split(","))
     cap = opts.get("cap", 48)
+    # the checkpoint after an unfinished request's last prefill chunk (no rng draw: seeds unchanged)
+    postfill = opts.get("postfill", 0)
     fa = (lambda n: rng.randint(0, n)) if fz else None
     sim = Sim(cap, ps, eagle=bool(eagle), host_pages=host,
               policy_config=PolicyConfig(force_mode=mode, pin_min_freq=3, pin_max_tokens=2 * ps), fuzz_admit=fa)
@@ -417,6 +426,8 @@ def run(seed, opts, log=None):
             ok = sim.admit(r, chunk)
             if ok:
                 waiting.remove(r)
+                if postfill and not sim.prefilling(r):
+                    sim.postfill(r)
             desc = (op, r.rid, chunk, ok, r.prefix_len)
         elif op == "chunk":
             c = [r for r in sim.live if sim.prefilling(r)]
@@ -425,6 +436,8 @@ def run(seed, opts, log=None):
             r = rng.choice(c)
             k = rng.choice([1, 2, 4, 5])
             sim.next_chunk(r, k)
+            if postfill and not sim.prefilling(r):
+                sim.postfill(r)
             desc = (op, r.rid, k)
         elif op == "decode":
             c = [r for r in sim.live if not sim.prefilling(r) and len(r.output_ids) < r.max_new + 1]

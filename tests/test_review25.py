@@ -190,3 +190,13 @@ def test_flush_with_a_load_back_whose_batch_never_ran_tells_the_index():
         c.check_invariants()
     finally:
         logging.disable(logging.NOTSET)
+
+
+@pytest.mark.parametrize("opts", [dict(cap=40, host=16), dict(cap=24, ps=4, host=8, fuzz=1), dict(eagle=1, ps=2)])
+def test_random_scheduler_runs_with_the_checkpoint_after_prefill(opts):
+    """tests/strict_sim.py's random runs with SGLang's checkpoint after an unfinished request's
+    last prefill chunk (``checkpoint_kv_cache``), which the harness lacked (review, session 25)."""
+    from tests import strict_sim
+
+    for seed in range(30):
+        strict_sim.run(seed, dict(opts, eagle=opts.get("eagle", 0), steps=250, postfill=1))
