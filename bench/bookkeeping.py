@@ -95,8 +95,15 @@ def time_cell(name: str, frac: float, runs: int, config=None, batch: int = 0) ->
     the default), ``runs`` interleaved pairs. ``batch`` > 0: requests in flight together
     (``replay_concurrent``, up to ``batch`` at once, whole prompts), the whole replay timed for
     both (the simulated scheduler's own work included, the same for both)."""
+    import gc
+
     reqs = load(name)[0]
     cap = capacity_tokens(name, frac)
+    # the loaded traces (Mooncake: millions of token ints in lists) out of the collector's reach:
+    # a full collection scanned them in whichever replay crossed its threshold (0.33 s, seen as
+    # 5x lru's time on one cell and then on the other's, session 25)
+    gc.collect()
+    gc.freeze()
     lru, tiered = [], []
     for _ in range(runs):
         if batch:
