@@ -77,7 +77,7 @@ def test_t1_refuses_a_kv_pool_with_scales_beside_the_data():
 
     kv = MHATokenToKVPoolMXFP8(size=8 * 4, page_size=4, dtype=torch.float8_e4m3fn, head_num=2, head_dim=32,
                                layer_num=2, device="cpu", enable_memory_saver=False)  # fmt: skip
-    cache = types.SimpleNamespace(token_to_kv_pool_allocator=types.SimpleNamespace(get_kvcache=lambda: kv))
+    cache = types.SimpleNamespace(token_to_kv_pool_allocator=types.SimpleNamespace(get_kvcache=lambda: kv), is_eagle=False)
     tier, decision = build_host_tier(cache, None, types.SimpleNamespace(host_mode="on"))
     assert tier is None and "scales" in decision
 
