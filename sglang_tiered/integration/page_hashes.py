@@ -49,6 +49,11 @@ class PageHashes:
         """The hash a child of ``parent`` (with ``key``'s namespace) chains from."""
         return parent.tiered_hashes[-1] if parent.tiered_hashes else self.seed(key.extra_key, key.cache_salt)
 
+    def of_node(self, n) -> list:
+        """``n``'s page hashes from its tokens (H1's right-hand side; its parent's must be known)."""
+        return chain_page_hashes(self.prev_of(n.parent, n.key), n.key.raw_token_ids(), self.page_size,
+                                 int(n.key.is_bigram))  # fmt: skip
+
     def ensure(self, node) -> None:
         """Give ``node`` and its ancestors their page hashes (top-down, only where missing)."""
         chain = []
@@ -56,9 +61,8 @@ class PageHashes:
             chain.append(node)
             node = node.parent
         for n in reversed(chain):
-            p = n.parent
-            n.tiered_hashes = chain_page_hashes(self.prev_of(p, n.key), n.key.raw_token_ids(), self.page_size, int(n.key.is_bigram))
-            n.tiered_end = p.tiered_end + len(n.key)
+            n.tiered_hashes = self.of_node(n)
+            n.tiered_end = n.parent.tiered_end + len(n.key)
 
     def attach(self, node, hashes: list) -> None:
         """Give freshly inserted nodes on the path to ``node`` their slice of the request's page
@@ -107,7 +111,5 @@ class PageHashes:
             stack.extend(n.children.values())
             if n.tiered_hashes is None:
                 continue
-            p = n.parent
-            want = chain_page_hashes(self.prev_of(p, n.key), n.key.raw_token_ids(), self.page_size, int(n.key.is_bigram))
-            assert n.tiered_hashes == want, f"H1 violated: stale page hashes on node {n.id}"
-            assert n.tiered_end == p.tiered_end + len(n.key), f"H2 violated: stale depth on node {n.id}"
+            assert n.tiered_hashes == self.of_node(n), f"H1 violated: stale page hashes on node {n.id}"
+            assert n.tiered_end == n.parent.tiered_end + len(n.key), f"H2 violated: stale depth on node {n.id}"
