@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sglang_tiered.dev.server import cpu_quota_group, remove_cgroup
+from sglang_tiered.dev.server import cgroup_joiner, cpu_quota_group, remove_cgroup
 
 BUSY = ("import resource, time\n"
         "t = time.time()\n"
@@ -30,15 +30,9 @@ def test_cpu_quota_caps_a_busy_child():
         assert "cgroup" in str(exc)
         pytest.skip(f"no writable cgroup here: {exc}")
     try:
-        procs = os.path.join(group, "cgroup.procs")
-
-        def join() -> None:
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
         try:
-            out = subprocess.run([sys.executable, "-c", BUSY], preexec_fn=join, capture_output=True, text=True,
-                                 timeout=60, check=True)  # fmt: skip
+            out = subprocess.run([sys.executable, "-c", BUSY], preexec_fn=cgroup_joiner(group), capture_output=True,
+                                 text=True, timeout=60, check=True)  # fmt: skip
         except subprocess.SubprocessError as exc:  # the group was made but this host refuses joining it
             pytest.skip(f"cannot join a cgroup here: {exc}")
         cpu = float(out.stdout.strip())

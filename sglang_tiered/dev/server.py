@@ -121,6 +121,18 @@ def cpu_quota_group(name: str, cores: float) -> str:
     raise RuntimeError("no writable cgroup with a CPU quota here (" + ("; ".join(errors) or "no cgroup fs") + ")")
 
 
+def cgroup_joiner(path: str):
+    """A ``preexec_fn`` that moves the child into cgroup ``path`` before it execs (every process it
+    starts then inherits the group)."""
+    procs = os.path.join(path, "cgroup.procs")
+
+    def join() -> None:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+
+    return join
+
+
 def remove_cgroup(path: str) -> None:
     """Remove a group made by ``cpu_quota_group`` once its processes have exited (best effort)."""
     for _ in range(50):
@@ -206,15 +218,9 @@ class Server:
         if self.spec.tp > 1:
             env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(self.spec.tp)))
         log = open(self.log_path, "wb")
-        procs_file = os.path.join(self.spec.cgroup, "cgroup.procs") if self.spec.cgroup else None
-
-        def join_cgroup() -> None:  # in the child, before exec: every process it starts inherits it
-            with open(procs_file, "w") as f:
-                f.write(str(os.getpid()))
-
         self.proc = subprocess.Popen(
             self.spec.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            cwd=self.spec.cwd, preexec_fn=join_cgroup if procs_file else None,
+            cwd=self.spec.cwd, preexec_fn=cgroup_joiner(self.spec.cgroup) if self.spec.cgroup else None,
         )
         log.close()
         try:
