@@ -116,23 +116,12 @@ def time_cell(name: str, frac: float, runs: int, config=None, batch: int = 0) ->
 
 
 def concurrent_us(reqs, cap: int, batch: int, tiered) -> float:
-    """us/request of one ``replay_concurrent`` through SGLang's lru (``tiered`` None) or tiered
-    (``tiered``: its PolicyConfig, or False for the default)."""
-    import time
+    """us/request of one ``replay_concurrent`` (bench/concurrent_bar.py's replay) through SGLang's
+    lru (``tiered`` None) or tiered (``tiered``: its PolicyConfig, or False for the default)."""
+    from concurrent_bar import replay
 
-    from sglang.srt.mem_cache.radix_cache import RadixCache
-
-    from sglang_tiered.dev.simulate import CacheDriver, make_params, replay_concurrent
-    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
-
-    if tiered is None:
-        params, alloc, pool = make_params(cap, PAGE, 1 << 17, eviction_policy="lru")
-        driver = CacheDriver(RadixCache(params), alloc, pool)
-    else:
-        driver = TieredRadixCache.create_simulated(cap, PAGE, policy_config=tiered or None).driver
-    t0 = time.perf_counter()
-    replay_concurrent(driver, [(r.tokens, r.tenant) for r in reqs], batch=batch)
-    return (time.perf_counter() - t0) * 1e6 / len(reqs)
+    r = replay("lru", reqs, cap, batch, 0) if tiered is None else replay("tiered", reqs, cap, batch, 0, tiered or None)
+    return r["seconds"] * 1e6 / len(reqs)
 
 
 def _cell(s: str):

@@ -36,9 +36,9 @@ from trace_replay import capacity_pages, environment, page_ids  # noqa: E402
 from workload_family import FRACTIONS, LRU_MARGIN, _load  # noqa: E402
 
 
-def replay(kind: str, reqs, cap: int, batch: int, chunk: int) -> dict:
-    """One concurrent replay of ``reqs`` through tiered (``kind == "tiered"``) or SGLang's
-    RadixCache with eviction policy ``kind``."""
+def replay(kind: str, reqs, cap: int, batch: int, chunk: int, policy_config=None) -> dict:
+    """One concurrent replay of ``reqs`` through tiered (``kind == "tiered"``, its
+    ``policy_config``, None: the default) or SGLang's RadixCache with eviction policy ``kind``."""
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     from sglang_tiered.dev.simulate import CacheDriver, make_params, replay_concurrent
@@ -46,7 +46,7 @@ def replay(kind: str, reqs, cap: int, batch: int, chunk: int) -> dict:
 
     page = trace_replay.PAGE
     if kind == "tiered":
-        driver = TieredRadixCache.create_simulated(cap, page).driver
+        driver = TieredRadixCache.create_simulated(cap, page, policy_config=policy_config).driver
     else:
         params, alloc, pool = make_params(cap, page, 1 << 17, eviction_policy=kind)
         driver = CacheDriver(RadixCache(params), alloc, pool)
