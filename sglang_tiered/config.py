@@ -463,6 +463,13 @@ def sglang_route_names(env=None) -> frozenset:
     return frozenset(env.get(var, default) for var, default in SGLANG_RENAMABLE_ROUTES)
 
 
+def vertex_route(env=None) -> str:
+    """The path of Vertex AI's predict route on SGLang's server in this environment."""
+    env = os.environ if env is None else env
+    var, default = SGLANG_RENAMABLE_ROUTES[0]
+    return env.get(var, default)
+
+
 LIFETIME_ENV = "SGLANG_TIERED_LIFETIME_ID"
 
 

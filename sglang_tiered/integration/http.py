@@ -21,7 +21,7 @@ import msgspec
 from fastapi import Request
 from typing import Optional
 
-from sglang_tiered.config import hashed_tenant_labels, load_config, sglang_route_names
+from sglang_tiered.config import hashed_tenant_labels, load_config, sglang_route_names, vertex_route
 from sglang_tiered.core.keys import client_extra_key
 from sglang_tiered.integration.protocol import STATE_KEY, invalidation_args
 from sglang_tiered.stats import aggregate
@@ -197,7 +197,9 @@ UNSALTED_PATHS = (
 )  # fmt: skip
 # Routes whose token ids reach the model's embedding: checked on every server (issue #10; review,
 # session 21: /v1/score's query, items and label_token_ids crash the scheduler the same way).
-ID_PATHS = frozenset(("/generate", "/v1/completions", "/v1/score"))
+# Vertex AI's predict route (SGLang reads AIP_PREDICT_ROUTE when it imports its HTTP server).
+VERTEX_PATH = vertex_route()
+ID_PATHS = frozenset(("/generate", "/v1/completions", "/v1/score", VERTEX_PATH))
 # Methods that carry no body to the scheduler: passed through. Every other method is checked as
 # POST is (SGLang serves /generate, /encode, /classify and /v1/rerank on PUT too).
 BODYLESS_METHODS = ("GET", "HEAD", "OPTIONS")
@@ -241,7 +243,8 @@ class HintMiddleware:
         if tenant_mode and path in self.unsalted:
             return await _error(403, f"{path} cannot carry a tenant and is disabled while SGLANG_TIERED_TENANT_HEADER "
                                 "is set (tenants would share one cache namespace)")(scope, receive, send)  # fmt: skip
-        if path not in SALT_PATHS and path not in ID_PATHS:
+        shape_only = path not in SALT_PATHS and path not in ID_PATHS
+        if shape_only and (path not in self.unsalted or _is_multipart(scope)):
             return await self.app(scope, receive, send)
         chunks, more = [], True
         while more:
@@ -256,7 +259,10 @@ class HintMiddleware:
             # token ids are checked on every server (a bad id crashes stock SGLang's scheduler):
             # bodies on those routes are always parsed (a key may be written with JSON escapes,
             # which a byte search would miss), and any escaped body may hide a hint
-            if tenant_mode or path in ID_PATHS or b"kv_transfer_params" in raw or b"\\u" in raw:
+            if shape_only:
+                _check_json_shape(raw)
+                new = raw
+            elif tenant_mode or path in ID_PATHS or b"kv_transfer_params" in raw or b"\\u" in raw or _odd_shape(raw):
                 new = rewrite_body(raw, path, tenant, tenant_mode)
             else:
                 new = raw
@@ -271,6 +277,37 @@ class HintMiddleware:
 
     def _tenant(self, scope) -> str | None:
         return header_value(scope, self.tenant_header) or None
+
+
+def _is_multipart(scope) -> bool:
+    """A form upload (SGLang's audio route): not JSON, passed through unread."""
+    return any(k.lower() == b"content-type" and b"multipart/" in v.lower() for k, v in scope.get("headers") or [])
+
+
+def _odd_shape(raw: bytes) -> bool:
+    """A body that may not be a JSON object, or may nest deeper than Python's parsers recurse
+    (cheap byte checks; only such bodies are parsed to tell). Stock SGLang 0.5.23 answers both with
+    a 500 on its JSON routes (``'list' object has no attribute 'get'``, RecursionError: the HTTP
+    fuzz with random seeds against a server without a tenant header, session 26)."""
+    return raw.lstrip()[:1] != b"{" or raw.count(b"[") + raw.count(b"{") > ODD_NESTING
+
+
+ODD_NESTING = 256  # brackets in a body past which its depth is checked (Python recurses ~1,000 deep)
+
+
+def _check_json_shape(raw: bytes) -> None:
+    """A 400 for a body that is valid JSON but not an object, or nested too deeply to parse;
+    anything else (an object, or not JSON at all) is left to the route."""
+    if not _odd_shape(raw):
+        return
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
+    except ValueError:  # not JSON (UnicodeDecodeError is a ValueError): the route answers it
+        return
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
 
 
 def _replay(body: bytes, receive, pending=None):
@@ -314,6 +351,48 @@ def _check_generate_shape(body: dict) -> None:
         raise BadRequest("a list of sampling_params needs a batch of prompts (text or input_ids as a list of prompts)")
 
 
+def _has_session(body: dict) -> bool:
+    sp = body.get("session_params")
+    return isinstance(sp, dict) and bool(sp.get("id"))
+
+
+def _check_empty_prompts(value, what: str) -> None:
+    """A batch of token-id prompts with an empty one: stock SGLang 0.5.23 schedules a forward over
+    0 tokens and its scheduler dies (``cannot reshape tensor of 0 elements`` in the rotary
+    embedding), so one request takes the server down (found by the HTTP fuzz test in CI, session
+    26; ``{"input_ids": [[5], []]}`` on ``/generate``, ``{"prompt": [[5], []]}`` on
+    ``/v1/completions``). SGLang refuses a single empty prompt itself."""
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        for i, seq in enumerate(value):
+            if isinstance(seq, list) and not seq:
+                raise BadRequest(f"{what}[{i}] is empty; every prompt needs at least one token")
+
+
+def _check_text_and_ids(body: dict) -> None:
+    """``/generate`` with both ``text`` and ``input_ids``: SGLang 0.5.23 takes the batch shape from
+    ``text`` and the tokens from ``input_ids`` (io_struct.py ``_determine_batch_size``), and checks
+    neither against the other. An empty ``input_ids`` next to a text then reaches the scheduler as
+    a 0-token prompt (its scheduler dies: found by the HTTP fuzz test in CI, session 26), and
+    shapes that disagree answer 500 or break a stream mid-way. Answer 400 instead; agreeing
+    shapes pass as before (SGLang serves ``input_ids``)."""
+    text, ids = body.get("text"), body.get("input_ids")
+    if not isinstance(ids, list):
+        return
+    _check_empty_prompts(ids, "input_ids")
+    if text is None:
+        return  # (SGLang refuses an empty input_ids itself unless a session supplies the prompt)
+    if not ids:
+        if _has_session(body):
+            return  # the session's history is the prompt; SGLang aborts a request still empty after it
+        raise BadRequest("input_ids is empty; send text or input_ids, not an empty input_ids next to text")
+    ids_batch = isinstance(ids[0], list)
+    if isinstance(text, str) and ids_batch:
+        raise BadRequest("text is one prompt but input_ids is a batch; send text or input_ids, not both")
+    if isinstance(text, list) and (not ids_batch or len(ids) != len(text)):
+        got = f"a batch of {len(ids)}" if ids_batch else "one prompt"
+        raise BadRequest(f"text is a batch of {len(text)} but input_ids is {got}; send text or input_ids, not both")
+
+
 _vocab: list = []  # [vocab size] once known (the served model's), read lazily in the HTTP process
 
 
@@ -353,15 +432,29 @@ def _plain_ids(value) -> bool:
     return all(isinstance(seq, list) and all(type(t) is int for t in seq) for seq in seqs)
 
 
-def _check_model_ids(value, what: str, model: str, field: str) -> None:
+def _check_model_ids(value, what: str, model: str, field: str, nonempty: bool = False) -> None:
     """``_check_token_ids`` on what SGLang's pydantic model will make of ``value`` (review,
     session 21: ``"prompt": [11, 5000.0]`` passed the check as a float, SGLang read it as the id
-    5000, and the scheduler died)."""
+    5000, and the scheduler died); ``nonempty``: a batch of prompts may not hold an empty one."""
     if not isinstance(value, list) or not value:
         return
     if not _plain_ids(value):
         value = _as_sglang_reads(value, model, field)
+    if nonempty:
+        _check_empty_prompts(value, what)
     _check_token_ids(value, what)
+
+
+def _check_vertex_ids(body: dict) -> None:
+    """Vertex AI's route (``AIP_PREDICT_ROUTE``, default ``/vertex_generate``) hands each instance's
+    ``input_ids`` to the scheduler as a batch (http_server.py ``vertex_generate``): an id outside
+    the vocabulary there kills stock SGLang's scheduler as on ``/generate`` (session 26)."""
+    instances = body.get("instances")
+    if not isinstance(instances, list):
+        return
+    for i, inst in enumerate(instances):
+        if isinstance(inst, dict):
+            _check_token_ids(inst.get("input_ids"), f"instances[{i}].input_ids")
 
 
 def _check_token_ids(value, what: str) -> None:
@@ -409,19 +502,21 @@ def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool | 
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        if not tenant_mode:
-            return raw  # not ours to judge: SGLang answers it as usual
+        if not tenant_mode and not isinstance(exc, RecursionError):
+            return raw  # not JSON: not ours to judge, SGLang answers it with a 400 as usual
+        # (too deep: stock SGLang answers a 500, so it is refused on every server)
         reason = "nested too deeply" if isinstance(exc, RecursionError) else f"not valid JSON ({exc})"
         raise BadRequest(f"request body is {reason}"[:300]) from None
-    if not isinstance(body, dict):
-        if not tenant_mode:
-            return raw
+    if not isinstance(body, dict):  # (stock SGLang answers a 500 on its JSON routes)
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     if path == "/generate":
         _check_generate_shape(body)
+        _check_text_and_ids(body)
         _check_token_ids(body.get("input_ids"), "input_ids")
     elif path == "/v1/completions":
-        _check_model_ids(body.get("prompt"), "prompt", "CompletionRequest", "prompt")
+        _check_model_ids(body.get("prompt"), "prompt", "CompletionRequest", "prompt", nonempty=True)
+    elif path == VERTEX_PATH:
+        _check_vertex_ids(body)
     elif path == "/v1/score":
         for field in ("query", "items", "label_token_ids"):
             _check_model_ids(body.get(field), field, "ScoringRequest", field)

@@ -1,0 +1,113 @@
+"""Session 26: request bodies that kill stock SGLang 0.5.23's scheduler or answer 500, refused by
+the request middleware (``integration/http.py``) before SGLang parses them. The server-level
+check of the same bodies is ``tests/test_e2e_hardening.py::test_empty_and_disagreeing_prompts_are_400``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_tiered.integration.http import BadRequest, rewrite_body
+
+SP = {"max_new_tokens": 1}
+
+
+def _body(**kw) -> bytes:
+    return json.dumps({"sampling_params": SP, **kw}).encode()
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        (dict(input_ids=[], text="hello"), "input_ids is empty"),
+        (dict(input_ids=[[5, 6], []]), "input_ids[1] is empty"),
+        (dict(input_ids=[[]]), "input_ids[0] is empty"),
+        (dict(input_ids=[[]], text=["a"]), "input_ids[0] is empty"),
+        (dict(input_ids=[[5], [6]], text="hi"), "text is one prompt"),
+        (dict(input_ids=[5, 6], text=["a", "b"]), "batch of 2 but input_ids is one prompt"),
+        (dict(input_ids=[[5]], text=["a", "b"]), "batch of 2 but input_ids is a batch of 1"),
+    ],
+)
+def test_generate_bodies_that_kill_or_500_are_refused(body, says):
+    for tenant in (None, "acme"):
+        with pytest.raises(BadRequest) as exc:
+            rewrite_body(_body(**body), "/generate", tenant)
+        assert says in str(exc.value) and exc.value.status == 400
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        dict(input_ids=[5, 6], text="a"),  # agreeing shapes: SGLang serves input_ids
+        dict(input_ids=[[5], [6, 7]], text=["a", "b"]),
+        dict(input_ids=[], text="a", session_params={"id": "s1"}),  # the session supplies the prompt
+        dict(input_ids=[]),  # SGLang refuses it itself ("input_ids cannot be empty")
+        dict(text=[]),  # an empty batch: SGLang answers it
+        dict(input_ids=[5, []]),  # SGLang reads a single prompt and refuses the list inside
+        dict(text="a"),
+    ],
+)
+def test_generate_bodies_sglang_answers_pass(body):
+    assert rewrite_body(_body(**body), "/generate", None) is not None
+
+
+def test_completions_batch_with_an_empty_prompt_is_refused():
+    raw = json.dumps({"model": "default", "prompt": [[5], []], "max_tokens": 1}).encode()
+    with pytest.raises(BadRequest, match=r"prompt\[1\] is empty"):
+        rewrite_body(raw, "/v1/completions", None)
+    ok = json.dumps({"model": "default", "prompt": [[5], [6]], "max_tokens": 1}).encode()
+    assert rewrite_body(ok, "/v1/completions", None) == ok
+
+
+def test_vertex_route_ids_are_range_checked():
+    raw = json.dumps({"instances": [{"input_ids": [5]}, {"input_ids": [-3]}]}).encode()
+    with pytest.raises(BadRequest, match=r"instances\[1\]\.input_ids holds token id -3"):
+        rewrite_body(raw, "/vertex_generate", None)
+    ok = json.dumps({"instances": [{"input_ids": [5]}, {"text": "a"}, 7]}).encode()
+    assert rewrite_body(ok, "/vertex_generate", None) == ok
+
+
+def _app(tenant_header=None):
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from sglang_tiered.integration.http import HintMiddleware
+
+    async def echo(request):
+        return JSONResponse({"body": (await request.body()).decode("latin-1")})
+
+    paths = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/audio/transcriptions",
+             "/update_weights_from_disk")  # fmt: skip
+    routes = [Route(p, echo, methods=["POST"]) for p in paths]
+    return TestClient(Starlette(routes=routes, middleware=[Middleware(HintMiddleware, tenant_header=tenant_header)]))
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions", "/v1/embeddings"])
+@pytest.mark.parametrize("raw", [b"[1]", b'"x"', b"false", b"null", b"-759", b"[" * 950 + b"]" * 950,
+                                 b"[" * 5000 + b"]" * 5000, b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}"])  # fmt: skip
+def test_bodies_that_are_not_objects_are_400_without_a_tenant_header(path, raw):
+    """Stock SGLang 0.5.23 answers a JSON body that is not an object (``'list' object has no
+    attribute 'get'``) or nests past Python's recursion limit with a 500 on its JSON routes; the
+    HTTP fuzz with random seeds found them on a server without a tenant header (in tenant mode
+    they were already refused)."""
+    r = _app().post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, (r.status_code, r.text[:200])
+    assert "JSON object" in r.text or "nested too deeply" in r.text
+
+
+def test_objects_non_json_and_other_routes_pass_unchanged():
+    c = _app()
+    big = json.dumps({"model": "m", "messages": [{"role": "user", "content": "[" * 600}]}).encode()
+    for path, raw, ctype in (
+        ("/v1/chat/completions", big, "application/json"),  # many brackets inside a string: parsed, passed
+        ("/v1/chat/completions", b"not json", "application/json"),  # SGLang's own 400
+        ("/v1/embeddings", b'{"input": "a"}', "application/json"),
+        ("/v1/audio/transcriptions", b"[1]", "multipart/form-data; boundary=x"),  # a form upload: unread
+        ("/update_weights_from_disk", b"[1]", "application/json"),  # not a route that reaches the cache
+    ):
+        r = c.post(path, content=raw, headers={"content-type": ctype})
+        assert r.status_code == 200 and r.json()["body"].encode("latin-1") == raw, (path, r.status_code)
