@@ -14,6 +14,7 @@ import json
 import os
 import random
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -542,3 +543,33 @@ def test_empty_and_disagreeing_prompts_are_400(tiered_server):
         status, got = _raw(tiered_server, "POST", "/generate",
                            json.dumps({**body, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).encode())  # fmt: skip
         assert status == 200, (body, got[:300])
+
+
+def test_a_prompt_with_no_tokens_is_400_with_a_tokenizer_without_bos(tiny_model_path, tmp_path):
+    """With a tokenizer that adds no BOS token (as many do), ``{"text": ""}`` tokenizes to nothing
+    and stock SGLang 0.5.23's scheduler dies on the 0-token prompt (checked in session 26 with
+    this copy of the tiny model). On our backend it is a 400 and the server serves on."""
+    import shutil
+
+    from sglang_tiered.dev.server import Server, ServerSpec
+
+    model = tmp_path / "nobos"
+    shutil.copytree(tiny_model_path, model)
+    tok = json.loads((model / "tokenizer.json").read_text())
+    tok["post_processor"] = None  # (the template that prepends <|begin_of_text|>)
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+    spec = ServerSpec(model_path=str(model), page_size=PAGE, max_total_tokens=2048)
+    sp = {"max_new_tokens": 1, "temperature": 0}
+    with Server(spec, tmp_path / "nobos.log") as server:
+        for _ in range(240):  # ready for /model_info comes before SGLang's warmup ends (/health 503)
+            if server.request("GET", "/health")[0] == 200:
+                break
+            time.sleep(0.5)
+        for path, body in (("/generate", {"text": "", "sampling_params": sp}),
+                           ("/generate", {"text": ["a", ""], "sampling_params": sp}),
+                           ("/v1/completions", {"model": "default", "prompt": ["a", ""], "max_tokens": 1})):  # fmt: skip
+            status, got = _raw(server, "POST", path, json.dumps(body).encode())
+            assert status == 400 and b"no tokens" in got, (path, body, status, got[:300])
+            assert server.request("GET", "/health")[0] == 200
+        status, got = _raw(server, "POST", "/generate", json.dumps({"text": "a", "sampling_params": sp}).encode())
+        assert status == 200, got[:300]

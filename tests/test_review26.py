@@ -111,3 +111,33 @@ def test_objects_non_json_and_other_routes_pass_unchanged():
     ):
         r = c.post(path, content=raw, headers={"content-type": ctype})
         assert r.status_code == 200 and r.json()["body"].encode("latin-1") == raw, (path, r.status_code)
+
+
+# ---------------------------------------------------------------- a prompt with no tokens
+def test_the_validation_hook_targets_sglangs_method():
+    import inspect
+    import pkgutil
+
+    from sglang_tiered.integration import hooks
+
+    fn = pkgutil.resolve_name(hooks._VALIDATE_REQUEST)
+    assert list(inspect.signature(fn).parameters)[:3] == ["self", "obj", "input_ids"]
+
+
+def test_a_prompt_with_no_tokens_is_refused_on_our_backend_only():
+    from types import SimpleNamespace as NS
+
+    from sglang_tiered.integration.hooks import _before_validate_one_request as hook
+    from sglang_tiered.integration.protocol import BACKEND_NAME
+
+    ours, stock = NS(server_args=NS(radix_cache_backend=BACKEND_NAME)), NS(server_args=NS(radix_cache_backend=None))
+    plain = NS(input_embeds=None, session_params=None, session_id=None)
+    with pytest.raises(ValueError, match="no tokens"):
+        hook(ours, plain, [])
+    with pytest.raises(ValueError, match="no tokens"):
+        hook(ours, plain, input_ids=[])
+    assert hook(stock, plain, []) is None  # SGLang's own server keeps its own behaviour
+    assert hook(ours, plain, [5]) is None
+    assert hook(ours, NS(input_embeds=[[0.1]], session_params=None), []) is None
+    assert hook(ours, NS(input_embeds=None, session_params={"id": "s"}), []) is None  # the session's history
+    assert hook(ours, NS(input_embeds=None, session_params=None, session_id="s"), []) is None

@@ -25,7 +25,9 @@ Scheduler processes:
     the cache (weight_updater.py:365-366); the cache is told first, cancels its pending T1
     writes while the pool is still readable, and its flush drops the device tree instead of
     demoting pages from unmapped memory (``TieredRadixCache.kv_released``).
-Launcher process:
+Launcher process (which also runs SGLang's tokenizer manager and HTTP server):
+  * BEFORE ``TokenizerManager._validate_one_request``, when the backend is ours: a prompt with no
+    tokens after tokenization gets a 400 (stock SGLang's scheduler dies on it).
   * BEFORE ``ServerArgs.check_server_args`` (engine.py ``_launch_subprocesses``, before any
     scheduler starts), when the backend is ours: ``config.check_server_args``, the options
     SGLang's own arguments make unusable (a named T1 with ``--dp-size``/``--pp-size`` > 1, T2 with
@@ -50,6 +52,7 @@ _HTTP = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
 _WEIGHTS = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _SERVER_ARGS_CHECK = "sglang.srt.server_args.ServerArgs.check_server_args"
+_VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 PERSIST_KEY = "sglang_tiered_persist_to_host"
 WEIGHT_UPDATE_METHODS = ("update_weights_from_disk", "update_weights_from_distributed", "update_weights_from_tensor",
                          "update_weights_from_ipc", "end_weight_update")  # fmt: skip
@@ -238,12 +241,36 @@ def _before_check_server_args(server_args, *args, **kwargs):
     return None
 
 
+def _in_session(obj) -> bool:
+    """A request whose prompt a session's history supplies (SGLang aborts it if still empty)."""
+    sp = getattr(obj, "session_params", None)
+    return getattr(obj, "session_id", None) is not None or (isinstance(sp, dict) and bool(sp.get("id")))
+
+
+def _before_validate_one_request(manager, obj, input_ids=None, *args, **kwargs):
+    """A prompt with no tokens after tokenization is refused (``ValueError``: SGLang's routes answer
+    400). Stock SGLang 0.5.23 checks only an empty ``input_ids`` without ``text``; ``{"text": ""}``
+    with a tokenizer that adds no BOS token (or ``"prompt": ["a", ""]`` on ``/v1/completions``)
+    reaches the scheduler as a 0-token prompt, which runs a forward over 0 tokens and dies
+    (``cannot reshape tensor of 0 elements``): one request takes the server down (session 26,
+    checked with the tiny model's tokenizer stripped of its BOS). Called for every prompt of a
+    batch too (tokenizer_manager.py:1271 and :1711)."""
+    if getattr(getattr(manager, "server_args", None), "radix_cache_backend", None) != BACKEND_NAME:
+        return None  # SGLang's own server: its own behaviour
+    ids = kwargs.get("input_ids", input_ids)
+    if (ids is not None and len(ids) == 0 and getattr(obj, "input_embeds", None) is None
+            and not _in_session(obj)):  # fmt: skip
+        raise ValueError("the prompt has no tokens after tokenization; send at least one token")
+    return None
+
+
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if multiprocessing.current_process().name == "MainProcess":
         HookRegistry.register(_HTTP, _before_http_server, HookType.BEFORE)
         HookRegistry.register(_SERVER_ARGS_CHECK, _before_check_server_args, HookType.BEFORE)
+        HookRegistry.register(_VALIDATE_REQUEST, _before_validate_one_request, HookType.BEFORE)
     else:
         HookRegistry.register(f"{_INTERNAL}.get_internal_state", _after_get_internal_state, HookType.AFTER)
         HookRegistry.register(f"{_INTERNAL}._update_handlers", _after_update_handlers, HookType.AFTER)
