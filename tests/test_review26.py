@@ -141,3 +141,21 @@ def test_a_prompt_with_no_tokens_is_refused_on_our_backend_only():
     assert hook(ours, NS(input_embeds=[[0.1]], session_params=None), []) is None
     assert hook(ours, NS(input_embeds=None, session_params={"id": "s"}), []) is None  # the session's history
     assert hook(ours, NS(input_embeds=None, session_params=None, session_id="s"), []) is None
+
+
+def test_the_validation_hook_is_applied_in_the_launcher():
+    """In the launcher process, where SGLang's tokenizer manager runs (fresh interpreter:
+    HookRegistry patches classes for good)."""
+    import subprocess
+    import sys
+
+    code = """
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang_tiered.integration.hooks import register_hooks
+register_hooks()
+HookRegistry.apply_hooks()
+from sglang.srt.managers.tokenizer_manager import TokenizerManager as T
+print(getattr(T._validate_one_request, "__wrapped__", None) is not None)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "True"
