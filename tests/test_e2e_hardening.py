@@ -513,8 +513,8 @@ def test_out_of_vocab_token_ids_are_400(tiered_server, soak_server):
         assert server.request("GET", "/health")[0] == 200
 
 
-# Bodies that kill stock SGLang 0.5.23's scheduler (a forward over 0 tokens, or an id outside the
-# vocabulary on Vertex's route) or answer 500 / break a stream (text and input_ids that disagree).
+# Bodies that kill stock SGLang 0.5.23's scheduler (a forward over 0 tokens, an id outside the
+# vocabulary on Vertex's route, a top-k of logprobs past the vocabulary) or answer 500 / break a stream (text and input_ids that disagree).
 # The first was the CI failure of session 25 (the fuzz drew it; its server died, and every later
 # test of this module could not connect); the rest were found by the fuzz with random seeds.
 _SERVER_KILLERS = (
@@ -528,10 +528,23 @@ _SERVER_KILLERS = (
     ("/generate", {"input_ids": [[5]], "text": ["a", "b"]}),
     ("/v1/completions", {"model": "default", "prompt": [[5], []], "max_tokens": 1}),
     ("/vertex_generate", {"instances": [{"input_ids": [999999]}]}),
+    ("/generate", {"text": "a", "return_logprob": True, "top_logprobs_num": 100000}),  # a top-k past the vocabulary
+    ("/v1/completions", {"model": "default", "prompt": "a", "max_tokens": 1, "logprobs": 100000}),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "a"}], "max_tokens": 1,
+                              "logprobs": True, "top_logprobs": 100000}),
 )
 
 
+def _wait_healthy(server) -> None:
+    """Ready for ``/model_info`` comes before SGLang's warmup ends (``/health`` answers 503 until then)."""
+    for _ in range(240):
+        if server.request("GET", "/health")[0] == 200:
+            return
+        time.sleep(0.5)
+
+
 def test_empty_and_disagreeing_prompts_are_400(tiered_server):
+    _wait_healthy(tiered_server)
     for path, body in _SERVER_KILLERS:
         if path == "/generate":
             body = {**body, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
@@ -561,10 +574,7 @@ def test_a_prompt_with_no_tokens_is_400_with_a_tokenizer_without_bos(tiny_model_
     spec = ServerSpec(model_path=str(model), page_size=PAGE, max_total_tokens=2048)
     sp = {"max_new_tokens": 1, "temperature": 0}
     with Server(spec, tmp_path / "nobos.log") as server:
-        for _ in range(240):  # ready for /model_info comes before SGLang's warmup ends (/health 503)
-            if server.request("GET", "/health")[0] == 200:
-                break
-            time.sleep(0.5)
+        _wait_healthy(server)
         for path, body in (("/generate", {"text": "", "sampling_params": sp}),
                            ("/generate", {"text": ["a", ""], "sampling_params": sp}),
                            ("/v1/completions", {"model": "default", "prompt": ["a", ""], "max_tokens": 1})):  # fmt: skip

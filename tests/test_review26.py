@@ -159,3 +159,37 @@ print(getattr(T._validate_one_request, "__wrapped__", None) is not None)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip().splitlines()[-1] == "True"
+
+
+# ---------------------------------------------------------------- a top-k past the vocabulary
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        ("/generate", {"text": "a", "return_logprob": True, "top_logprobs_num": 100000}, "top_logprobs_num"),
+        ("/generate", {"text": ["a", "b"], "return_logprob": True, "top_logprobs_num": [1, 100000]}, "top_logprobs_num"),
+        ("/v1/completions", {"model": "m", "prompt": "a", "logprobs": 100000}, "logprobs"),
+        ("/v1/completions", {"model": "m", "prompt": "a", "logprobs": "100000"}, "logprobs"),  # pydantic reads 100000
+        ("/v1/chat/completions", {"model": "m", "messages": [], "logprobs": True, "top_logprobs": 100000}, "top_logprobs"),
+        ("/v1/responses", {"input": "a", "top_logprobs": 2049.0}, "top_logprobs"),
+    ],
+)
+def test_a_top_k_past_the_vocabulary_is_400(monkeypatch, path, body, field):
+    """Stock SGLang 0.5.23's scheduler dies on it (``selected index k out of range``)."""
+    from sglang_tiered.integration import http
+
+    monkeypatch.setattr(http, "_vocab", [2048])
+    for tenant in (None, "acme"):
+        with pytest.raises(BadRequest, match=f"{field} is .*vocabulary size \\(2048\\)"):
+            rewrite_body(json.dumps(body).encode(), path, tenant)
+    ok = {**body, field: 2048 if not isinstance(body[field], list) else [1, 2048]}
+    assert rewrite_body(json.dumps(ok).encode(), path, None) is not None
+
+
+def test_a_chat_body_with_a_top_k_is_parsed_on_a_plain_server(monkeypatch):
+    from sglang_tiered.integration import http
+
+    monkeypatch.setattr(http, "_vocab", [2048])
+    r = _app().post("/v1/chat/completions", json={"model": "m", "messages": [], "logprobs": True, "top_logprobs": 5000})
+    assert r.status_code == 400 and "top_logprobs" in r.text
+    r = _app().post("/v1/chat/completions", json={"model": "m", "messages": [], "logprobs": True, "top_logprobs": 5})
+    assert r.status_code == 200

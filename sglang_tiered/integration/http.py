@@ -262,7 +262,8 @@ class HintMiddleware:
             if shape_only:
                 _check_json_shape(raw)
                 new = raw
-            elif tenant_mode or path in ID_PATHS or b"kv_transfer_params" in raw or b"\\u" in raw or _odd_shape(raw):
+            elif (tenant_mode or path in ID_PATHS or b"kv_transfer_params" in raw or b"\\u" in raw
+                  or b"logprobs" in raw or _odd_shape(raw)):  # fmt: skip
                 new = rewrite_body(raw, path, tenant, tenant_mode)
             else:
                 new = raw
@@ -480,6 +481,37 @@ def _check_token_ids(value, what: str) -> None:
                 raise BadRequest(f"{what} holds token id {t}; token ids must be in {bound}"[:300])
 
 
+# Fields that ask for the top k logprobs of every position, per route (and the pydantic model and
+# field SGLang reads them with, on the OpenAI routes).
+TOP_K_FIELDS = {
+    "/generate": ("top_logprobs_num", None, None),
+    "/v1/completions": ("logprobs", "CompletionRequest", "logprobs"),
+    "/v1/chat/completions": ("top_logprobs", "ChatCompletionRequest", "top_logprobs"),
+    "/invocations": ("top_logprobs", "ChatCompletionRequest", "top_logprobs"),
+    "/v1/responses": ("top_logprobs", "ResponsesRequest", "top_logprobs"),
+}
+
+
+def _check_top_k(body: dict, path: str) -> None:
+    """A top-k of logprobs larger than the vocabulary kills stock SGLang 0.5.23's scheduler
+    (``torch.topk``: ``selected index k out of range``, logprob_processor.py:106): one request,
+    ``{"top_logprobs_num": 100000}`` on ``/generate`` or ``"top_logprobs": 100000`` on chat, took
+    the server down (session 26). Answer 400 instead."""
+    spec = TOP_K_FIELDS.get(path)
+    if spec is None or spec[0] not in body:
+        return
+    field, model, model_field = spec
+    value = body[field]
+    if model is not None and type(value) is not int:
+        value = _as_sglang_reads(value, model, model_field) if value is not None else None
+    for k in value if isinstance(value, list) else [value]:
+        if isinstance(k, bool) or not isinstance(k, (int, float)):
+            continue
+        vocab = _vocab_size()
+        if vocab and k > vocab:
+            raise BadRequest(f"{field} is {k}; it may be at most the vocabulary size ({vocab})"[:300])
+
+
 def _fence_extra_key(body: dict) -> bool:
     """Rewrite a client's non-empty ``extra_key`` (a string, or a batch's list of them) with
     ``client_extra_key``; other values are left for SGLang to refuse. Returns whether it changed."""
@@ -520,6 +552,7 @@ def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool | 
     elif path == "/v1/score":
         for field in ("query", "items", "label_token_ids"):
             _check_model_ids(body.get(field), field, "ScoringRequest", field)
+    _check_top_k(body, path)
     changed = path in SALT_PATHS and _fence_extra_key(body)
     if "kv_transfer_params" in body:
         kv = body.pop("kv_transfer_params")
