@@ -532,6 +532,8 @@ _SERVER_KILLERS = (
     ("/v1/completions", {"model": "default", "prompt": "a", "max_tokens": 1, "logprobs": 100000}),
     ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "a"}], "max_tokens": 1,
                               "logprobs": True, "top_logprobs": 100000}),
+    ("/generate", {"text": "a", "sampling_params": {"top_k": 2**31}}),  # a top_k past int32
+    ("/v1/completions", {"model": "default", "prompt": "a", "max_tokens": 1, "top_k": 10**16}),
 )
 
 
@@ -547,7 +549,7 @@ def test_empty_and_disagreeing_prompts_are_400(tiered_server):
     _wait_healthy(tiered_server)
     for path, body in _SERVER_KILLERS:
         if path == "/generate":
-            body = {**body, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+            body = {**body, "sampling_params": {"max_new_tokens": 1, "temperature": 0, **body.get("sampling_params", {})}}
         status, got = _raw(tiered_server, "POST", path, json.dumps(body).encode())
         assert status == 400, (path, body, status, got[:300])
         assert tiered_server.request("GET", "/health")[0] == 200, (path, body)

@@ -193,3 +193,20 @@ def test_a_chat_body_with_a_top_k_is_parsed_on_a_plain_server(monkeypatch):
     assert r.status_code == 400 and "top_logprobs" in r.text
     r = _app().post("/v1/chat/completions", json={"model": "m", "messages": [], "logprobs": True, "top_logprobs": 5})
     assert r.status_code == 200
+
+
+@pytest.mark.parametrize("top_k", [2**31, 10**16, 1e16, float("inf"), float("nan"), -2, (1 << 30) + 1])
+def test_a_top_k_past_int32_is_refused(top_k):
+    """SGLang checks only top_k's lower bound; past int32 its scheduler dies building the batch's
+    sampling tensors (``value cannot be converted to type int32 without overflow``)."""
+    from types import SimpleNamespace as NS
+
+    from sglang_tiered.integration.hooks import _before_validate_one_request as hook
+    from sglang_tiered.integration.protocol import BACKEND_NAME
+
+    ours = NS(server_args=NS(radix_cache_backend=BACKEND_NAME))
+    obj = NS(input_embeds=None, session_params=None, session_id=None, sampling_params={"top_k": top_k})
+    with pytest.raises(ValueError, match="top_k"):
+        hook(ours, obj, [5])
+    for fine in (-1, 1, 50, 1 << 30, None, True):
+        assert hook(ours, NS(input_embeds=None, sampling_params={"top_k": fine}), [5]) is None

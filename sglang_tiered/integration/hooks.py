@@ -27,7 +27,8 @@ Scheduler processes:
     demoting pages from unmapped memory (``TieredRadixCache.kv_released``).
 Launcher process (which also runs SGLang's tokenizer manager and HTTP server):
   * BEFORE ``TokenizerManager._validate_one_request``, when the backend is ours: a prompt with no
-    tokens after tokenization gets a 400 (stock SGLang's scheduler dies on it).
+    tokens after tokenization, or a ``top_k`` past int32, gets a 400 (stock SGLang's scheduler
+    dies on either).
   * BEFORE ``ServerArgs.check_server_args`` (engine.py ``_launch_subprocesses``, before any
     scheduler starts), when the backend is ours: ``config.check_server_args``, the options
     SGLang's own arguments make unusable (a named T1 with ``--dp-size``/``--pp-size`` > 1, T2 with
@@ -254,14 +255,25 @@ def _before_validate_one_request(manager, obj, input_ids=None, *args, **kwargs):
     reaches the scheduler as a 0-token prompt, which runs a forward over 0 tokens and dies
     (``cannot reshape tensor of 0 elements``): one request takes the server down (session 26,
     checked with the tiny model's tokenizer stripped of its BOS). Called for every prompt of a
-    batch too (tokenizer_manager.py:1271 and :1711)."""
+    batch too (tokenizer_manager.py:1271 and :1711), on every route. Also a ``top_k`` past SGLang's
+    own "whole vocabulary" value (``1 << 30``) or not finite: SGLang checks only its lower bound,
+    and one past int32 kills the scheduler (session 26, an extended fuzz of sampling fields)."""
     if getattr(getattr(manager, "server_args", None), "radix_cache_backend", None) != BACKEND_NAME:
         return None  # SGLang's own server: its own behaviour
     ids = kwargs.get("input_ids", input_ids)
     if (ids is not None and len(ids) == 0 and getattr(obj, "input_embeds", None) is None
             and not _in_session(obj)):  # fmt: skip
         raise ValueError("the prompt has no tokens after tokenization; send at least one token")
+    sp = getattr(obj, "sampling_params", None)
+    top_k = sp.get("top_k") if isinstance(sp, dict) else None
+    if isinstance(top_k, (int, float)) and not isinstance(top_k, bool) and not -1 <= top_k <= TOP_K_ALL:
+        # SGLang checks only the lower bound; a top_k past int32 kills its scheduler when the
+        # batch's sampling tensors are built (``value cannot be converted to type int32``)
+        raise ValueError(f"top_k must be -1 (disable) or in [1, {TOP_K_ALL}], got {top_k}")
     return None
+
+
+TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k (sampling_params.py:43)
 
 
 def register_hooks() -> None:
