@@ -50,9 +50,11 @@ redis:
 test: env
 	@$(PY) -m pytest $(PYTEST_ARGS)
 
-# The longer differential soak and HTTP fuzz (CI runs 500 / 1,000 requests of each).
+# The longer differential soak and HTTP fuzz (CI runs 500 / 1,000 requests of each), and the fuzz
+# of sampling and logprob fields (not in CI).
 soak: env
 	@SGLANG_TIERED_SOAK_REQUESTS=$${SOAK_REQUESTS:-3000} SGLANG_TIERED_FUZZ_REQUESTS=$${FUZZ_REQUESTS:-5000} \
+		SGLANG_TIERED_FUZZ_SAMPLING=$${FUZZ_SAMPLING:-3000} \
 		$(PY) -m pytest -q tests/test_e2e_hardening.py $(PYTEST_ARGS)
 
 # Unit and property tests only (no server processes).

@@ -96,6 +96,7 @@ OTHER_NAMES = {
     "SGLANG_TIERED_LIFETIME_ID": "lifetime_id(): one server's run",
     "SGLANG_TIERED_SOAK_REQUESTS": "tests/test_e2e_hardening.py (make soak)",
     "SGLANG_TIERED_FUZZ_REQUESTS": "tests/test_e2e_hardening.py (make soak)",
+    "SGLANG_TIERED_FUZZ_SAMPLING": "tests/test_e2e_hardening.py (make soak)",
     "SGLANG_TIERED_IN_NETNS": "bench/t2_fleet.py: set inside its loopback-only namespace",
     "SGLANG_TIERED_WORKER_API_KEY": "sglang-tiered route --worker-api-key (the router's, not a server's)",
     "SGLANG_TIERED_ROUTER_ADMIN_KEY": "sglang-tiered route --admin-api-key (the router's, not a server's)",

@@ -336,6 +336,103 @@ def _fuzz(server, n: int) -> None:
     assert status == 200 and len(out["output_ids"]) == 4  # still serving
 
 
+# ---------------------------------------------------------------- fuzz of sampling and logprob fields
+# Sensible and extreme values of the sampling, logprob and grammar fields of the three main routes
+# (session 26: it found two bodies that killed stock SGLang's scheduler, a top-k of logprobs past
+# the vocabulary and a top_k past int32). SGLang answers some wrong types with a 500 itself
+# (``"response_format": 1``), so this fuzz asks only that the server never dies and never breaks
+# a response. ``SGLANG_TIERED_FUZZ_SAMPLING`` requests (0 in CI: ``make soak`` runs 3,000).
+FUZZ_SAMPLING = int(os.environ.get("SGLANG_TIERED_FUZZ_SAMPLING", "0"))
+_S_num = st.one_of(st.integers(-5, 5), st.integers(-10**6, 10**6), st.floats(allow_nan=True, allow_infinity=True),
+                st.sampled_from([0, 1, 2, 2047, 2048, 2049, 4095, 4096, 4097, 10**5, -1]))
+_S_anyv = st.one_of(_S_num, _json_leaf, st.lists(_S_num, max_size=3), st.dictionaries(st.text(max_size=4), _S_num, max_size=2))
+_S_ids = st.lists(st.integers(-3, 2100), min_size=0, max_size=6)
+_S_SP = {"n": st.integers(0, 4), "stop_token_ids": _S_ids, "logit_bias": st.dictionaries(st.integers(-5, 2100).map(str), _S_num, max_size=2),
+      "min_new_tokens": st.integers(-2, 6), "max_new_tokens": st.integers(0, 3), "regex": st.sampled_from(["a+", "(", "[a-z]{2}", ""]),
+      "json_schema": st.sampled_from(['{"type": "object"}', "{", '{"type": "string", "maxLength": 3}']),
+      "ebnf": st.sampled_from(['root ::= "a"', "root ::="]), "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2)),
+      "frequency_penalty": _S_num, "presence_penalty": _S_num, "repetition_penalty": _S_num, "top_k": _S_num, "top_p": _S_num, "min_p": _S_num,
+      "temperature": _S_num, "ignore_eos": st.booleans(), "skip_special_tokens": st.booleans(), "no_stop_trim": st.booleans(),
+      "sampling_seed": _S_num, "stream_interval": _S_num}
+_S_GEN = {"return_logprob": st.booleans(), "logprob_start_len": _S_num, "top_logprobs_num": _S_num, "token_ids_logprob": _S_ids,
+       "return_text_in_logprobs": st.booleans(), "stream": st.booleans(), "return_hidden_states": st.booleans(),
+       "rid": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=3), max_size=2)), "priority": _S_num,
+       "bootstrap_room": _S_num, "lora_path": st.text(max_size=3), "routed_dp_rank": _S_num, "custom_logit_processor": st.text(max_size=5),
+       "input_embeds": st.one_of(st.just([]), st.just([[]]), st.lists(st.lists(st.floats(-1, 1), min_size=1, max_size=3), max_size=2))}
+_S_COMP = {"logprobs": _S_num, "echo": st.booleans(), "n": st.integers(0, 4), "best_of": _S_num, "stop": _S_SP["stop"],
+        "logit_bias": _S_SP["logit_bias"], "suffix": st.text(max_size=3), "seed": _S_num, "top_k": _S_num, "min_tokens": _S_num,
+        "regex": _S_SP["regex"], "json_schema": _S_SP["json_schema"], "temperature": _S_num, "top_p": _S_num, "presence_penalty": _S_num,
+        "frequency_penalty": _S_num, "stream": st.booleans(), "stream_options": st.sampled_from([None, {"include_usage": True}, {"x": 1}]),
+        "response_format": st.sampled_from([{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}, {"type": "bad"}]),
+        "max_tokens": st.integers(0, 3), "rid": st.text(max_size=3), "ebnf": _S_SP["ebnf"], "no_stop_trim": st.booleans(),
+        "return_hidden_states": st.booleans(), "lora_path": st.text(max_size=3)}
+_S_CHAT = dict(_S_COMP, top_logprobs=_S_num, logprobs=st.one_of(st.booleans(), _S_num),
+            tools=st.sampled_from([[], [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], [{"type": "x"}]]),
+            tool_choice=st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "g"}}]),
+            continue_final_message=st.booleans(), separate_reasoning=st.booleans(), max_completion_tokens=st.integers(0, 3),
+            chat_template_kwargs=st.sampled_from([None, {"enable_thinking": True}, {"x": [1]}]))
+
+def _sfield(draw, s):
+    return draw(s) if draw(st.integers(0, 4)) else draw(_S_anyv)
+
+@st.composite
+def _sampling_requests(draw):
+    path = draw(st.sampled_from(["/generate", "/v1/completions", "/v1/chat/completions"]))
+    if path == "/generate":
+        body = {"text": draw(st.text(max_size=20))} if draw(st.booleans()) else {"input_ids": draw(st.lists(st.integers(10, 2000), min_size=1, max_size=20))}
+        sp = {"max_new_tokens": draw(st.integers(0, 3))}
+        for k in draw(st.lists(st.sampled_from(sorted(_S_SP)), max_size=4, unique=True)):
+            sp[k] = _sfield(draw, _S_SP[k])
+        body["sampling_params"] = sp
+        for k in draw(st.lists(st.sampled_from(sorted(_S_GEN)), max_size=4, unique=True)):
+            body[k] = _sfield(draw, _S_GEN[k])
+    else:
+        body = {"model": "default", "max_tokens": 2}
+        if path == "/v1/completions":
+            body["prompt"] = draw(st.one_of(st.text(max_size=20), st.lists(st.integers(10, 2000), min_size=1, max_size=10)))
+            menu = _S_COMP
+        else:
+            body["messages"] = [{"role": "user", "content": draw(st.text(max_size=20))}]
+            menu = _S_CHAT
+        for k in draw(st.lists(st.sampled_from(sorted(menu)), max_size=5, unique=True)):
+            body[k] = _sfield(draw, menu[k])
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            body["max_tokens"] = 2
+    try:
+        raw = json.dumps(body).encode()
+    except ValueError:
+        raw = json.dumps(body, allow_nan=True).encode()
+    return path, raw, []
+
+
+@pytest.mark.skipif(FUZZ_SAMPLING <= 0, reason="SGLANG_TIERED_FUZZ_SAMPLING is 0 (make soak runs it)")
+def test_fuzz_sampling_fields_never_kill_the_server(tiny_model_path, tmp_path):
+    from sglang_tiered.dev.server import Server, ServerSpec
+
+    spec = ServerSpec(model_path=tiny_model_path, page_size=PAGE, max_total_tokens=4096,
+                      env={"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_DEBUG": "1"})  # fmt: skip
+    recent, statuses = [], []
+    with Server(spec, tmp_path / "sampling.log") as server:
+
+        @settings(max_examples=FUZZ_SAMPLING, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(_sampling_requests())
+        def fuzz(req):
+            path, raw, headers = req
+            recent.append(req)
+            del recent[:-3]
+            try:
+                status, _ = _raw(server, "POST", path, raw, headers, timeout=300)
+            except (ConnectionError, http.client.HTTPException) as exc:
+                raise AssertionError(f"{exc!r} after these requests (oldest first): {recent}") from None
+            statuses.append(status)
+
+        fuzz()
+        assert server.proc.poll() is None and server.request("GET", "/health")[0] == 200
+    from collections import Counter
+
+    print(f"sampling fuzz: {len(statuses)} requests, statuses {sorted(Counter(statuses).items())}")
+
+
 # ---------------------------------------------------------------- one test per finding
 def test_second_server_on_the_same_named_t1_fails_fast(soak_server, tiny_model_path, tmp_path):
     """Finding 1: two live servers on one named T1 overwrote each other's slots."""
