@@ -467,8 +467,7 @@ def sglang_route_names(env=None) -> frozenset:
 def vertex_route(env=None) -> str:
     """The path of Vertex AI's predict route on SGLang's server in this environment."""
     env = os.environ if env is None else env
-    var, default = SGLANG_RENAMABLE_ROUTES[0]
-    return env.get(var, default)
+    return env.get("AIP_PREDICT_ROUTE", dict(SGLANG_RENAMABLE_ROUTES)["AIP_PREDICT_ROUTE"])
 
 
 LIFETIME_ENV = "SGLANG_TIERED_LIFETIME_ID"

@@ -210,3 +210,16 @@ def test_a_top_k_past_int32_is_refused(top_k):
         hook(ours, obj, [5])
     for fine in (-1, 1, 50, 1 << 30, None, True):
         assert hook(ours, NS(input_embeds=None, sampling_params={"top_k": fine}), [5]) is None
+
+
+def test_top_k_all_is_sglangs():
+    from sglang.srt.sampling.sampling_params import TOP_K_ALL
+
+    from sglang_tiered.integration import hooks
+
+    assert hooks.TOP_K_ALL == TOP_K_ALL
+
+
+def test_a_session_id_lets_an_empty_input_ids_next_to_text_pass():
+    """SGLang's newer ``session_id`` field supplies the prompt as ``session_params.id`` does."""
+    assert rewrite_body(_body(input_ids=[], text="a", session_id="s1"), "/generate", None) is not None

@@ -242,12 +242,6 @@ def _before_check_server_args(server_args, *args, **kwargs):
     return None
 
 
-def _in_session(obj) -> bool:
-    """A request whose prompt a session's history supplies (SGLang aborts it if still empty)."""
-    sp = getattr(obj, "session_params", None)
-    return getattr(obj, "session_id", None) is not None or (isinstance(sp, dict) and bool(sp.get("id")))
-
-
 def _before_validate_one_request(manager, obj, input_ids=None, *args, **kwargs):
     """A prompt with no tokens after tokenization is refused (``ValueError``: SGLang's routes answer
     400). Stock SGLang 0.5.23 checks only an empty ``input_ids`` without ``text``; ``{"text": ""}``
@@ -260,9 +254,11 @@ def _before_validate_one_request(manager, obj, input_ids=None, *args, **kwargs):
     and one past int32 kills the scheduler (session 26, an extended fuzz of sampling fields)."""
     if getattr(getattr(manager, "server_args", None), "radix_cache_backend", None) != BACKEND_NAME:
         return None  # SGLang's own server: its own behaviour
+    from sglang_tiered.integration.http import in_session
+
     ids = kwargs.get("input_ids", input_ids)
     if (ids is not None and len(ids) == 0 and getattr(obj, "input_embeds", None) is None
-            and not _in_session(obj)):  # fmt: skip
+            and not in_session(getattr(obj, "session_id", None), getattr(obj, "session_params", None))):  # fmt: skip
         raise ValueError("the prompt has no tokens after tokenization; send at least one token")
     sp = getattr(obj, "sampling_params", None)
     top_k = sp.get("top_k") if isinstance(sp, dict) else None

@@ -352,9 +352,10 @@ def _check_generate_shape(body: dict) -> None:
         raise BadRequest("a list of sampling_params needs a batch of prompts (text or input_ids as a list of prompts)")
 
 
-def _has_session(body: dict) -> bool:
-    sp = body.get("session_params")
-    return isinstance(sp, dict) and bool(sp.get("id"))
+def in_session(session_id, session_params) -> bool:
+    """A request whose prompt a session's history supplies (SGLang's ``session_id`` or
+    ``session_params.id``; SGLang aborts one still empty after restoring the history)."""
+    return session_id is not None or (isinstance(session_params, dict) and bool(session_params.get("id")))
 
 
 def _check_empty_prompts(value, what: str) -> None:
@@ -383,7 +384,7 @@ def _check_text_and_ids(body: dict) -> None:
     if text is None:
         return  # (SGLang refuses an empty input_ids itself unless a session supplies the prompt)
     if not ids:
-        if _has_session(body):
+        if in_session(body.get("session_id"), body.get("session_params")):
             return  # the session's history is the prompt; SGLang aborts a request still empty after it
         raise BadRequest("input_ids is empty; send text or input_ids, not an empty input_ids next to text")
     ids_batch = isinstance(ids[0], list)
