@@ -590,6 +590,7 @@ def test_out_of_vocab_token_ids_are_400(tiered_server, soak_server):
              ("/generate", {"input_ids": [[11, 12], [-1]], "sampling_params": {"max_new_tokens": 1}}),
              ("/v1/completions", {"model": "default", "prompt": [11, 99999], "max_tokens": 1}))  # fmt: skip
     for server, hdrs in ((tiered_server, []), (soak_server, [(HEADER, b"acme")])):
+        _wait_healthy(server)  # (a fresh server answers /health 503 until SGLang's warmup ends)
         for path, body in cases:
             status, got = _raw(server, "POST", path, json.dumps(body).encode(), hdrs)
             assert status == 400 and "token id" in str(got), (path, status, got)
