@@ -435,3 +435,80 @@ def test_a_bad_header_is_the_clients_fault_not_the_workers():
                 await x.cleanup()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions", "/cache/invalidate", "/v1/tokenize"])
+def test_a_body_that_is_not_its_content_encoding_is_400(path):
+    """A body whose ``Content-Encoding`` lies (plain JSON labelled gzip, or garbage labelled
+    deflate) is a 400 with a message, on the routed paths and on the proxied ones alike; before
+    (session 27, a differential fuzz of the router against its worker) aiohttp's decode error
+    escaped the handler and the client got a 500. A real gzip body is still decoded and forwarded
+    plain, and nothing reaches a worker for the refused ones."""
+    import gzip
+
+    async def main():
+        hits: list = []
+        app = _echo_worker(hits)
+        for p in ("/cache/invalidate", "/v1/tokenize"):
+            app.router.add_post(p, lambda req: web.json_response({"ok": True}))
+        w_runner, w_url = await _serve(app)
+        router = Router([w_url], None, load_poll_s=0, model_path="")
+        r_runner, r_url = await _serve(router.app())
+        body = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 1}}).encode()
+        try:
+            async with aiohttp.ClientSession() as s:
+                for enc, data in (("gzip", body), ("deflate", b"\x00garbage"), ("gzip", b"\x1f\x8b\x08\x00" + b"not deflate" * 9)):
+                    async with s.post(r_url + path, data=data, headers={"Content-Encoding": enc}) as resp:
+                        text = await resp.text()
+                        assert resp.status == 400, (enc, resp.status, text)
+                        msg = json.loads(text)["error"]["message"]
+                        assert "Content-Encoding: " + enc in msg and "Traceback" not in msg, msg
+                assert not hits
+                async with s.post(r_url + path, data=gzip.compress(body), headers={"Content-Encoding": "gzip"}) as resp:
+                    assert resp.status == 200, await resp.text()
+        finally:
+            await r_runner.cleanup()
+            await w_runner.cleanup()
+        if path in ROUTES:
+            assert len(hits) == 1 and hits[0]["body_len"] == len(body)
+            assert not any(k.lower() == "content-encoding" for k, _ in hits[0]["headers"])
+
+    asyncio.run(main())
+
+
+def test_a_refused_invalidation_is_the_clients_400_even_with_a_worker_down():
+    """``/cache/invalidate`` goes to every worker and answers the worst status, so with one worker
+    down a body every live worker refuses (400) came back as a 502 (session 27, the router fuzz);
+    a refusal now wins: the client learns its body is wrong. An accepted one with a worker down
+    is still a 502 (that worker's entries may still be there)."""
+
+    async def main():
+        app = web.Application()
+
+        async def inv(req):
+            doc = await req.json()
+            if "tenant" not in doc:
+                return web.json_response({"error": {"message": "name a tenant"}}, status=400)
+            return web.json_response({"dropped_tokens": 0}, status=202)
+
+        app.router.add_post("/cache/invalidate", inv)
+        app.router.add_get("/health", lambda _: web.json_response({}))
+        w_runner, w_url = await _serve(app)
+        with socket.socket() as sk:  # a port nothing listens on: the down worker
+            sk.bind(("127.0.0.1", 0))
+            dead = f"http://127.0.0.1:{sk.getsockname()[1]}"
+        router = Router([w_url, dead], None, load_poll_s=0, model_path="", health_interval_s=60)
+        r_runner, url = await _serve(router.app())
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/cache/invalidate", json={"x": 1}) as resp:
+                    doc = await resp.json()
+                    assert resp.status == 400 and doc[w_url]["status"] == 400 and doc[dead]["status"] == 502, doc
+                async with s.post(url + "/cache/invalidate", json={"tenant": "t"}) as resp:
+                    doc = await resp.json()
+                    assert resp.status == 502 and doc[w_url]["status"] == 202, doc
+        finally:
+            await r_runner.cleanup()
+            await w_runner.cleanup()
+
+    asyncio.run(main())

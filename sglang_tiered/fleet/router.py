@@ -777,7 +777,10 @@ class Router:
         from aiohttp import web
 
         t0 = time.perf_counter()
-        raw = await request.read()
+        try:
+            raw = await read_body(request)
+        except UnreadableBody as exc:
+            return exc.response()
         if len(raw) > self.parse_limit:  # (PARSE_LIMIT_MB: parsing it would stall every stream)
             self.stats.unparsed_bodies += 1
             body = {}
@@ -1002,7 +1005,10 @@ class Router:
         ``models.list()`` failed)."""
         from aiohttp import web
 
-        raw = await request.read()
+        try:
+            raw = await read_body(request)
+        except UnreadableBody as exc:
+            return exc.response()
         try:
             headers = self._upstream_headers(request)
         except ValueError as exc:
@@ -1040,7 +1046,10 @@ class Router:
                     return ws.url, 502, f"{type(exc).__name__}: {exc}"[:1000]
 
             res = await asyncio.gather(*(one(ws) for ws in self.workers.values()))
-            status = max(st for _, st, _ in res)
+            # a request one worker refuses (4xx) is refused by all: the client's fault, whatever
+            # else a down worker says (before, a bad body with a worker down was a 502)
+            refused = [st for _, st, _ in res if 400 <= st < 500]
+            status = min(refused) if refused else max(st for _, st, _ in res)
             return web.json_response({u: {"status": st, "body": b} for u, st, b in res}, status=status)
         ws = min(live, key=lambda w: w.inflight)
         resp = None
@@ -1108,6 +1117,38 @@ class Router:
         app.on_startup.append(on_startup)
         app.on_cleanup.append(on_cleanup)
         return app
+
+
+class UnreadableBody(ValueError):
+    """A request body aiohttp could not read (``read_body``)."""
+
+    def response(self):
+        """A 400 that closes the connection: aiohttp's parser stopped inside this body, so the
+        connection cannot carry another request."""
+        from aiohttp import web
+
+        resp = web.json_response({"error": {"message": str(self)}}, status=400)
+        resp.force_close()
+        return resp
+
+
+async def read_body(request) -> bytes:
+    """The request's body, decoded as its ``Content-Encoding`` says (aiohttp decodes gzip and
+    deflate, and br with Brotli installed). ``UnreadableBody`` (a 400) for a body aiohttp cannot
+    read: one that is not what its ``Content-Encoding`` says, or a broken chunked encoding. Before,
+    the error escaped the handler and the client got a 500 (a differential fuzz of the router
+    against its worker, session 27: ``Content-Encoding: gzip`` on a plain JSON body, which SGLang
+    itself reads as plain JSON; the router cannot, once aiohttp has started decoding). The body's
+    stream is marked ended, or aiohttp would read it again after the answer and log the error."""
+    from aiohttp.web import RequestPayloadError
+
+    try:
+        return await request.read()
+    except RequestPayloadError as exc:
+        request.content.feed_eof()
+        enc = request.headers.get("content-encoding")
+        why = str(exc.__cause__ or exc).strip().splitlines()[-1].strip()
+        raise UnreadableBody(f"cannot read the request body{f' (Content-Encoding: {enc})' if enc else ''}: {why}") from None
 
 
 def response_for(up):
