@@ -618,6 +618,13 @@ _SERVER_KILLERS = (
                               "logprobs": True, "top_logprobs": 100000}),
     ("/generate", {"text": "a", "sampling_params": {"top_k": 2**31}}),  # a top_k past int32
     ("/v1/completions", {"model": "default", "prompt": "a", "max_tokens": 1, "top_k": 10**16}),
+    # session 27: a bias that overflows float32 (kills the scheduler), a list rid for one prompt
+    # (a streamed 200 cut off after its headers), an n that grows the server by gigabytes
+    ("/generate", {"text": "v", "sampling_params": {"logit_bias": {"500": 1e39}, "top_k": 5}}),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "a"}], "max_tokens": 1,
+                              "logit_bias": {"500": 1e34}, "temperature": 1e-5}),
+    ("/generate", {"text": "a", "rid": ["x"], "stream": True}),
+    ("/generate", {"text": "a", "sampling_params": {"n": 858808}}),
 )
 
 

@@ -263,7 +263,8 @@ class HintMiddleware:
                 _check_json_shape(raw)
                 new = raw
             elif (tenant_mode or path in ID_PATHS or b"kv_transfer_params" in raw or b"\\u" in raw
-                  or b"logprobs" in raw or _odd_shape(raw)):  # fmt: skip
+                  or b"logprobs" in raw or b"logit_bias" in raw or b'"n"' in raw or b"best_of" in raw
+                  or _odd_shape(raw)):  # fmt: skip
                 new = rewrite_body(raw, path, tenant, tenant_mode)
             else:
                 new = raw
@@ -513,6 +514,78 @@ def _check_top_k(body: dict, path: str) -> None:
             raise BadRequest(f"{field} is {k}; it may be at most the vocabulary size ({vocab})"[:300])
 
 
+LOGIT_BIAS_MAX = 1e30  # |bias| past which float32 overflows once divided by the temperature (>= 1e-6)
+MAX_N = 1024  # choices per prompt (``n``, ``best_of``)
+
+
+def _sampling_holders(body: dict, path: str) -> list:
+    """The dicts that carry ``logit_bias`` and ``n``: ``/generate``'s sampling params (one or a
+    batch's list), the OpenAI routes' body itself."""
+    if path == "/generate":
+        sps = body.get("sampling_params")
+        return [sp for sp in (sps if isinstance(sps, list) else [sps]) if isinstance(sp, dict)]
+    return [body] if path in ("/v1/completions", "/v1/chat/completions", "/invocations") else []
+
+
+def _number(v):
+    """``v`` as a float the way a lax model reads it (numbers and numeric strings), else None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        return None
+    try:
+        return float(v)
+    except (ValueError, OverflowError):
+        return None
+
+
+def _check_sampling_values(body: dict, path: str) -> None:
+    """Two sampling fields stock SGLang 0.5.23 takes unchecked (its sampling fuzz, session 27):
+    a ``logit_bias`` value that overflows float32 once divided by the temperature kills the
+    scheduler (``{"logit_bias": {"500": 1e39}, "top_k": 5}``: ``torch.multinomial``, probability
+    tensor contains inf or nan, sampler.py:838; sampling_params.py checks only the keys), and an
+    ``n`` of hundreds of thousands made one request grow a server by 9 GB in two minutes. Both are
+    400s here: a bias must be finite and within +-1e30 (OpenAI's range is +-100; -100 bans a token),
+    ``n`` and ``best_of`` at most ``MAX_N``."""
+    for holder in _sampling_holders(body, path):
+        bias = holder.get("logit_bias")
+        if isinstance(bias, dict):
+            for tok, v in bias.items():
+                x = _number(v)
+                if x is not None and not (abs(x) <= LOGIT_BIAS_MAX):
+                    raise BadRequest(f"logit_bias[{tok!r}] is {v!r}; a bias must be finite and within "
+                                     f"+-{LOGIT_BIAS_MAX:g} (-100 bans a token)"[:300])  # fmt: skip
+        for field in ("n", "best_of"):
+            x = _number(holder.get(field))
+            if x is not None and x > MAX_N:
+                raise BadRequest(f"{field} is {holder[field]!r}; at most {MAX_N} choices per prompt"[:300])
+
+
+def _one_prompt(body: dict) -> bool:
+    """``/generate``'s body names one prompt (not a batch), as io_struct.py tells them apart."""
+    text, ids, emb = body.get("text"), body.get("input_ids"), body.get("input_embeds")
+    if text is not None:
+        return isinstance(text, str)
+    if ids is not None:
+        return not (isinstance(ids, list) and ids and isinstance(ids[0], list))
+    return not (isinstance(emb, list) and emb and isinstance(emb[0], list) and emb[0] and isinstance(emb[0][0], list))
+
+
+def _check_rid(body: dict) -> None:
+    """A list ``rid`` on one prompt: SGLang 0.5.23 keeps it (io_struct.py:563 fills only a missing
+    rid; the length check is the batch path's) and then puts it in a set (tokenizer_manager.py:3835,
+    ``TypeError: unhashable type: 'list'``): a 500, and with ``"stream": true`` a 200 cut off after
+    its headers (http_server.py:957 catches only ValueError). The "not reproduced" broken response
+    of session 26's sampling fuzz (found by a helper's hunt, session 27; stock SGLang does the same).
+    A single prompt with an integer ``n`` > 1 (no beam search) fans out into a batch: its list passes."""
+    if not isinstance(body.get("rid"), list) or not _one_prompt(body):
+        return
+    sp = body.get("sampling_params")
+    sp = sp if isinstance(sp, dict) else {}
+    n, beam = sp.get("n", 1), sp.get("beam_width") or 1
+    if type(n) is int and n > 1 and not (isinstance(beam, (int, float)) and beam > 1):
+        return
+    raise BadRequest("rid is a list but the request is one prompt; send one rid (a string), or a batch of prompts")
+
+
 def _fence_extra_key(body: dict) -> bool:
     """Rewrite a client's non-empty ``extra_key`` (a string, or a batch's list of them) with
     ``client_extra_key``; other values are left for SGLang to refuse. Returns whether it changed."""
@@ -554,6 +627,9 @@ def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool | 
         for field in ("query", "items", "label_token_ids"):
             _check_model_ids(body.get(field), field, "ScoringRequest", field)
     _check_top_k(body, path)
+    _check_sampling_values(body, path)
+    if path == "/generate":
+        _check_rid(body)
     changed = path in SALT_PATHS and _fence_extra_key(body)
     if "kv_transfer_params" in body:
         kv = body.pop("kv_transfer_params")

@@ -1,0 +1,85 @@
+"""Session 27: request bodies stock SGLang 0.5.23 breaks on, found by a hunt with the sampling-field
+fuzz (``make soak``) against a stock server and ours, refused by the request middleware
+(``integration/http.py``) with a 400. Each fails on the code before it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_tiered.integration.http import MAX_N, BadRequest, rewrite_body
+from tests.test_review26 import _app
+
+
+def _refused(body: dict, path: str, says: str) -> None:
+    for tenant in (None, "acme"):
+        with pytest.raises(BadRequest) as exc:
+            rewrite_body(json.dumps(body).encode(), path, tenant)
+        assert says in str(exc.value) and exc.value.status == 400, str(exc.value)
+
+
+def _passes(body: dict, path: str) -> None:
+    for tenant in (None, "acme"):
+        assert rewrite_body(json.dumps(body).encode(), path, tenant) is not None
+
+
+# ---------------------------------------------------------------- a list rid for one prompt
+@pytest.mark.parametrize("body", [
+    {"text": "a", "rid": ["x"], "stream": True},  # a 200 cut off after its headers (IncompleteRead)
+    {"text": "a", "rid": []},  # a 500 (TypeError: unhashable type: 'list')
+    {"input_ids": [5, 6], "rid": ["x", "y"]},
+    {"text": "a", "rid": ["x", "y"], "sampling_params": {"n": 2, "beam_width": 2}},  # beam search: one request
+])  # fmt: skip
+def test_a_list_rid_for_one_prompt_is_refused(body):
+    _refused(body, "/generate", "rid is a list but the request is one prompt")
+
+
+@pytest.mark.parametrize("body", [
+    {"text": ["a", "b"], "rid": ["x", "y"]},  # a batch: SGLang checks its length itself
+    {"input_ids": [[5], [6]], "rid": ["x", "y"]},
+    {"text": "a", "rid": ["x", "y"], "sampling_params": {"n": 2}},  # n > 1 fans one prompt out
+    {"text": "a", "rid": "x", "stream": True},
+])  # fmt: skip
+def test_a_list_rid_that_sglang_serves_passes(body):
+    _passes(body, "/generate")
+
+
+# ---------------------------------------------------------------- logit_bias and n
+@pytest.mark.parametrize("value", [1e39, -1e39, 1e31, "1e39", float("nan"), float("inf"), float("-inf")])
+def test_a_logit_bias_that_overflows_is_refused(value):
+    """``{"logit_bias": {"500": 1e39}, "top_k": 5}`` killed stock SGLang's scheduler (an inf in
+    the probabilities, torch.multinomial); 1e34 with a temperature of 1e-5 did too."""
+    _refused({"text": "v", "sampling_params": {"max_new_tokens": 1, "logit_bias": {"500": value}, "top_k": 5}},
+             "/generate", "logit_bias['500']")  # fmt: skip
+    _refused({"text": ["v"], "sampling_params": [{"logit_bias": {"500": value}}]}, "/generate", "logit_bias")
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        _refused({"model": "m", "prompt": "v", "messages": [], "logit_bias": {"500": value}}, path, "logit_bias")
+
+
+@pytest.mark.parametrize("value", [-100, 100, 1e30, -1e30, 0.5, "7", "x", None])
+def test_a_logit_bias_within_range_passes(value):
+    _passes({"text": "v", "sampling_params": {"logit_bias": {"500": value}}}, "/generate")
+    _passes({"model": "m", "messages": [], "logit_bias": {"500": value}}, "/v1/chat/completions")
+
+
+def test_n_and_best_of_are_bounded():
+    """An ``n`` of 858,808 grew a server by 9 GB in two minutes (no bound anywhere in SGLang)."""
+    _refused({"text": "v", "sampling_params": {"n": 858808}}, "/generate", "n is 858808")
+    _refused({"text": "v", "sampling_params": {"n": 1e300}}, "/generate", "at most")
+    _refused({"model": "m", "prompt": "v", "n": MAX_N + 1}, "/v1/completions", "n is")
+    _refused({"model": "m", "prompt": "v", "best_of": 10**6}, "/v1/completions", "best_of is")
+    _refused({"model": "m", "messages": [], "n": "5000"}, "/v1/chat/completions", "n is")
+    _passes({"text": "v", "sampling_params": {"n": 4}}, "/generate")
+    _passes({"model": "m", "messages": [], "n": MAX_N}, "/v1/chat/completions")
+
+
+def test_a_plain_server_parses_chat_bodies_with_these_fields():
+    """Without a tenant header the middleware parses a chat body only when a byte check says it
+    may need it: ``logit_bias``, ``"n"`` and ``best_of`` are among those checks now."""
+    c = _app()
+    for extra in ({"logit_bias": {"5": 1e39}}, {"n": 10**6}, {"best_of": 10**6}):
+        r = c.post("/v1/chat/completions", json={"model": "m", "messages": [], **extra})
+        assert r.status_code == 400, (extra, r.status_code, r.text[:200])
+    r = c.post("/v1/chat/completions", json={"model": "m", "messages": [], "n": 2, "logit_bias": {"5": -100}})
+    assert r.status_code == 200
