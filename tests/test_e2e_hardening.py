@@ -625,6 +625,9 @@ _SERVER_KILLERS = (
                               "logit_bias": {"500": 1e34}, "temperature": 1e-5}),
     ("/generate", {"text": "a", "rid": ["x"], "stream": True}),
     ("/generate", {"text": "a", "sampling_params": {"n": 858808}}),
+    ("/generate", {"text": "a", "return_logprob": True, "top_logprobs_num": []}),  # a list for one prompt
+    ("/generate", {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": [0]}),
+    ("/generate", {"text": ["a", "b"], "return_logprob": [True], "stream": True}),  # shorter than the batch
 )
 
 

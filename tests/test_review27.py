@@ -83,3 +83,29 @@ def test_a_plain_server_parses_chat_bodies_with_these_fields():
         assert r.status_code == 400, (extra, r.status_code, r.text[:200])
     r = c.post("/v1/chat/completions", json={"model": "m", "messages": [], "n": 2, "logit_bias": {"5": -100}})
     assert r.status_code == 200
+
+
+# ---------------------------------------------------------------- per-prompt fields given as lists
+@pytest.mark.parametrize("body, says", [
+    ({"text": "a", "return_logprob": True, "top_logprobs_num": []}, "top_logprobs_num is a list"),  # kills
+    ({"text": "a", "return_logprob": True, "top_logprobs_num": [1]}, "top_logprobs_num is a list"),  # kills
+    ({"input_ids": [5], "return_logprob": True, "logprob_start_len": [0]}, "logprob_start_len is a list"),  # kills
+    ({"text": ["a", "b"], "return_logprob": [True], "stream": True}, "1 values for a batch of 2"),  # a cut stream
+    ({"text": ["a", "b"], "return_logprob": True, "logprob_start_len": []}, "0 values for a batch of 2"),  # a 500
+    ({"input_ids": [[5], [6]], "return_logprob": True, "token_ids_logprob": [[5]]}, "token_ids_logprob has 1"),
+])  # fmt: skip
+def test_per_prompt_lists_that_break_the_server_are_refused(body, says):
+    _refused(body, "/generate", says)
+
+
+@pytest.mark.parametrize("body", [
+    {"text": ["a", "b"], "return_logprob": True, "top_logprobs_num": [1, 2]},
+    {"text": ["a", "b"], "return_logprob": [True, False], "logprob_start_len": 0},
+    {"text": ["a", "b"], "return_logprob": True, "top_logprobs_num": [1, 2, 3]},  # (SGLang ignores the extra)
+    {"text": "a", "return_logprob": [True]},  # SGLang serves it (a truthy list)
+    {"text": "a", "return_logprob": True, "token_ids_logprob": [5, 6]},  # one prompt: a flat list of ids
+    {"input_ids": [[5], [6]], "return_logprob": True, "token_ids_logprob": [5, 6]},  # the same ids for each
+    {"text": "a", "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0},
+])  # fmt: skip
+def test_per_prompt_values_sglang_serves_pass(body):
+    _passes(body, "/generate")

@@ -569,6 +569,45 @@ def _one_prompt(body: dict) -> bool:
     return not (isinstance(emb, list) and emb and isinstance(emb[0], list) and emb[0] and isinstance(emb[0][0], list))
 
 
+PER_PROMPT_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_sampling_mask",
+                     "sampling_logprobs_mode", "token_ids_logprob")  # fmt: skip
+
+
+def _batch_size(body: dict) -> int | None:
+    """Prompts in ``/generate``'s batch (None: one prompt)."""
+    if _one_prompt(body):
+        return None
+    for field in ("text", "input_ids", "input_embeds"):
+        v = body.get(field)
+        if v is not None:
+            return len(v)
+    return None
+
+
+def _check_per_prompt_lists(body: dict) -> None:
+    """``/generate``'s per-prompt fields given as lists that SGLang 0.5.23 does not check against
+    the prompts (io_struct.py ``_normalize_single_inputs`` / ``_normalize_logprob_params``; session
+    27, the sampling-field fuzz in ``make soak``): a list ``top_logprobs_num`` or
+    ``logprob_start_len`` for one prompt (``[]`` or ``[1]``) kills the scheduler (``TypeError:
+    '>' not supported between 'list' and 'int'``, logits_processor.py:373), and a batch's list
+    shorter than its prompts is a 500, or a streamed 200 cut off after its headers. Answer 400;
+    a list of the batch's length, scalars, and lists one prompt can take pass as before."""
+    n = _batch_size(body)
+    for field in PER_PROMPT_FIELDS:
+        v = body.get(field)
+        if not isinstance(v, list):
+            continue
+        if field == "token_ids_logprob":  # (one prompt: a flat list of ids; a batch: one list per prompt)
+            if n is None or not v or not isinstance(v[0], list):
+                continue
+        elif n is None:
+            if field in ("top_logprobs_num", "logprob_start_len"):
+                raise BadRequest(f"{field} is a list but the request is one prompt; send a number")
+            continue
+        if len(v) < n:
+            raise BadRequest(f"{field} has {len(v)} values for a batch of {n} prompts; send one per prompt, or one value")
+
+
 def _check_rid(body: dict) -> None:
     """A list ``rid`` on one prompt: SGLang 0.5.23 keeps it (io_struct.py:563 fills only a missing
     rid; the length check is the batch path's) and then puts it in a set (tokenizer_manager.py:3835,
@@ -630,6 +669,7 @@ def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool | 
     _check_sampling_values(body, path)
     if path == "/generate":
         _check_rid(body)
+        _check_per_prompt_lists(body)
     changed = path in SALT_PATHS and _fence_extra_key(body)
     if "kv_transfer_params" in body:
         kv = body.pop("kv_transfer_params")
