@@ -628,6 +628,8 @@ _SERVER_KILLERS = (
     ("/generate", {"text": "a", "return_logprob": True, "top_logprobs_num": []}),  # a list for one prompt
     ("/generate", {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": [0]}),
     ("/generate", {"text": ["a", "b"], "return_logprob": [True], "stream": True}),  # shorter than the batch
+    ("/generate", {"text": "9O", "return_hidden_states": []}),
+    ("/generate", {"input_ids": list(range(50, 61)), "return_logprob": True, "logprob_start_len": -3}),
 )
 
 

@@ -93,6 +93,10 @@ def test_a_plain_server_parses_chat_bodies_with_these_fields():
     ({"text": ["a", "b"], "return_logprob": [True], "stream": True}, "1 values for a batch of 2"),  # a cut stream
     ({"text": ["a", "b"], "return_logprob": True, "logprob_start_len": []}, "0 values for a batch of 2"),  # a 500
     ({"input_ids": [[5], [6]], "return_logprob": True, "token_ids_logprob": [[5]]}, "token_ids_logprob has 1"),
+    ({"text": "9O", "return_hidden_states": []}, "return_hidden_states is a list"),  # kills
+    ({"text": "9O", "return_hidden_states": [True]}, "return_hidden_states is a list"),  # kills with hidden states on
+    ({"input_ids": list(range(50, 61)), "return_logprob": True, "logprob_start_len": -3}, "logprob_start_len is -3"),  # kills
+    ({"text": ["a", "b"], "return_logprob": True, "logprob_start_len": [0, -2]}, "logprob_start_len is -2"),
 ])  # fmt: skip
 def test_per_prompt_lists_that_break_the_server_are_refused(body, says):
     _refused(body, "/generate", says)
@@ -106,6 +110,9 @@ def test_per_prompt_lists_that_break_the_server_are_refused(body, says):
     {"text": "a", "return_logprob": True, "token_ids_logprob": [5, 6]},  # one prompt: a flat list of ids
     {"input_ids": [[5], [6]], "return_logprob": True, "token_ids_logprob": [5, 6]},  # the same ids for each
     {"text": "a", "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0},
+    {"text": "a", "return_logprob": True, "logprob_start_len": -1},
+    {"text": "a", "return_hidden_states": "last"},
+    {"text": ["a", "b"], "return_hidden_states": [True, False]},
 ])  # fmt: skip
 def test_per_prompt_values_sglang_serves_pass(body):
     _passes(body, "/generate")

@@ -570,7 +570,9 @@ def _one_prompt(body: dict) -> bool:
 
 
 PER_PROMPT_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_sampling_mask",
-                     "sampling_logprobs_mode", "token_ids_logprob")  # fmt: skip
+                     "sampling_logprobs_mode", "token_ids_logprob", "return_hidden_states")  # fmt: skip
+# per-prompt fields whose list, on one prompt, reaches the scheduler as it is and kills it
+SCALAR_FOR_ONE_PROMPT = ("top_logprobs_num", "logprob_start_len", "return_hidden_states")
 
 
 def _batch_size(body: dict) -> int | None:
@@ -591,7 +593,16 @@ def _check_per_prompt_lists(body: dict) -> None:
     ``logprob_start_len`` for one prompt (``[]`` or ``[1]``) kills the scheduler (``TypeError:
     '>' not supported between 'list' and 'int'``, logits_processor.py:373), and a batch's list
     shorter than its prompts is a 500, or a streamed 200 cut off after its headers. Answer 400;
-    a list of the batch's length, scalars, and lists one prompt can take pass as before."""
+    a list of the batch's length, scalars, and lists one prompt can take pass as before.
+    ``return_hidden_states: []`` on one prompt kills it too (``get_return_hidden_states_mode``,
+    schedule_batch.py:192, raised in the scheduler: an empty list slips past the tokenizer
+    manager's check, and on a server with hidden states on, any list does), and so does a
+    ``logprob_start_len`` below -1 (``AssertionError``, logprob_result_processor.py:296; -1 is
+    "the default")."""
+    start = body.get("logprob_start_len")
+    for x in start if isinstance(start, list) else [start]:
+        if type(x) is int and x < -1:
+            raise BadRequest(f"logprob_start_len is {x}; it must be -1 (the default) or a position >= 0")
     n = _batch_size(body)
     for field in PER_PROMPT_FIELDS:
         v = body.get(field)
@@ -601,8 +612,8 @@ def _check_per_prompt_lists(body: dict) -> None:
             if n is None or not v or not isinstance(v[0], list):
                 continue
         elif n is None:
-            if field in ("top_logprobs_num", "logprob_start_len"):
-                raise BadRequest(f"{field} is a list but the request is one prompt; send a number")
+            if field in SCALAR_FOR_ONE_PROMPT:
+                raise BadRequest(f"{field} is a list but the request is one prompt; send one value")
             continue
         if len(v) < n:
             raise BadRequest(f"{field} has {len(v)} values for a batch of {n} prompts; send one per prompt, or one value")
