@@ -630,6 +630,8 @@ _SERVER_KILLERS = (
     ("/generate", {"text": ["a", "b"], "return_logprob": [True], "stream": True}),  # shorter than the batch
     ("/generate", {"text": "9O", "return_hidden_states": []}),
     ("/generate", {"input_ids": list(range(50, 61)), "return_logprob": True, "logprob_start_len": -3}),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": ""}], "max_tokens": 1,
+                              "n": 0, "stream": True, "stream_options": {"include_usage": True}}),  # a cut stream
 )
 
 

@@ -71,6 +71,12 @@ def test_n_and_best_of_are_bounded():
     _refused({"model": "m", "prompt": "v", "best_of": 10**6}, "/v1/completions", "best_of is")
     _refused({"model": "m", "messages": [], "n": "5000"}, "/v1/chat/completions", "n is")
     _passes({"text": "v", "sampling_params": {"n": 4}}, "/generate")
+    # n < 1 on the OpenAI routes: streamed with include_usage, a 200 cut off (SGLang's usage)
+    for n in (0, -1, "0"):
+        _refused({"model": "m", "messages": [], "n": n, "stream": True, "stream_options": {"include_usage": True}},
+                 "/v1/chat/completions", "it must be at least 1")  # fmt: skip
+        _refused({"model": "m", "prompt": "v", "n": n, "stream": True}, "/v1/completions", "it must be at least 1")
+    _passes({"text": "v", "sampling_params": {"n": 0}}, "/generate")  # SGLang serves it as n = 1
     _passes({"model": "m", "messages": [], "n": MAX_N}, "/v1/chat/completions")
 
 

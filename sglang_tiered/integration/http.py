@@ -557,6 +557,12 @@ def _check_sampling_values(body: dict, path: str) -> None:
             x = _number(holder.get(field))
             if x is not None and x > MAX_N:
                 raise BadRequest(f"{field} is {holder[field]!r}; at most {MAX_N} choices per prompt"[:300])
+        # the OpenAI routes with n < 1: a 400 from SGLang when not streamed ("range() arg 3 must
+        # not be zero"), a 200 stream cut off when streamed with include_usage (serving_chat.py
+        # counts usage over range(0, len, n) after the 200 went out; session 27, make soak)
+        x = _number(holder.get("n")) if path != "/generate" else None
+        if x is not None and x < 1:
+            raise BadRequest(f"n is {holder['n']!r}; it must be at least 1"[:300])
 
 
 def _one_prompt(body: dict) -> bool:
