@@ -632,6 +632,13 @@ _SERVER_KILLERS = (
     ("/generate", {"input_ids": list(range(50, 61)), "return_logprob": True, "logprob_start_len": -3}),
     ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": ""}], "max_tokens": 1,
                               "n": 0, "stream": True, "stream_options": {"include_usage": True}}),  # a cut stream
+    ("/generate", {"text": "hi", "lora_id": [None]}),
+    ("/generate", {"text": "hi", "positional_embed_overrides": {}}),
+    ("/generate", {"input_ids": [19, 1541, 1590], "sampling_params": {"max_new_tokens": 0, "ebnf": 'root ::= "a"'},
+                   "token_indices_to_pool": [-1]}),  # fmt: skip
+    ("/generate", {"text": ["a", "b"], "bootstrap_room": [], "stream": True}),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 40, "ignore_eos": True, "regex": "a+",
+                                                      "stop_regex": "(a+)+b"}}),  # hangs the scheduler
 )
 
 

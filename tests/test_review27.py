@@ -122,3 +122,48 @@ def test_per_prompt_lists_that_break_the_server_are_refused(body, says):
 ])  # fmt: skip
 def test_per_prompt_values_sglang_serves_pass(body):
     _passes(body, "/generate")
+
+
+# ---------------------------------------------------------------- fields a client cannot use safely
+@pytest.mark.parametrize("body, says", [
+    ({"text": "hi", "lora_id": [None]}, "lora_id is set by the server"),  # kills
+    ({"text": "hi", "lora_id": "0123456789abcdef0123456789abcdef"}, "lora_id is set by the server"),  # an adapter's namespace
+    ({"text": "hi", "positional_embed_overrides": {}}, "positional_embed_overrides"),  # kills
+    ({"text": ["a", "b"], "positional_embed_overrides": [0, 0]}, "positional_embed_overrides"),
+    ({"input_ids": [19, 1541, 1590], "sampling_params": {"max_new_tokens": 0, "ebnf": 'root ::= "a"'},
+      "token_indices_to_pool": [-1]}, "token_indices_to_pool cannot be combined"),  # kills
+    ({"text": ["a", "b"], "bootstrap_room": [], "stream": True}, "bootstrap_room has 0 values"),  # a cut stream
+    ({"text": ["a", "b"], "custom_logit_processor": ["x"]}, "custom_logit_processor has 1 values"),
+    ({"text": ["a", "b"], "lora_path": ["x"]}, "lora_path has 1 values"),
+])  # fmt: skip
+def test_fields_that_break_the_server_are_refused(body, says):
+    _refused(body, "/generate", says)
+
+
+@pytest.mark.parametrize("body", [
+    {"text": "hi", "lora_path": "adapter-a"},
+    {"text": ["a", "b"], "lora_path": ["adapter-a", None]},
+    {"text": "hi", "token_indices_to_pool": [0, 1]},
+    {"text": ["a", "b"], "bootstrap_room": [1, 2]},
+    {"text": "hi", "lora_id": None, "positional_embed_overrides": None},
+])  # fmt: skip
+def test_fields_sglang_serves_pass(body):
+    _passes(body, "/generate")
+
+
+# ---------------------------------------------------------------- a stop_regex that backtracks exponentially
+@pytest.mark.parametrize("pattern", ["(a+)+b", "(.+)+\u0001", "(a|aa)*x", "(a*)*", "(x+x+)+y"])
+def test_a_stop_regex_with_nested_repeats_is_refused(pattern):
+    """``"stop_regex": "(a+)+b"`` hung stock SGLang's scheduler (``re.search`` over the whole output
+    at every decode step): a probe sent afterwards timed out at 60 s."""
+    _refused({"text": "hi", "sampling_params": {"stop_regex": pattern}}, "/generate", "nests a repeat")
+    _refused({"text": "hi", "sampling_params": {"stop_regex": ["\n", pattern]}}, "/generate", "nests a repeat")
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        _refused({"model": "m", "prompt": "v", "messages": [], "stop_regex": pattern}, path, "nests a repeat")
+
+
+@pytest.mark.parametrize("pattern", ["\n\n", r"Answer: \d+", "END.*", r"[0-9]{1,3}\.", "(foo|bar)", "(ab)+",
+                                     r"\bSTOP\b", r"\d+\.\d+", "(?:a|b)+c", "(", "a{2,5}b+"])  # fmt: skip
+def test_a_plain_stop_regex_passes(pattern):
+    _passes({"text": "hi", "sampling_params": {"stop_regex": pattern}}, "/generate")
+    _passes({"model": "m", "messages": [], "stop_regex": [pattern]}, "/v1/chat/completions")

@@ -264,6 +264,7 @@ class HintMiddleware:
                 new = raw
             elif (tenant_mode or path in ID_PATHS or b"kv_transfer_params" in raw or b"\\u" in raw
                   or b"logprobs" in raw or b"logit_bias" in raw or b'"n"' in raw or b"best_of" in raw
+                  or b"stop_regex" in raw
                   or _odd_shape(raw)):  # fmt: skip
                 new = rewrite_body(raw, path, tenant, tenant_mode)
             else:
@@ -537,6 +538,61 @@ def _number(v):
         return None
 
 
+def _nested_repeat(pattern: str) -> bool:
+    """Whether a regex can backtrack exponentially: a repeat with no upper bound (or a bound past
+    100) around another repeat or an alternation (``(a+)+b``, ``(.+)+x``, ``(a|aa)*``). Heuristic:
+    patterns that are only polynomially slow (``.*.*x``) are not caught. A pattern that does not
+    compile is left to SGLang (it refuses it)."""
+    try:
+        from re import _constants as C, _parser
+    except ImportError:  # Python < 3.11
+        import sre_constants as C
+        import sre_parse as _parser
+    try:
+        tree = _parser.parse(pattern)
+    except Exception:  # noqa: BLE001 - SGLang's own 400
+        return False
+    repeats = (C.MAX_REPEAT, C.MIN_REPEAT) + ((C.POSSESSIVE_REPEAT,) if hasattr(C, "POSSESSIVE_REPEAT") else ())
+
+    def walk(items, inside: bool) -> bool:
+        for op, av in items:
+            if op in repeats:
+                lo, hi, sub = av
+                if inside and hi > 1:
+                    return True
+                if walk(sub, inside or hi == C.MAXREPEAT or hi > 100):
+                    return True
+            elif op == C.BRANCH:
+                if inside:
+                    return True
+                if any(walk(b, inside) for b in av[1]):
+                    return True
+            elif op == C.SUBPATTERN:
+                if walk(av[-1], inside):
+                    return True
+            elif op in (C.ASSERT, C.ASSERT_NOT):
+                if walk(av[1], inside):
+                    return True
+        return False
+
+    return walk(tree, False)
+
+
+def _check_stop_regex(holder: dict) -> None:
+    """A ``stop_regex`` that backtracks exponentially hangs SGLang 0.5.23's scheduler: it runs
+    ``re.search`` over the whole output at every decode step (schedule_batch.py:1933), so
+    ``"stop_regex": "(a+)+b"`` on an output of a few dozen ``a`` stopped the server serving
+    anyone (a helper's hunt, session 27; stock too). Refused: a repeat around a repeat or an
+    alternation (``_nested_repeat``)."""
+    stops = holder.get("stop_regex")
+    for pat in stops if isinstance(stops, list) else [stops]:
+        if isinstance(pat, str) and len(pat) <= 10_000 and _nested_repeat(pat):
+            raise BadRequest(f"stop_regex {pat[:80]!r} nests a repeat in a repeat (it can backtrack "
+                             "exponentially at every decoded token); write it without nesting"[:300])  # fmt: skip
+        if isinstance(pat, str) and len(pat) > 10_000:
+            raise BadRequest("stop_regex is longer than 10,000 characters")
+
+
 def _check_sampling_values(body: dict, path: str) -> None:
     """Two sampling fields stock SGLang 0.5.23 takes unchecked (its sampling fuzz, session 27):
     a ``logit_bias`` value that overflows float32 once divided by the temperature kills the
@@ -546,6 +602,7 @@ def _check_sampling_values(body: dict, path: str) -> None:
     400s here: a bias must be finite and within +-1e30 (OpenAI's range is +-100; -100 bans a token),
     ``n`` and ``best_of`` at most ``MAX_N``."""
     for holder in _sampling_holders(body, path):
+        _check_stop_regex(holder)
         bias = holder.get("logit_bias")
         if isinstance(bias, dict):
             for tok, v in bias.items():
@@ -576,7 +633,10 @@ def _one_prompt(body: dict) -> bool:
 
 
 PER_PROMPT_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_sampling_mask",
-                     "sampling_logprobs_mode", "token_ids_logprob", "return_hidden_states")  # fmt: skip
+                     "sampling_logprobs_mode", "token_ids_logprob", "return_hidden_states", "bootstrap_room",
+                     "bootstrap_host", "bootstrap_port", "bootstrap_pair_key", "decode_tp_size",
+                     "custom_logit_processor", "lora_path")  # fmt: skip
+GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 # per-prompt fields whose list, on one prompt, reaches the scheduler as it is and kills it
 SCALAR_FOR_ONE_PROMPT = ("top_logprobs_num", "logprob_start_len", "return_hidden_states")
 
@@ -623,6 +683,29 @@ def _check_per_prompt_lists(body: dict) -> None:
             continue
         if len(v) < n:
             raise BadRequest(f"{field} has {len(v)} values for a batch of {n} prompts; send one per prompt, or one value")
+
+
+def _check_internal_fields(body: dict) -> None:
+    """``/generate`` fields a client cannot use safely (a helper's hunt over SGLang's own field
+    lists, session 27; each kills stock SGLang 0.5.23's scheduler):
+
+    * ``lora_id``: SGLang derives it from ``lora_path`` (tokenizer_manager.py:3791); a client's
+      list kills the scheduler (``{"lora_id": [null]}``: a TypeError, schedule_batch.py:1166), and
+      a client's string is appended to the request's ``extra_key`` as it is: a base-model
+      request could name an adapter's cache namespace (``_fence_extra_key`` fences the client's
+      own ``extra_key`` for that reason).
+    * ``positional_embed_overrides``: any value (``{}``, ``[]``) kills it (it needs tensors:
+      AttributeError ``reconstruct``, scheduler.py:2232); no JSON form is valid.
+    * ``token_indices_to_pool`` with a grammar: kills it (xgrammar_backend.py:131, a mask of None)."""
+    if body.get("lora_id") is not None:
+        raise BadRequest("lora_id is set by the server from lora_path; send lora_path instead")
+    if body.get("positional_embed_overrides") is not None:
+        raise BadRequest("positional_embed_overrides cannot be sent over HTTP")
+    if body.get("token_indices_to_pool") is not None:
+        sps = body.get("sampling_params")
+        for sp in sps if isinstance(sps, list) else [sps]:
+            if isinstance(sp, dict) and any(sp.get(g) is not None for g in GRAMMAR_FIELDS):
+                raise BadRequest("token_indices_to_pool cannot be combined with a grammar (regex, json_schema, ebnf, structural_tag)")
 
 
 def _check_rid(body: dict) -> None:
@@ -687,6 +770,7 @@ def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool | 
     if path == "/generate":
         _check_rid(body)
         _check_per_prompt_lists(body)
+        _check_internal_fields(body)
     changed = path in SALT_PATHS and _fence_extra_key(body)
     if "kv_transfer_params" in body:
         kv = body.pop("kv_transfer_params")
