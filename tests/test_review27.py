@@ -167,3 +167,37 @@ def test_a_stop_regex_with_nested_repeats_is_refused(pattern):
 def test_a_plain_stop_regex_passes(pattern):
     _passes({"text": "hi", "sampling_params": {"stop_regex": pattern}}, "/generate")
     _passes({"model": "m", "messages": [], "stop_regex": [pattern]}, "/v1/chat/completions")
+
+
+# ---------------------------------------------------------------- no body makes the checks raise
+_FIELDS = ("text", "input_ids", "input_embeds", "rid", "sampling_params", "stream", "return_logprob",
+           "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_hidden_states",
+           "return_sampling_mask", "sampling_logprobs_mode", "lora_id", "lora_path", "bootstrap_room",
+           "positional_embed_overrides", "token_indices_to_pool", "custom_logit_processor", "n", "best_of",
+           "logit_bias", "stop_regex", "prompt", "messages", "logprobs", "top_logprobs", "session_params")  # fmt: skip
+
+
+def test_the_checks_raise_nothing_but_a_400():
+    """A check of this session raised a TypeError (a 500) on ``{"text": 5}`` (``len`` of the
+    batch): CI's HTTP fuzz found it before it landed. Any JSON in any of these fields, at the top
+    level or in ``sampling_params``, gives a body or a ``BadRequest``, never another exception."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(), st.text(max_size=6))
+    value = st.recursive(leaf, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+                         max_leaves=8)  # fmt: skip
+    fields = st.dictionaries(st.sampled_from(_FIELDS), value, max_size=5)
+
+    @settings(max_examples=3000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(["/generate", "/v1/completions", "/v1/chat/completions", "/invocations"]), fields, fields)
+    def check(path, body, sp):
+        if sp:
+            body = {**body, "sampling_params": sp}
+        for tenant in (None, "acme"):
+            try:
+                rewrite_body(json.dumps(body).encode(), path, tenant)
+            except BadRequest:
+                pass
+
+    check()

@@ -575,7 +575,10 @@ def _nested_repeat(pattern: str) -> bool:
                     return True
         return False
 
-    return walk(tree, False)
+    try:
+        return walk(tree, False)
+    except RecursionError:  # nested past Python's recursion limit: refused
+        return True
 
 
 def _check_stop_regex(holder: dict) -> None:
@@ -642,13 +645,13 @@ SCALAR_FOR_ONE_PROMPT = ("top_logprobs_num", "logprob_start_len", "return_hidden
 
 
 def _batch_size(body: dict) -> int | None:
-    """Prompts in ``/generate``'s batch (None: one prompt)."""
+    """Prompts in ``/generate``'s batch (None: one prompt, or a shape SGLang refuses itself)."""
     if _one_prompt(body):
         return None
     for field in ("text", "input_ids", "input_embeds"):
         v = body.get(field)
         if v is not None:
-            return len(v)
+            return len(v) if isinstance(v, list) else None
     return None
 
 
