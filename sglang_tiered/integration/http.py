@@ -12,6 +12,7 @@ Both endpoints carry SGLang's ``AuthLevel.ADMIN_OPTIONAL``: with ``--admin-api-k
 it; with only ``--api-key`` they need that.
 """
 
+import functools
 import itertools
 import json
 import logging
@@ -538,6 +539,7 @@ def _number(v):
         return None
 
 
+@functools.lru_cache(maxsize=1024)  # (a client may send the same stop_regex with every request)
 def _nested_repeat(pattern: str) -> bool:
     """Whether a regex can backtrack exponentially: a repeat with no upper bound (or a bound past
     100) around another repeat or an alternation (``(a+)+b``, ``(.+)+x``, ``(a|aa)*``). Heuristic:
@@ -589,11 +591,13 @@ def _check_stop_regex(holder: dict) -> None:
     alternation (``_nested_repeat``)."""
     stops = holder.get("stop_regex")
     for pat in stops if isinstance(stops, list) else [stops]:
-        if isinstance(pat, str) and len(pat) <= 10_000 and _nested_repeat(pat):
+        if not isinstance(pat, str):
+            continue
+        if len(pat) > 10_000:
+            raise BadRequest("stop_regex is longer than 10,000 characters")
+        if _nested_repeat(pat):
             raise BadRequest(f"stop_regex {pat[:80]!r} nests a repeat in a repeat (it can backtrack "
                              "exponentially at every decoded token); write it without nesting"[:300])  # fmt: skip
-        if isinstance(pat, str) and len(pat) > 10_000:
-            raise BadRequest("stop_regex is longer than 10,000 characters")
 
 
 def _check_sampling_values(body: dict, path: str) -> None:
@@ -617,12 +621,11 @@ def _check_sampling_values(body: dict, path: str) -> None:
             x = _number(holder.get(field))
             if x is not None and x > MAX_N:
                 raise BadRequest(f"{field} is {holder[field]!r}; at most {MAX_N} choices per prompt"[:300])
-        # the OpenAI routes with n < 1: a 400 from SGLang when not streamed ("range() arg 3 must
-        # not be zero"), a 200 stream cut off when streamed with include_usage (serving_chat.py
-        # counts usage over range(0, len, n) after the 200 went out; session 27, make soak)
-        x = _number(holder.get("n")) if path != "/generate" else None
-        if x is not None and x < 1:
-            raise BadRequest(f"n is {holder['n']!r}; it must be at least 1"[:300])
+            # the OpenAI routes with n < 1: a 400 from SGLang when not streamed ("range() arg 3
+            # must not be zero"), a 200 stream cut off when streamed with include_usage
+            # (serving_chat.py counts usage over range(0, len, n) after the 200 went out)
+            if field == "n" and x is not None and x < 1 and path != "/generate":
+                raise BadRequest(f"n is {holder['n']!r}; it must be at least 1"[:300])
 
 
 def _one_prompt(body: dict) -> bool:
@@ -705,9 +708,8 @@ def _check_internal_fields(body: dict) -> None:
     if body.get("positional_embed_overrides") is not None:
         raise BadRequest("positional_embed_overrides cannot be sent over HTTP")
     if body.get("token_indices_to_pool") is not None:
-        sps = body.get("sampling_params")
-        for sp in sps if isinstance(sps, list) else [sps]:
-            if isinstance(sp, dict) and any(sp.get(g) is not None for g in GRAMMAR_FIELDS):
+        for sp in _sampling_holders(body, "/generate"):
+            if any(sp.get(g) is not None for g in GRAMMAR_FIELDS):
                 raise BadRequest("token_indices_to_pool cannot be combined with a grammar (regex, json_schema, ebnf, structural_tag)")
 
 
