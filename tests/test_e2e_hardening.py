@@ -665,6 +665,36 @@ def test_empty_and_disagreeing_prompts_are_400(tiered_server):
         assert status == 200, (body, got[:300])
 
 
+# Grammars that leave a row no token (session 28): every logit is masked, and stock SGLang 0.5.23's
+# top-p/top-k/min-p sampling dies on the NaN probabilities (sampler.py:838; greedy survived). The
+# last: a regex that allows only EOS after "a" while min_new_tokens masks EOS.
+_NO_TOKEN_LEFT = (
+    {"ebnf": "root ::= root", "top_p": 0.9},
+    {"ebnf": "root ::= root", "top_k": 5},
+    {"ebnf": "root ::= root", "min_p": 0.1},
+    {"ebnf": "root ::= root", "temperature": 0},
+    {"regex": "a", "min_new_tokens": 3, "top_k": 5},
+)
+
+
+def test_a_grammar_that_allows_no_token_is_that_requests_error(tiered_server):
+    """Each such request ends in SGLang's own abort for a token its grammar refuses (what stock
+    SGLang's greedy path answers), streamed or not, while a request beside it is served; the
+    server serves on."""
+    _wait_healthy(tiered_server)
+    good = {"text": "a", "sampling_params": {"max_new_tokens": 4, "ebnf": 'root ::= "ab" root', "top_p": 0.9}}
+    for sp in _NO_TOKEN_LEFT:
+        for stream in (False, True):
+            body = {"text": "a", "stream": stream, "sampling_params": {"max_new_tokens": 4, **sp}}
+            with ThreadPoolExecutor(2) as pool:
+                dead = pool.submit(_raw, tiered_server, "POST", "/generate", json.dumps(body).encode())
+                beside = pool.submit(_raw, tiered_server, "POST", "/generate", json.dumps(good).encode())
+                (status, got), (good_status, good_got) = dead.result(), beside.result()
+            assert b"Grammar accept_token failed" in got, (sp, stream, status, got[:300])
+            assert good_status == 200 and b'"abab"' in good_got, good_got[:300]
+            assert tiered_server.request("GET", "/health")[0] == 200, sp
+
+
 def test_a_prompt_with_no_tokens_is_400_with_a_tokenizer_without_bos(tiny_model_path, tmp_path):
     """With a tokenizer that adds no BOS token (as many do), ``{"text": ""}`` tokenizes to nothing
     and stock SGLang 0.5.23's scheduler dies on the 0-token prompt (checked in session 26 with

@@ -25,6 +25,14 @@ Scheduler processes:
     the cache (weight_updater.py:365-366); the cache is told first, cancels its pending T1
     writes while the pool is still readable, and its flush drops the device tree instead of
     demoting pages from unmapped memory (``TieredRadixCache.kv_released``).
+  * AFTER ``Sampler._preprocess_logits`` (sampler.py:139, the last step before softmax and
+    sampling), when the backend is ours and the batch has a grammar: a row whose every logit is
+    ``-inf`` (a grammar that allows no token, ``root ::= root``, or one that allows only EOS while
+    ``min_new_tokens`` masks it) gets logit 0 at token 0, the token stock SGLang's greedy path
+    picks for such a row. Stock SGLang's top-p/top-k/min-p sampling draws from the row's NaN
+    probabilities and ``torch.multinomial`` kills the scheduler (sampler.py:838); now the grammar
+    refuses token 0 and SGLang aborts that request alone ("Grammar accept_token failed",
+    batch_result_processor.py:722), as its greedy path already did (session 28).
 Launcher process (which also runs SGLang's tokenizer manager and HTTP server):
   * BEFORE ``TokenizerManager._validate_one_request``, when the backend is ours: a prompt with no
     tokens after tokenization, or a ``top_k`` past int32, gets a 400 (stock SGLang's scheduler
@@ -54,6 +62,7 @@ _WEIGHTS = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWei
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _SERVER_ARGS_CHECK = "sglang.srt.server_args.ServerArgs.check_server_args"
 _VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+_SAMPLER_PREPROCESS = "sglang.srt.layers.sampler.Sampler._preprocess_logits"
 PERSIST_KEY = "sglang_tiered_persist_to_host"
 WEIGHT_UPDATE_METHODS = ("update_weights_from_disk", "update_weights_from_distributed", "update_weights_from_tensor",
                          "update_weights_from_ipc", "end_weight_update")  # fmt: skip
@@ -271,6 +280,41 @@ def _before_validate_one_request(manager, obj, input_ids=None, *args, **kwargs):
 
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k (sampling_params.py:43)
 
+_OURS: list = []  # [whether this scheduler process serves our backend], read once
+
+
+def _serves_our_backend() -> bool:
+    if not _OURS:
+        try:
+            from sglang.srt.runtime_context import get_server_args
+
+            args = get_server_args()
+        except Exception:  # noqa: BLE001 - no context yet: decide on a later call
+            return False
+        if args is None:
+            return False
+        _OURS.append(getattr(args, "radix_cache_backend", None) == BACKEND_NAME)
+    return _OURS[0]
+
+
+def _after_sampler_preprocess(logits, sampler, *args, **kwargs):
+    """A row with no token left (every logit ``-inf`` after the grammar mask and the penalizers)
+    gets logit 0 at token 0, so its probabilities are not NaN: stock SGLang 0.5.23's sampling
+    kills the scheduler on them (``torch.multinomial``, sampler.py:838, or garbage ids from the
+    GPU kernels); the grammar then refuses token 0 and SGLang aborts that request alone, as its
+    greedy path (argmax of an all ``-inf`` row is 0) already does. Only batches with a grammar
+    (``sampling_info.grammars``, forward_batch_info.py:1006; SGLang drops the applied mask itself,
+    model_runner.py:2100) are checked: ``-inf`` comes from the grammar mask (our middleware refuses
+    a non-finite logit_bias). On the device, without a host sync."""
+    info = args[1] if len(args) > 1 else kwargs.get("sampling_info")
+    if not getattr(info, "grammars", None) or logits.dim() != 2 or not _serves_our_backend():
+        return None
+    import torch
+
+    dead = torch.isneginf(logits).all(dim=-1)
+    logits[:, 0].masked_fill_(dead, 0.0)
+    return None
+
 
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -289,11 +333,25 @@ def register_hooks() -> None:
         HookRegistry.register(f"{_WEIGHTS}.begin_weight_update", _before_begin_weight_update, HookType.BEFORE)
         HookRegistry.register(f"{_WEIGHTS}.release_memory_occupation", _before_release_memory, HookType.BEFORE)
         HookRegistry.register(f"{_WEIGHTS}.resume_memory_occupation", _after_resume_memory, HookType.AFTER)
+        HookRegistry.register(_SAMPLER_PREPROCESS, _after_sampler_preprocess, HookType.AFTER)
         missing = missing_weight_hook_targets()
         if missing:  # HookRegistry logs and skips a target it cannot resolve: say what that costs
             logger.error("sglang-tiered: cannot hook %s: after a weight update (or a release of the KV pool) T1/T2 "
                          "could serve KV of the old weights (or of released memory); run with SGLANG_TIERED_HOST=off",
                          ", ".join(missing))  # fmt: skip
+        if not sampler_hook_resolves():
+            logger.error("sglang-tiered: cannot hook %s: a grammar that allows no token can kill the scheduler "
+                         "under top-p/top-k/min-p sampling, as in stock SGLang", _SAMPLER_PREPROCESS)  # fmt: skip
+
+
+def sampler_hook_resolves() -> bool:
+    """Whether the installed SGLang has the sampler method the dead-row hook wraps (True on 0.5.23)."""
+    import pkgutil
+
+    try:
+        return callable(pkgutil.resolve_name(_SAMPLER_PREPROCESS))
+    except Exception:  # noqa: BLE001 - report, never fail the plugin here
+        return False
 
 
 def missing_weight_hook_targets() -> list:
