@@ -106,14 +106,18 @@ def flush(url, timeout=120):
             time.sleep(1.0)
 
 
-def build_workload(n, tenants, seed, model):
+def build_workload(n, tenants, seed, model, scale=0.2, prompt_tokens=700):
+    """The multi-tenant workload with its lengths times ``scale``, each prompt cut to its first
+    ``prompt_tokens`` tokens (the defaults: short prompts, where a request's fixed cost dominates
+    its TTFT; ``--scale 1 --prompt-tokens 2048``: the generator's own lengths, system prompts of
+    320-1,280 tokens and documents of 300-900, where prefill does)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
-    reqs = multi_tenant(n, seed=seed, n_tenants=tenants, scale=0.2)
+    reqs = multi_tenant(n, seed=seed, n_tenants=tenants, scale=scale)
     out = []
     for r in reqs:
-        text = tok.decode(list(r.tokens)[:700], skip_special_tokens=True)
+        text = tok.decode(list(r.tokens)[:prompt_tokens], skip_special_tokens=True)
         out.append({"tenant": r.tenant, "text": text, "kind": r.kind})
     return out
 
@@ -235,6 +239,8 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=6)
     ap.add_argument("--pool-tokens", type=int, default=6144, help="device KV pool per server")
     ap.add_argument("--max-new-tokens", type=int, default=4)
+    ap.add_argument("--scale", type=float, default=0.2, help="the workload generator's lengths times this")
+    ap.add_argument("--prompt-tokens", type=int, default=700, help="each prompt cut to its first N tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", help="serving dtype (bf16 prefill over a cached prefix rounds "
                     "differently from a full prefill, so output equality is checked in float32)")
@@ -275,7 +281,7 @@ def main(argv=None) -> int:
                      LOGS / "reference.log")
         with cf.ThreadPoolExecutor(4) as ex:
             list(ex.map(lambda s: s.start(timeout_s=600), servers + [ref]))
-        work = build_workload(args.requests, args.tenants, args.seed, model)
+        work = build_workload(args.requests, args.tenants, args.seed, model, args.scale, args.prompt_tokens)
         print(f"workload: {len(work)} requests, {args.tenants} tenants; reference run ...", flush=True)
         ref_res, _ = run(ref.url, work, args.concurrency, args.max_new_tokens)
         ref.stop()
