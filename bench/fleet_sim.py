@@ -54,10 +54,14 @@ EXTRA = {"ours_prev": lambda: AffinityCachePolicy(fresh=False, warm_frac=0.05, n
          # what the servers serve (see --diagnose's index_missed)
          "ours_nomem": lambda: AffinityCachePolicy(memory_pages=0, name="ours_nomem"),
          # before the hatch's work share left out the routing memory's credit (git dae6791)
-         "ours_memshare": lambda: AffinityCachePolicy(share_by_index=False, name="ours_memshare")}
+         "ours_memshare": lambda: AffinityCachePolicy(share_by_index=False, name="ours_memshare"),
+         # the time rule on this request's own TTFT (no followers), fresh content by queued work
+         "ours_f0": lambda: AffinityCachePolicy(followers=0.0, name="ours_f0"),
+         "ours_fq": lambda: AffinityCachePolicy(fresh_by="queue", name="ours_fq"),
+         "ours_f0q": lambda: AffinityCachePolicy(followers=0.0, fresh_by="queue", name="ours_f0q")}
 ALL = {**POLICIES, **EXTRA}
 # Total device tokens per workload: at N = 44 each server still fits the workload's longest prompt.
-TOTAL_DEVICE = {"mooncake": 176_000, "multitenant": 44_000, "live": 3 * 6144}
+TOTAL_DEVICE = {"mooncake": 176_000, "multitenant": 44_000, "live": 3 * 6144, "live-long": 3 * 30720}
 
 
 class SimServer:
@@ -147,7 +151,7 @@ def total_device_tokens(name: str, reqs) -> int:
 def load_workload(name: str, limit: int, seed: int):
     if name.startswith("family-"):
         return [(r.tokens, r.tenant) for r in family_workload(name, limit)]
-    if name == "live":  # bench/fleet_live.py's workload, as the servers tokenize its text prompts
+    if name in ("live", "live-long"):  # bench/fleet_live.py's workload, as the servers tokenize its text prompts
         from transformers import AutoTokenizer
 
         from bench.fleet_live import build_workload
@@ -155,7 +159,8 @@ def load_workload(name: str, limit: int, seed: int):
 
         model = str(build_model())
         tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
-        return [(array("q", tok.encode(w["text"])), w["tenant"]) for w in build_workload(limit, 12, seed, model)]
+        lengths = (1.0, 2048) if name == "live-long" else (0.2, 700)  # (its --scale 1 --prompt-tokens 2048)
+        return [(array("q", tok.encode(w["text"])), w["tenant"]) for w in build_workload(limit, 12, seed, model, *lengths)]
     if name == "mooncake":
         data = ROOT / "bench" / "data" / "mooncake_conversation_trace.jsonl.gz"
         reqs = load_mooncake(data, limit=limit)
@@ -197,7 +202,7 @@ def run_one(workload, reqs, n, policy_name, host_ratio, rho, single_log=None, cl
     return d, served
 
 
-SEEDED = ("multitenant", "live")  # workloads that --seed(s) change; the others are one trace each
+SEEDED = ("multitenant", "live", "live-long")  # workloads that --seed(s) change; the others are one trace each
 
 
 def _exact(row) -> float:
@@ -291,7 +296,7 @@ def run_workload(wl: str, seed: int, args, trace) -> list:
             diag = (f"  loss: routing {d['routing_loss']} {d['routing_loss_by_reason']} capacity {d['capacity_loss']}"
                     f" (gain {d['capacity_gain']}) index missed {d['index_missed']}") if "routing_loss" in d else ""  # fmt: skip
             print(f"{wl:12s} s{seed} N={n:<3d} {d['policy']:18s} hit {d['hit_rate']:.4f}  work-imb {d['work_imbalance']:.2f}"
-                  f"  req-imb {d['load_imbalance']:.2f}  q {d['mean_queue_ms']}ms  ttft {d['mean_ttft_ms']}ms  spill {d['spill_rate']:.3f}  ({d['seconds']}s){diag}", flush=True)
+                  f"  req-imb {d['load_imbalance']:.2f}  q {d['mean_queue_ms']}ms  ttft {d['mean_ttft_ms']}ms p90 {d['p90_ttft_ms']}ms  spill {d['spill_rate']:.3f}  ({d['seconds']}s){diag}", flush=True)
     return rows
 
 

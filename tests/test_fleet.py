@@ -210,6 +210,30 @@ def test_fresh_content_goes_to_the_least_inflow_worker():
     assert off.route(fresh, _view(ws, matched={})).worker in homes
 
 
+def test_fresh_content_by_queue_goes_where_it_starts_soonest():
+    """``fresh_by="queue"``: new content goes to the worker with the least work queued ahead
+    (FleetView.queue_s), ties by inflow; never to a worker over the hatch."""
+    ws = [f"w{i}" for i in range(4)]
+    pol = AffinityCachePolicy(per_prefix=False, memory_pages=0, hatch_load="view", fresh_by="queue")
+    pol._inflows.by_worker.update({"w0": 500, "w1": 100, "w2": 300, "w3": 900})
+    fresh = RouteRequest(160, [bytes([i]) * 16 for i in range(10)], tenant="acme")
+    queue = {"w0": 0.2, "w1": 0.5, "w2": 0.0, "w3": 0.0}
+    d = pol.route(fresh, _view(ws, queue=queue, matched={}))
+    assert d.worker == "w2" and d.reason == "fresh"  # w2 and w3 have nothing queued: w2 took less inflow
+    load = {w: 1.0 for w in ws}
+    load["w2"] = 50.0  # over the hatch
+    assert pol.route(fresh, _view(ws, load, queue, matched={})).worker == "w3"
+
+
+def test_sim_p90_is_the_nearest_rank_quantile():
+    from sglang_tiered.fleet.sim import _quantile
+
+    assert _quantile([], 0.9) == 0.0
+    assert _quantile([3.0], 0.9) == 3.0
+    assert _quantile([float(i) for i in range(1, 11)], 0.9) == 9.0
+    assert _quantile([float(i) for i in range(10, 0, -1)], 0.5) == 5.0
+
+
 def test_hatch_reads_the_sustained_work_share_not_in_flight_counts():
     """The hatch (spill) reads the policy's own routed work over the last horizon x N requests: a
     transient pile-up of requests in flight on the warm worker does not spill its family (live, 6

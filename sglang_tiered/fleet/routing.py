@@ -237,6 +237,9 @@ class AffinityCachePolicy:
     # did not hold) over the last inflow_horizon x N requests; False: to its cold choice (homes).
     fresh: bool = True
     inflow_horizon: int = 256
+    # What fresh placement minimises first: "inflow" (the cache's pressure, then load) or "queue"
+    # (the work queued ahead, FleetView.queue_s, then inflow: this request's own TTFT first)
+    fresh_by: str = "inflow"
     # A warm worker over the hatch may still take the request when the time rule says the recompute
     # it saves outweighs its extra queue (True), or never (False: the hatch is a hard bound).
     warm_over_hatch: bool = False
@@ -418,7 +421,10 @@ class AffinityCachePolicy:
             #     pressure (placing by work or by home left some servers' caches thrashing)
             pool = [w for w in workers if not over(w)] or workers
             inflow = self._inflows.by_worker
-            w = min(pool, key=lambda x: (inflow.get(x, 0), load(x), order.get(x, n), x))
+            if self.fresh_by == "queue":
+                w = min(pool, key=lambda x: (view.queue_s.get(x, 0.0), inflow.get(x, 0), order.get(x, n), x))
+            else:
+                w = min(pool, key=lambda x: (inflow.get(x, 0), load(x), order.get(x, n), x))
             return Decision(w, home=w in order, reason="fresh", matched=matched.get(w, 0))
         if warm:
             best = max(warm, key=lambda w: (matched[w], -order.get(w, n), -load(w), w))

@@ -23,6 +23,7 @@ in-flight counts and ``/v1/loads``).
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -80,6 +81,7 @@ class SimResult:
     per_worker_work: list = field(default_factory=list)
     queue_s: float = 0.0  # summed queueing delay of all requests (simulated seconds)
     ttft_s: float = 0.0  # summed queueing delay + own uncached prefill (a TTFT proxy, seconds)
+    ttfts: list = field(default_factory=list, repr=False)  # each request's TTFT proxy (for its p90)
 
     @property
     def hit_rate(self) -> float:
@@ -102,6 +104,7 @@ class SimResult:
                 "work_imbalance": round(self.work_imbalance, 3),
                 "mean_queue_ms": round(1e3 * self.queue_s / self.requests, 3) if self.requests else 0.0,
                 "mean_ttft_ms": round(1e3 * self.ttft_s / self.requests, 3) if self.requests else 0.0,
+                "p90_ttft_ms": round(1e3 * _quantile(self.ttfts, 0.9), 3),
                 "spill_rate": round(self.spills / self.requests, 4) if self.requests else 0.0,
                 "unserved": self.unserved}  # fmt: skip
 
@@ -203,3 +206,12 @@ def _account(res: SimResult, i: int, d, prompt: int, cached: int, work: float, q
     res.per_worker_work[i] += work
     res.queue_s += queue_s
     res.ttft_s += ttft_s
+    res.ttfts.append(ttft_s)
+
+
+def _quantile(xs: list, q: float) -> float:
+    """The q-quantile (nearest rank) of ``xs``; 0 for none."""
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
