@@ -50,7 +50,8 @@ VARIANTS: dict = {
     "ours-f2": {"followers": 2.0},
     "ours-f0": {"followers": 0.0},  # a warm worker wins on this request's own TTFT alone
     "ours-fq": {"fresh_by": "queue"},  # new content to the worker with the least work queued
-    "ours-f0q": {"followers": 0.0, "fresh_by": "queue"},  # a recompute delays 2 queued requests, not 9 (the mean in flight per worker here)
+    "ours-f0q": {"followers": 0.0, "fresh_by": "queue"},
+    "ours-f2q": {"followers": 2.0, "fresh_by": "queue"},  # a recompute delays 2 queued requests, not 9 (the mean in flight per worker here)
     "ours-nobalance": {"cold_over": 1e9, "overload": 1e9, "fresh": False, "new_choices": 1, "k_max": 1},
 }
 

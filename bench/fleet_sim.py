@@ -7,15 +7,16 @@ each routing policy, on the Mooncake conversation trace and the multi-tenant wor
     .venv/bin/python bench/fleet_sim.py --workload live --limit 360 --ns 1 3 --clients 6 --host-ratio 0
 
 ``live`` is the live bench's workload (bench/fleet_live.py: 12 tenants, scale 0.2, prompts cut at 700
-tokens, 3 x 6,144 device tokens, T1 off); with ``--clients 6`` the load model is its closed loop
-(6 clients; load = requests in flight) instead of evenly spaced arrivals.
+tokens, 3 x 6,144 device tokens, T1 off); ``live-long`` is its long-prompt form (``--scale 1
+--prompt-tokens 2048``, 3 x 30,720 device tokens). With ``--clients 6`` the load model is its
+closed loop (6 clients; load = requests in flight) instead of evenly spaced arrivals.
 
 The total cache is fixed per workload (device tokens, T1 = --host-ratio x device) and split evenly
 over the N servers, so N = 1 is "one server with the same total cache". Reports, per policy and
 N: fleet token hit rate, load imbalance (work_imbalance, the acceptance's load metric: max/mean
 over servers of work done = uncached prompt tokens + 32 per request, i.e. busy time; beside it
 max/mean of requests routed), spill rate, mean queueing delay and a TTFT proxy (queueing delay +
-the request's own uncached prefill at c_tok). Writes bench/results/<name>.{json,csv,png}.
+the request's own uncached prefill at c_tok; its mean and p90). Writes bench/results/<name>.{json,csv,png}.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ EXTRA = {"ours_prev": lambda: AffinityCachePolicy(fresh=False, warm_frac=0.05, n
          # the time rule on this request's own TTFT (no followers), fresh content by queued work
          "ours_f0": lambda: AffinityCachePolicy(followers=0.0, name="ours_f0"),
          "ours_fq": lambda: AffinityCachePolicy(fresh_by="queue", name="ours_fq"),
-         "ours_f0q": lambda: AffinityCachePolicy(followers=0.0, fresh_by="queue", name="ours_f0q")}
+         "ours_f0q": lambda: AffinityCachePolicy(followers=0.0, fresh_by="queue", name="ours_f0q"),
+         "ours_f2": lambda: AffinityCachePolicy(followers=2.0, name="ours_f2"),
+         "ours_f2q": lambda: AffinityCachePolicy(followers=2.0, fresh_by="queue", name="ours_f2q")}
 ALL = {**POLICIES, **EXTRA}
 # Total device tokens per workload: at N = 44 each server still fits the workload's longest prompt.
 TOTAL_DEVICE = {"mooncake": 176_000, "multitenant": 44_000, "live": 3 * 6144, "live-long": 3 * 30720}
