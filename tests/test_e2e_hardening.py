@@ -695,6 +695,56 @@ def test_a_grammar_that_allows_no_token_is_that_requests_error(tiered_server):
             assert tiered_server.request("GET", "/health")[0] == 200, sp
 
 
+def test_a_grammar_pattern_that_overflows_xgrammar_is_400(tiered_server):
+    """A JSON-schema pattern of 400,000 nested groups killed stock SGLang 0.5.23's scheduler
+    (SIGSEGV in xgrammar's regex visitor: a helper's hunt, session 28), from every route that
+    takes a schema; each is a 400 here and the server serves on."""
+    from tests.test_review28 import _schema_bodies
+
+    _wait_healthy(tiered_server)
+    deep = "(" * 400_000 + "a" + ")" * 400_000
+    for path, body in _schema_bodies(deep):
+        status, got = _raw(tiered_server, "POST", path, json.dumps(body).encode())
+        assert status == 400 and b"pattern nests" in got, (path, status, got[:300])
+    assert tiered_server.request("GET", "/health")[0] == 200
+
+
+def _slow_schema(depth: int) -> str:
+    """Arrays nested ``depth`` deep: xgrammar's compile time grows about as depth^3 (200: 0.4 s,
+    350: about 2 s on the 2-core box); a second compile is a hit in xgrammar's own cache."""
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return json.dumps(schema)
+
+
+def test_a_grammar_that_timed_out_is_compiled_again(tiny_model_path, tmp_path):
+    """SGLang caches a compile that timed out as an invalid grammar for good (grammar_manager.py
+    :319-327): a grammar that timed out once, e.g. behind other slow compiles, was refused to
+    every later request (session 28's hunt). With the grammar timeout cut to a few polls here, a
+    schema slow to compile times out once; its compile goes on and lands in xgrammar's own cache,
+    and the same schema sent again is served (stock: refused at once, "Failed to compile ...
+    Grammar preprocessing timed out")."""
+    from sglang_tiered.dev.server import Server, ServerSpec
+
+    spec = ServerSpec(model_path=str(tiny_model_path), page_size=PAGE, max_total_tokens=2048,
+                      env={"SGLANG_GRAMMAR_MAX_POLL_ITERATIONS": "3"})  # fmt: skip
+    schema = _slow_schema(int(os.environ.get("SGLANG_TIERED_SLOW_SCHEMA", "350")))
+    body = json.dumps({"text": "a", "sampling_params": {"max_new_tokens": 2, "temperature": 0,
+                                                        "json_schema": schema}}).encode()  # fmt: skip
+    with Server(spec, tmp_path / "grammar.log") as server:
+        _wait_healthy(server)
+        status, got = _raw(server, "POST", "/generate", body)
+        assert status == 400 and b"timed out" in got, (status, got[:300])
+        for _ in range(60):  # until its compile, still going on, has landed in xgrammar's cache
+            time.sleep(1.0)
+            status, got = _raw(server, "POST", "/generate", body)
+            if status == 200:
+                break
+            assert b"Failed to compile" not in got, got[:300]  # a cached timeout: refused at once
+        assert status == 200, got[:300]
+
+
 def test_a_prompt_with_no_tokens_is_400_with_a_tokenizer_without_bos(tiny_model_path, tmp_path):
     """With a tokenizer that adds no BOS token (as many do), ``{"text": ""}`` tokenizes to nothing
     and stock SGLang 0.5.23's scheduler dies on the 0-token prompt (checked in session 26 with

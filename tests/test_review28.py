@@ -80,7 +80,7 @@ def test_the_hooked_sampler_method_exists_and_is_wrapped(ours):
 
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 
-    assert hooks.sampler_hook_resolves()
+    assert hooks.hook_resolves(hooks._SAMPLER_PREPROCESS) and hooks.hook_resolves(hooks._GRAMMAR_SET_CACHE)
     cls = pkgutil.resolve_name(hooks._SAMPLER_PREPROCESS.rsplit(".", 1)[0])
     wrapped = _wrap_fn(cls._preprocess_logits, hooks._after_sampler_preprocess, HookType.AFTER)
 
@@ -92,3 +92,97 @@ def test_the_hooked_sampler_method_exists_and_is_wrapped(ours):
     logits[0, 2] = 1.0
     out = wrapped(sampler, logits, Info([object(), object()]))
     assert out[1, 0] == 0 and out[0, 2] == 1.0 and torch.isneginf(out[0, [0, 1, 3, 4, 5]]).all()
+
+
+# ---------------------------------------------------------------- grammar patterns (session 28)
+import json  # noqa: E402
+
+from sglang_tiered.integration.http import (MAX_PATTERN_DEPTH, MAX_QUANTIFIER_RUN, BadRequest,  # noqa: E402
+                                            _regex_shape, rewrite_body)
+
+DEEP = "(" * (MAX_PATTERN_DEPTH + 1) + "a" + ")" * (MAX_PATTERN_DEPTH + 1)
+STARS = "a" + "*" * (MAX_QUANTIFIER_RUN + 1)
+
+
+def _schema_bodies(pattern):
+    """Every place a helper's hunt reached xgrammar's JSON-schema compiler with a pattern (each
+    killed a stock 0.5.23 server with 400,000 nested groups)."""
+    s = {"type": "string", "pattern": pattern}
+    chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    return [
+        ("/generate", {"text": "a", "sampling_params": {"json_schema": json.dumps(s)}}),
+        ("/generate", {"text": ["a", "b"], "sampling_params": [{}, {"json_schema": json.dumps(s)}]}),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema",
+                                                              "json_schema": {"name": "x", "schema": s}}}),
+        ("/generate", {"text": "a", "sampling_params": {"structural_tag": json.dumps(
+            {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": s}})}}),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "structural_tag", "triggers": ["<a"],
+                                                              "structures": [{"begin": "<a>", "schema": s, "end": "</a>"}]}}),
+        ("/v1/completions", {"model": "default", "prompt": "a", "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": s}}}),
+        ("/generate", {"text": "a", "sampling_params": {"json_schema": json.dumps(
+            {"type": "object", "propertyNames": {"pattern": pattern}})}}),
+        ("/generate", {"text": "a", "sampling_params": {"json_schema": json.dumps(
+            {"type": "object", "$defs": {"x": {"patternProperties": {pattern: {}}}}})}}),
+        ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {"a": s}}}}]}),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("pattern", [DEEP, STARS])
+@pytest.mark.parametrize("i", range(9))
+def test_a_pattern_that_overflows_xgrammars_compiler_is_refused(pattern, i):
+    path, body = _schema_bodies(pattern)[i]
+    for tenant_mode in (False, True):
+        with pytest.raises(BadRequest, match="pattern"):
+            rewrite_body(json.dumps(body).encode(), path, "t" if tenant_mode else None, tenant_mode)
+
+
+@pytest.mark.parametrize("pattern", ["^[a-z]+(-[a-z]+)*$", r"^\d{3}-\d{4}$", "a*?b++c{2,3}?", "[(((((]",
+                                     "(" * MAX_PATTERN_DEPTH + ")" * MAX_PATTERN_DEPTH])
+def test_ordinary_patterns_pass(pattern):
+    for path, body in _schema_bodies(pattern):
+        raw = json.dumps(body).encode()
+        assert rewrite_body(raw, path, None, False) is raw
+
+
+def test_regex_shape():
+    assert _regex_shape("(a(b)c)") == (2, 0)
+    assert _regex_shape(r"\(\(\(") == (0, 0)  # escaped
+    assert _regex_shape("[(((]") == (0, 0)  # in a class
+    assert _regex_shape("a{2,3}?") == (0, 2) and _regex_shape("a{2") == (0, 0)
+    assert _regex_shape("a*" + "b" + "+" * 5) == (0, 5)
+
+
+def test_an_escaped_pattern_key_is_found_in_plain_mode():
+    """The middleware parses a body in plain mode only on a byte trigger; a key written with JSON
+    escapes (``\\u0070attern``) is found too (``\\u`` triggers the parse)."""
+    raw = json.dumps({"text": "a", "sampling_params": {"json_schema": json.dumps({"type": "string", "pattern": DEEP})}})
+    raw = raw.replace("pattern", "\\\\u0070attern").encode()
+    assert b"pattern" not in raw.replace(b"\\\\u0070", b"")
+    with pytest.raises(BadRequest):
+        rewrite_body(raw, "/generate", None, False)
+
+
+# -------------------------------------------------------- grammar timeouts are not cached (session 28)
+def test_a_grammar_compile_that_timed_out_is_not_cached(ours):
+    from sglang.srt.constrained.base_grammar_backend import BaseGrammarBackend, InvalidGrammarObject
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    set_cache = _wrap_fn(BaseGrammarBackend.set_cache, hooks._around_grammar_set_cache, HookType.AROUND)
+    backend = BaseGrammarBackend()
+    set_cache(backend, ("regex", "ab"), InvalidGrammarObject(hooks.GRAMMAR_TIMEOUT))
+    assert ("regex", "ab") not in backend.cache  # the next request compiles it again
+    bad = InvalidGrammarObject("Unsupported regex")
+    set_cache(backend, ("regex", "(?<=a)"), bad)
+    assert backend.cache[("regex", "(?<=a)")] is bad  # a grammar that does not compile stays cached
+    backend.executor.shutdown()
+
+
+def test_the_timeout_message_is_sglangs():
+    """The hook matches SGLang's own message, where grammar_manager.py writes it."""
+    import inspect
+
+    from sglang.srt.constrained import grammar_manager
+
+    assert f'InvalidGrammarObject("{hooks.GRAMMAR_TIMEOUT}")' in inspect.getsource(grammar_manager)

@@ -33,6 +33,11 @@ Scheduler processes:
     probabilities and ``torch.multinomial`` kills the scheduler (sampler.py:838); now the grammar
     refuses token 0 and SGLang aborts that request alone ("Grammar accept_token failed",
     batch_result_processor.py:722), as its greedy path already did (session 28).
+  * AROUND ``BaseGrammarBackend.set_cache`` (base_grammar_backend.py:315), when the backend is
+    ours: a grammar whose compile timed out is not cached as invalid. SGLang caches the timeout
+    under the grammar's key for good (grammar_manager.py:319-327), so a grammar that timed out only
+    because slow compiles of other requests filled the pool (``{"regex": "ab"}``) was refused to
+    every later request, of every tenant, until a flush (a helper's hunt, session 28; stock too).
 Launcher process (which also runs SGLang's tokenizer manager and HTTP server):
   * BEFORE ``TokenizerManager._validate_one_request``, when the backend is ours: a prompt with no
     tokens after tokenization, or a ``top_k`` past int32, gets a 400 (stock SGLang's scheduler
@@ -63,6 +68,8 @@ _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _SERVER_ARGS_CHECK = "sglang.srt.server_args.ServerArgs.check_server_args"
 _VALIDATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 _SAMPLER_PREPROCESS = "sglang.srt.layers.sampler.Sampler._preprocess_logits"
+_GRAMMAR_SET_CACHE = "sglang.srt.constrained.base_grammar_backend.BaseGrammarBackend.set_cache"
+GRAMMAR_TIMEOUT = "Grammar preprocessing timed out"  # grammar_manager.py:325
 PERSIST_KEY = "sglang_tiered_persist_to_host"
 WEIGHT_UPDATE_METHODS = ("update_weights_from_disk", "update_weights_from_distributed", "update_weights_from_tensor",
                          "update_weights_from_ipc", "end_weight_update")  # fmt: skip
@@ -283,6 +290,15 @@ TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k (sampling_params.py:43)
 _OURS: list = []  # [whether this scheduler process serves our backend], read once
 
 
+def _around_grammar_set_cache(original, backend, key, value, *args, **kwargs):
+    """Everything is cached as SGLang caches it, except a compile that timed out: that says how
+    busy the grammar pool was when the request waited, not what the grammar is. The next request
+    with that key compiles it again (a key that is slow on its own times out again)."""
+    if getattr(value, "error_message", None) == GRAMMAR_TIMEOUT and _serves_our_backend():
+        return None
+    return original(backend, key, value, *args, **kwargs)
+
+
 def _serves_our_backend() -> bool:
     if not _OURS:
         try:
@@ -334,22 +350,27 @@ def register_hooks() -> None:
         HookRegistry.register(f"{_WEIGHTS}.release_memory_occupation", _before_release_memory, HookType.BEFORE)
         HookRegistry.register(f"{_WEIGHTS}.resume_memory_occupation", _after_resume_memory, HookType.AFTER)
         HookRegistry.register(_SAMPLER_PREPROCESS, _after_sampler_preprocess, HookType.AFTER)
+        HookRegistry.register(_GRAMMAR_SET_CACHE, _around_grammar_set_cache, HookType.AROUND)
         missing = missing_weight_hook_targets()
         if missing:  # HookRegistry logs and skips a target it cannot resolve: say what that costs
             logger.error("sglang-tiered: cannot hook %s: after a weight update (or a release of the KV pool) T1/T2 "
                          "could serve KV of the old weights (or of released memory); run with SGLANG_TIERED_HOST=off",
                          ", ".join(missing))  # fmt: skip
-        if not sampler_hook_resolves():
+        if not hook_resolves(_SAMPLER_PREPROCESS):
             logger.error("sglang-tiered: cannot hook %s: a grammar that allows no token can kill the scheduler "
                          "under top-p/top-k/min-p sampling, as in stock SGLang", _SAMPLER_PREPROCESS)  # fmt: skip
+        if not hook_resolves(_GRAMMAR_SET_CACHE):
+            logger.error("sglang-tiered: cannot hook %s: a grammar compile that timed out is cached as invalid "
+                         "for good, as in stock SGLang", _GRAMMAR_SET_CACHE)  # fmt: skip
 
 
-def sampler_hook_resolves() -> bool:
-    """Whether the installed SGLang has the sampler method the dead-row hook wraps (True on 0.5.23)."""
+def hook_resolves(target: str) -> bool:
+    """Whether the installed SGLang has ``target`` (a function or method; True on 0.5.23 for the
+    sampler and grammar-cache hooks)."""
     import pkgutil
 
     try:
-        return callable(pkgutil.resolve_name(_SAMPLER_PREPROCESS))
+        return callable(pkgutil.resolve_name(target))
     except Exception:  # noqa: BLE001 - report, never fail the plugin here
         return False
 

@@ -265,7 +265,7 @@ class HintMiddleware:
                 new = raw
             elif (tenant_mode or path in ID_PATHS or b"kv_transfer_params" in raw or b"\\u" in raw
                   or b"logprobs" in raw or b"logit_bias" in raw or b'"n"' in raw or b"best_of" in raw
-                  or b"stop_regex" in raw
+                  or b"stop_regex" in raw or b"pattern" in raw
                   or _odd_shape(raw)):  # fmt: skip
                 new = rewrite_body(raw, path, tenant, tenant_mode)
             else:
@@ -628,6 +628,94 @@ def _check_sampling_values(body: dict, path: str) -> None:
                 raise BadRequest(f"n is {holder['n']!r}; it must be at least 1"[:300])
 
 
+MAX_PATTERN_DEPTH = 1000  # groups nested in a JSON-schema pattern (xgrammar's own EBNF parser stops at ~1,000)
+MAX_QUANTIFIER_RUN = 8  # quantifiers in a row (``a*?`` and ``a++`` are 2; more mean nothing)
+SCHEMA_FIELDS = ("json_schema", "structural_tag", "response_format", "tools")
+
+
+def _regex_shape(pattern: str) -> tuple[int, int]:
+    """(deepest group nesting, longest run of quantifiers in a row) of a regex, in one pass:
+    escapes and character classes skipped, ``{m,n}`` counted as one quantifier."""
+    depth = deepest = run = longest = 0
+    i, n, in_class = 0, len(pattern), False
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i, run = i + 2, 0
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class, run = True, 0
+        elif c == "(":
+            depth, run = depth + 1, 0
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth, run = max(0, depth - 1), 0
+        elif c in "*+?" or (c == "{" and _bound_end(pattern, i) > i):
+            run += 1
+            longest = max(longest, run)
+            if c == "{":
+                i = _bound_end(pattern, i)
+        else:
+            run = 0
+        i += 1
+    return deepest, longest
+
+
+def _bound_end(pattern: str, i: int) -> int:
+    """The index of the ``}`` closing a ``{m}`` / ``{m,n}`` bound at ``i``; ``i`` if it is none."""
+    j = pattern.find("}", i, i + 40)
+    body = pattern[i + 1 : j] if j > i else ""
+    return j if body and all(ch.isdigit() or ch == "," for ch in body) and body.count(",") <= 1 else i
+
+
+def _check_schema_patterns(value, field: str) -> None:
+    """Every regex a JSON schema carries (``pattern``, ``patternProperties``' keys, also in
+    ``propertyNames``, ``$defs``, structural tags' schemas and formats, tools' parameters), walked
+    without recursion. xgrammar compiles such a pattern with a recursive visitor: a pattern of
+    400,000 nested groups (800 KB) overflowed the stack of SGLang's grammar thread and killed the
+    scheduler with SIGSEGV, stock too (``compile_json_schema``, xgrammar_backend.py:394; a helper's
+    hunt, session 28); a run of tens of thousands of ``*`` compiled for minutes (quadratic) and
+    filled the grammar pool. Its ``regex`` and ``ebnf`` fields go through xgrammar's EBNF parser,
+    which refuses nesting past ~1,000 itself; these patterns did not."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            for k, x in v.items():
+                pats = [x] if k == "pattern" and isinstance(x, str) else list(x) if k == "patternProperties" and isinstance(x, dict) else []  # fmt: skip
+                for pat in pats:
+                    if not isinstance(pat, str):
+                        continue
+                    deepest, run = _regex_shape(pat)
+                    if deepest > MAX_PATTERN_DEPTH:
+                        raise BadRequest(f"{field}: a pattern nests {deepest} groups; at most {MAX_PATTERN_DEPTH}")
+                    if run > MAX_QUANTIFIER_RUN:
+                        raise BadRequest(f"{field}: a pattern has {run} quantifiers in a row; at most "
+                                         f"{MAX_QUANTIFIER_RUN}")  # fmt: skip
+                if isinstance(x, (dict, list)):
+                    stack.append(x)
+        elif isinstance(v, list):
+            stack.extend(x for x in v if isinstance(x, (dict, list)))
+
+
+def _check_grammar_specs(body: dict, path: str) -> None:
+    """``_check_schema_patterns`` over the grammar fields of every sampling holder: ``json_schema``
+    and ``structural_tag`` (``/generate`` takes them as JSON text), the OpenAI routes'
+    ``response_format`` and ``tools``. A spec that is not JSON is left to SGLang (its 400)."""
+    for holder in _sampling_holders(body, path):
+        for field in SCHEMA_FIELDS:
+            v = holder.get(field)
+            if isinstance(v, str):
+                try:
+                    v = json.loads(v)
+                except (ValueError, RecursionError):
+                    continue
+            if isinstance(v, (dict, list)):
+                _check_schema_patterns(v, field)
+
+
 def _one_prompt(body: dict) -> bool:
     """``/generate``'s body names one prompt (not a batch), as io_struct.py tells them apart."""
     text, ids, emb = body.get("text"), body.get("input_ids"), body.get("input_embeds")
@@ -772,6 +860,7 @@ def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool | 
             _check_model_ids(body.get(field), field, "ScoringRequest", field)
     _check_top_k(body, path)
     _check_sampling_values(body, path)
+    _check_grammar_specs(body, path)
     if path == "/generate":
         _check_rid(body)
         _check_per_prompt_lists(body)
