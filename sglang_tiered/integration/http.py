@@ -684,10 +684,13 @@ def _check_schema_patterns(value, field: str) -> None:
         v = stack.pop()
         if isinstance(v, dict):
             for k, x in v.items():
-                pats = [x] if k == "pattern" and isinstance(x, str) else list(x) if k == "patternProperties" and isinstance(x, dict) else []  # fmt: skip
+                if k == "pattern" and isinstance(x, str):
+                    pats = [x]
+                elif k == "patternProperties" and isinstance(x, dict):
+                    pats = [p for p in x if isinstance(p, str)]
+                else:
+                    pats = []
                 for pat in pats:
-                    if not isinstance(pat, str):
-                        continue
                     deepest, run = _regex_shape(pat)
                     if deepest > MAX_PATTERN_DEPTH:
                         raise BadRequest(f"{field}: a pattern nests {deepest} groups; at most {MAX_PATTERN_DEPTH}")
