@@ -46,12 +46,9 @@ VARIANTS: dict = {
     "ours-tenant": {"per_prefix": False},  # affinity unit = the tenant (prefix_hash's unit), not its prompt family
     "ours-calm": {"cold_over": 1e9},  # no "cold" moves off a home on in-flight counts (the hatch stays)
     "ours-noindex": {},  # no Redis: the routing memory only (what the index's round trips cost live)
+    "ours-f2": {"followers": 2.0},  # a recompute delays 2 queued requests, not 9 (the mean in flight per worker here)
+    "ours-fq": {"fresh_by": "queue"},  # new content to the worker with the least work queued ahead
     # strict homes, no balancing at all (what concentrating load does to TTFT on a shared-CPU host)
-    "ours-f2": {"followers": 2.0},
-    "ours-f0": {"followers": 0.0},  # a warm worker wins on this request's own TTFT alone
-    "ours-fq": {"fresh_by": "queue"},  # new content to the worker with the least work queued
-    "ours-f0q": {"followers": 0.0, "fresh_by": "queue"},
-    "ours-f2q": {"followers": 2.0, "fresh_by": "queue"},  # a recompute delays 2 queued requests, not 9 (the mean in flight per worker here)
     "ours-nobalance": {"cold_over": 1e9, "overload": 1e9, "fresh": False, "new_choices": 1, "k_max": 1},
 }
 

@@ -56,12 +56,8 @@ EXTRA = {"ours_prev": lambda: AffinityCachePolicy(fresh=False, warm_frac=0.05, n
          "ours_nomem": lambda: AffinityCachePolicy(memory_pages=0, name="ours_nomem"),
          # before the hatch's work share left out the routing memory's credit (git dae6791)
          "ours_memshare": lambda: AffinityCachePolicy(share_by_index=False, name="ours_memshare"),
-         # the time rule on this request's own TTFT (no followers), fresh content by queued work
-         "ours_f0": lambda: AffinityCachePolicy(followers=0.0, name="ours_f0"),
-         "ours_fq": lambda: AffinityCachePolicy(fresh_by="queue", name="ours_fq"),
-         "ours_f0q": lambda: AffinityCachePolicy(followers=0.0, fresh_by="queue", name="ours_f0q"),
-         "ours_f2": lambda: AffinityCachePolicy(followers=2.0, name="ours_f2"),
-         "ours_f2q": lambda: AffinityCachePolicy(followers=2.0, fresh_by="queue", name="ours_f2q")}
+         # new content placed by the work queued ahead, not by cache inflow (live: ours-fq)
+         "ours_fq": lambda: AffinityCachePolicy(fresh_by="queue", name="ours_fq")}
 ALL = {**POLICIES, **EXTRA}
 # Total device tokens per workload: at N = 44 each server still fits the workload's longest prompt.
 TOTAL_DEVICE = {"mooncake": 176_000, "multitenant": 44_000, "live": 3 * 6144, "live-long": 3 * 30720}

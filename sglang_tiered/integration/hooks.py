@@ -377,15 +377,6 @@ def hook_resolves(target: str) -> bool:
 
 def missing_weight_hook_targets() -> list:
     """The weight-update hook targets the installed SGLang lacks (empty on 0.5.23)."""
-    import pkgutil
-
-    out = []
     memory = ("begin_weight_update", "release_memory_occupation", "resume_memory_occupation")
-    for cls, methods in ((_WEIGHTS, WEIGHT_UPDATE_METHODS + memory), (_SCHEDULER, ("record_weight_version_change",))):
-        try:
-            obj = pkgutil.resolve_name(cls)
-        except Exception:  # noqa: BLE001 - report, never fail the plugin here
-            out.append(cls)
-            continue
-        out += [f"{cls}.{m}" for m in methods if not callable(getattr(obj, m, None))]
-    return out
+    targets = [f"{_WEIGHTS}.{m}" for m in WEIGHT_UPDATE_METHODS + memory]
+    return [t for t in targets + [f"{_SCHEDULER}.record_weight_version_change"] if not hook_resolves(t)]

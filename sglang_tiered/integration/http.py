@@ -652,11 +652,11 @@ def _regex_shape(pattern: str) -> tuple[int, int]:
             deepest = max(deepest, depth)
         elif c == ")":
             depth, run = max(0, depth - 1), 0
-        elif c in "*+?" or (c == "{" and _bound_end(pattern, i) > i):
+        elif c in "*+?" or (c == "{" and (end := _bound_end(pattern, i)) > i):
             run += 1
             longest = max(longest, run)
             if c == "{":
-                i = _bound_end(pattern, i)
+                i = end
         else:
             run = 0
         i += 1
