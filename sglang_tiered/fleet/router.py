@@ -59,9 +59,12 @@ memory once per request. What is left is the proxy itself (aiohttp: HTTP parsing
 its syscall per streamed chunk, new client connections) and the tokenizer (about 0.1 ms CPU per
 prompt); the policy takes about 0.02 ms.
 
-A worker that fails health checks or a connection leaves the routing set (its tenants rehome by
-rendezvous, about 1/n of them) until it answers again; a request whose connection fails before
-any byte reached the client is retried once on the next choice. A client that leaves closes its
+A worker that fails health checks or cannot be connected to leaves the routing set (its tenants
+rehome by rendezvous, about 1/n of them) until it answers again; a request whose connection fails
+before any byte reached the client is sent again: to the same worker on a new connection when the
+connection closed unanswered (the worker's keep-alive ran out: it keeps its tenants), to the next
+choice when the worker cannot be reached. Idle upstream connections close after 3 s, before
+SGLang's server closes them (5 s). A client that leaves closes its
 upstream request (``serve()`` cancels the handler), so the worker aborts it; that is counted as
 ``client_gone``, never as a worker's failure.
 """
@@ -98,6 +101,18 @@ BIG_PROMPT_CHARS = 1 << 16  # prompts of bodies longer than this are tokenized o
 # context as text; large multimodal payloads) is routed by the tenant header and load alone and
 # forwarded as it is; the worker parses it, as it would without the router.
 PARSE_LIMIT_MB = 4.0
+# Idle upstream connections are closed after this many seconds: below SGLang's own keep-alive
+# (uvicorn's, ``SGLANG_TIMEOUT_KEEP_ALIVE``, 5 s by default). With aiohttp's 15 s the router sent
+# requests on connections the worker was closing: "Server disconnected" before any answer, a
+# healthy worker marked down and its tenants moved, and 502s with one worker (review, session 29).
+UPSTREAM_KEEPALIVE_S = 3.0
+# The client side (aiohttp's defaults: 8,190-byte header lines, 128 headers, a listen backlog of
+# 128): a 10 KB bearer token, a 16 KB cookie or a 9 KB query string that SGLang's server takes were
+# a bare 400 from the router, and a burst of new connections waited 1 s for a second SYN.
+# uvicorn (SGLang's server) allows a 2,048 backlog; smg takes such headers too.
+MAX_HEADER_LINE = 65536
+MAX_HEADERS = 256
+LISTEN_BACKLOG = 2048
 
 
 def _parse_body(raw: bytes):
@@ -317,7 +332,8 @@ class RouterStats:
     index_errors: int = 0  # connection errors (Redis down), or SLOW_LOOKUPS_DOWN timeouts in a row
     index_timeouts: int = 0  # lookups slower than the timeout (that request routed without the index)
     index_unavailable: int = 0  # requests routed without the index
-    retries: int = 0
+    retries: int = 0  # proxied requests sent again: on a new connection, or to another worker
+    disconnects: int = 0  # proxied requests whose worker connection closed before any answer
     health_downs: int = 0  # workers taken out of the routing set by health checks
     load_polls: int = 0
     load_poll_errors: int = 0
@@ -382,6 +398,7 @@ class Router:
         self._lookup_conn: Optional[LookupConnection] = None  # the lookups' own connection (redis://)
         self._session = None  # health checks, load polls, /model_info
         self._proxy = None  # proxied requests
+        self._fresh = None  # proxied requests sent again after a closed connection: never a pooled one
         # the router's own calls to workers started with --api-key (review, session 21: without it
         # /model_info, /server_info and /v1/loads answered 401 and the router routed blind)
         self.worker_api_key = worker_api_key
@@ -402,11 +419,16 @@ class Router:
         # router, counted in flight but never sent. Health checks and load polls have another, so a
         # full proxy pool can never make them time out and mark a healthy worker down.
         # DummyCookieJar: a proxy keeps no cookies (aiohttp's jar filtered and stored them per request)
-        self._proxy = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=2),
-                                            connector=aiohttp.TCPConnector(limit=0),
-                                            cookie_jar=aiohttp.DummyCookieJar())  # fmt: skip
+        # A second proxy session never reuses a connection: a request whose pooled connection
+        # closed before any answer goes to the same worker once more on a new one (handle()).
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=2)
+        self._proxy = aiohttp.ClientSession(timeout=timeout, cookie_jar=aiohttp.DummyCookieJar(),
+                                            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S))
+        self._fresh = aiohttp.ClientSession(timeout=timeout, cookie_jar=aiohttp.DummyCookieJar(),
+                                            connector=aiohttp.TCPConnector(limit=0, force_close=True))
         auth = {"Authorization": f"Bearer {self.worker_api_key}"} if self.worker_api_key else None
-        self._session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), headers=auth)
+        self._session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), headers=auth,
+                                              connector=aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_KEEPALIVE_S))
         await self._learn_from_workers()
         if self.redis_url:
             import redis.asyncio as aredis
@@ -426,7 +448,7 @@ class Router:
         for task in (self._poll_task, self._ckey_task):
             if task is not None:
                 task.cancel()
-        for session in (self._proxy, self._session):
+        for session in (self._proxy, self._fresh, self._session):
             if session is not None:
                 await session.close()
         if self._redis is not None:
@@ -814,28 +836,39 @@ class Router:
                 tokens = token_array(self.tokens_of(path, body))
         except Exception:  # noqa: BLE001
             tokens = array("q")
+        # Attempts: the chosen worker; after a connection that closed before any answer, the same
+        # worker once more on a new connection (most often a keep-alive connection it was closing:
+        # its tenants and their cache stay put; a worker that died fails that connect at once);
+        # after a worker that cannot be reached, or a second close, one other worker.
         tried: list[str] = []
-        for attempt in range(2):
-            explain: Optional[dict] = {} if attempt == 0 else None
-            d = await self.choose(tokens, tenant, exclude=tried, explain=explain, label=label, extra_key=extra)
-            ws = self.workers[d.worker]
-            if attempt == 0:
-                route_ms = (time.perf_counter() - t0) * 1e3
-                # the tenant as a digest: /router/decisions is open to anyone who can reach the
-                # router, and a cache_salt is the secret that keeps tenants apart (review, session 19)
-                self.decisions.append({"rid": request.headers.get("x-request-id"), "tenant": tenant_digest(tenant),
-                                       "tokens": len(tokens), **explain, "worker": d.worker, "reason": d.reason,
-                                       "matched": d.matched, "route_ms": round(route_ms, 3)})  # fmt: skip
-                self.stats.requests += 1
-                self.stats.spills += d.spill
-                self.stats.reasons[d.reason] = self.stats.reasons.get(d.reason, 0) + 1
-                self.stats.index_hits += d.matched > 0
-                self.stats.matched_tokens += d.matched
-                self.stats.prompt_tokens += len(tokens)
-                self.stats.route_ms_total += route_ms
-            else:
+        d = ws = None
+        again = False
+        for attempt in range(3):
+            if not again:
+                if len(tried) == 2:
+                    break
+                explain: Optional[dict] = {} if attempt == 0 else None
+                d = await self.choose(tokens, tenant, exclude=tried, explain=explain, label=label, extra_key=extra)
+                ws = self.workers[d.worker]
+                tried.append(d.worker)
+                if attempt == 0:
+                    route_ms = (time.perf_counter() - t0) * 1e3
+                    # the tenant as a digest: /router/decisions is open to anyone who can reach the
+                    # router, and a cache_salt is the secret that keeps tenants apart (review, session 19)
+                    self.decisions.append({"rid": request.headers.get("x-request-id"), "tenant": tenant_digest(tenant),
+                                           "tokens": len(tokens), **explain, "worker": d.worker, "reason": d.reason,
+                                           "matched": d.matched, "route_ms": round(route_ms, 3)})  # fmt: skip
+                    self.stats.requests += 1
+                    self.stats.spills += d.spill
+                    self.stats.reasons[d.reason] = self.stats.reasons.get(d.reason, 0) + 1
+                    self.stats.index_hits += d.matched > 0
+                    self.stats.matched_tokens += d.matched
+                    self.stats.prompt_tokens += len(tokens)
+                    self.stats.route_ms_total += route_ms
+            if attempt:
                 self.stats.retries += 1
-            tried.append(d.worker)
+            session = self._fresh if again else self._proxy
+            again = False
             ws.routed += 1
             ws.inflight += 1
             pending = max(0, len(tokens) - d.matched)
@@ -843,8 +876,8 @@ class Router:
             started_at = time.monotonic()
             resp = None
             try:
-                async with self._proxy.request(request.method, ws.url + request.path_qs, data=raw,
-                                               headers=headers) as up:  # fmt: skip
+                async with session.request(request.method, ws.url + request.path_qs, data=raw,
+                                           headers=headers) as up:  # fmt: skip
                     resp = response_for(up)
                     if self._is_admin(request):  # (with an admin key, worker URLs are for its holders)
                         resp.headers["x-sglang-tiered-worker"] = ws.url
@@ -866,10 +899,18 @@ class Router:
                 if resp is not None and resp.prepared:
                     self.stats.failed += 1  # bytes already went out: cannot retry transparently
                     raise
-                ws.healthy = False
-                ws.down_until = time.monotonic() + 2.0
+                if unreachable(exc):
+                    # nothing answers there: out of the routing set now (health checks bring it back)
+                    ws.healthy = False
+                    ws.down_until = time.monotonic() + 2.0
+                else:
+                    # closed before any answer: not a reason to move the worker's tenants (review,
+                    # session 29: a keep-alive race took healthy workers down); once more on a new
+                    # connection, unless that is what just failed
+                    self.stats.disconnects += 1
+                    again = session is self._proxy
                 logger.warning("router: %s failed (%s); %s", ws.url, exc,
-                               "retrying once" if attempt == 0 else "giving up")  # fmt: skip
+                               "giving up" if attempt == 2 or (len(tried) == 2 and not again) else "retrying")  # fmt: skip
             finally:
                 ws.finished(started_at, pending)
         self.stats.failed += 1
@@ -922,6 +963,7 @@ class Router:
             "index_timeouts": s.index_timeouts,
             "index_unavailable": s.index_unavailable,
             "retries": s.retries,
+            "disconnects": s.disconnects,
             "health_downs": s.health_downs,
             "load_polls": s.load_polls,
             "load_poll_errors": s.load_poll_errors,
@@ -968,7 +1010,8 @@ class Router:
             ("index_unavailable", "Requests routed without the index", s.index_unavailable),
             ("matched_tokens", "Prompt tokens the chosen worker held, by the index", s.matched_tokens),
             ("prompt_tokens", "Prompt tokens routed", s.prompt_tokens),
-            ("retries", "Requests retried on another worker", s.retries),
+            ("retries", "Proxied requests sent again (on a new connection, or to another worker)", s.retries),
+            ("disconnects", "Proxied requests whose worker connection closed before any answer", s.disconnects),
             ("failed", "Requests that failed", s.failed),
             ("client_gone", "Requests whose client left before the response ended", s.client_gone),
             ("unparsed_bodies", "Bodies over the parse limit, routed by tenant header and load alone", s.unparsed_bodies),
@@ -1066,7 +1109,11 @@ class Router:
             raise
         except Exception as exc:  # noqa: BLE001
             if resp is not None and resp.prepared:
-                return resp
+                # the answer started: end the client's connection without a clean end, as the
+                # worker's own failure would (returning here let aiohttp write the last chunk, so a
+                # body cut off by a dying worker reached the client as a whole one: review, session 29)
+                self.stats.failed += 1
+                raise
             return web.json_response({"error": {"message": f"worker {ws.url}: {type(exc).__name__}"}}, status=502)
 
     def app(self):
@@ -1247,7 +1294,16 @@ def serve(workers, redis_url=None, *, host="127.0.0.1", port=30100, **kw) -> Non
     # request (aiohttp's default leaves the handler running): without it a worker kept generating a
     # non-streamed answer for nobody, and the router counted it in flight until the end
     web.run_app(router.app(), host=host, port=port, print=None, access_log=None, shutdown_timeout=2.0,
-                handler_cancellation=True, loop=event_loop())
+                handler_cancellation=True, loop=event_loop(), backlog=LISTEN_BACKLOG,
+                max_line_size=MAX_HEADER_LINE, max_field_size=MAX_HEADER_LINE, max_headers=MAX_HEADERS)  # fmt: skip
+
+
+def unreachable(exc: BaseException) -> bool:
+    """A proxied request's failure that says the worker cannot be reached (no connection could be
+    made), as opposed to a connection that closed before the answer."""
+    import aiohttp
+
+    return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
 
 
 def event_loop() -> asyncio.AbstractEventLoop:

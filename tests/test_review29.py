@@ -1,0 +1,208 @@
+"""Review findings of session 29 (a hunt with adversarial clients and workers against the router,
+``fleet/router.py``), each test failing on the code before its fix:
+
+- upstream keep-alive: the proxy kept idle worker connections for aiohttp's 15 s, SGLang's server
+  closes them after 5 s (uvicorn, ``SGLANG_TIMEOUT_KEEP_ALIVE``), so requests went out on
+  connections the worker was closing. "Server disconnected" before any answer then marked a healthy
+  worker down (its tenants rehomed, their cache lost) and, with one worker, ended in 502s;
+- a passthrough answer (``/v1/models``, ``/v1/responses``, ...) cut off by its worker reached the
+  client as a whole one: the router wrote the terminal chunk after the failure;
+- a 10 KB bearer token, a 16 KB cookie or a 9 KB query string (SGLang takes them) were a bare 400
+  from the router, and a burst of new connections overflowed its listen backlog of 128.
+
+The router runs for real (in this process, or ``serve()`` in a subprocess) in front of stub
+workers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+from aiohttp import web
+
+from sglang_tiered.fleet import router as router_mod
+from sglang_tiered.fleet.router import Router
+from tests.test_fleet_hardening import _echo_worker, _serve, _served_router
+
+
+async def _raw_server(handle):
+    """A raw asyncio server on 127.0.0.1 whose connections ``handle(reader, writer, n)`` serves,
+    ``n`` counting the requests on each connection: (server, URL)."""
+
+    async def conn(reader, writer):
+        n = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(x.split(b":", 1)[1]) for x in head.split(b"\r\n")
+                               if x.lower().startswith(b"content-length:")), 0)  # fmt: skip
+                body = await reader.readexactly(length) if length else b""
+                n += 1
+                if not await handle(head, body, writer, n):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(conn, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def _json_reply(doc: dict) -> bytes:
+    data = json.dumps(doc).encode()
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: " + str(len(data)).encode()
+            + b"\r\n\r\n" + data)  # fmt: skip
+
+
+def test_the_proxy_closes_idle_worker_connections_before_sglang_does():
+    """The proxy's idle keep-alive is below SGLang's server's (uvicorn ``timeout_keep_alive``,
+    ``SGLANG_TIMEOUT_KEEP_ALIVE``, 5 s by default), so the router, not the worker, closes an idle
+    connection: a request never goes out on one the worker is closing."""
+    from sglang.srt.environ import envs
+
+    assert router_mod.UPSTREAM_KEEPALIVE_S < envs.SGLANG_TIMEOUT_KEEP_ALIVE.get()
+
+    async def main():
+        w_runner, w_url = await _serve(_echo_worker([]))
+        router = Router([w_url], None, load_poll_s=0, model_path="")
+        r_runner, _ = await _serve(router.app())
+        try:
+            for session in (router._proxy, router._session):
+                assert session.connector._keepalive_timeout == router_mod.UPSTREAM_KEEPALIVE_S
+        finally:
+            await r_runner.cleanup()
+            await w_runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_a_connection_closed_before_the_answer_does_not_take_a_worker_down():
+    """A worker that closes a reused connection when the next request arrives on it (what a
+    keep-alive timeout does at the wrong moment): the request is retried and served, the worker
+    stays in the routing set (counted in ``disconnects``), and with one worker the client gets its
+    answer, not a 502. A worker nothing listens on is still taken out at once."""
+
+    async def main():
+        async def worker(head, body, writer, n):
+            if head.startswith(b"GET /health"):
+                writer.write(_json_reply({}))
+            elif n > 1:  # a second request on this connection: closed unanswered
+                return False
+            else:
+                writer.write(_json_reply({"ok": True, "len": len(body)}))
+            await writer.drain()
+            return True
+
+        servers = [await _raw_server(worker) for _ in range(2)]
+        urls = [u for _, u in servers]
+        for workers in (urls[:1], urls):
+            router = Router(workers, None, load_poll_s=0, model_path="", health_interval_s=60)
+            r_runner, r_url = await _serve(router.app())
+            try:
+                async with aiohttp.ClientSession() as s:
+                    for i in range(6):  # one at a time: every request after the first reuses a connection
+                        async with s.post(r_url + "/generate", json={"input_ids": [1, 2, 3, i]}) as resp:
+                            assert resp.status == 200, (workers, i, resp.status, await resp.text())
+                st = router.stats
+                assert st.failed == 0 and st.disconnects >= 1, router.stats_doc()
+                assert all(w.healthy for w in router.workers.values()), router.stats_doc()
+            finally:
+                await r_runner.cleanup()
+        for server, _ in servers:
+            server.close()
+            await server.wait_closed()
+        # nothing listens there now: a worker that cannot be reached still leaves the routing set at once
+        router = Router(urls[:1], None, load_poll_s=0, model_path="", health_interval_s=60)
+        r_runner, r_url = await _serve(router.app())
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(r_url + "/generate", json={"input_ids": [7, 8]}) as resp:
+                    assert resp.status == 502, await resp.text()
+            assert not router.workers[urls[0]].healthy and router.stats.disconnects == 0, router.stats_doc()
+        finally:
+            await r_runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_a_passthrough_answer_cut_off_by_its_worker_is_not_made_whole():
+    """A worker that dies in the middle of a proxied answer on a passthrough route: the client's
+    transfer is cut off too (no terminal chunk), as it is straight from the worker and on the routed
+    paths; it is counted as failed."""
+
+    async def main():
+        async def worker(head, body, writer, n):
+            if head.startswith(b"GET /health"):
+                writer.write(_json_reply({}))
+                await writer.drain()
+                return True
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"a\r\n{\"data\": [\r\n")  # fmt: skip
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            return False  # dies mid-answer
+
+        server, w_url = await _raw_server(worker)
+        router = Router([w_url], None, load_poll_s=0, model_path="", health_interval_s=60)
+        r_runner, r_url = await _serve(router.app())
+        port = int(r_url.rsplit(":", 1)[1])
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            await writer.drain()
+            raw = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            head, _, payload = raw.partition(b"\r\n\r\n")
+            assert b" 200 " in head.split(b"\r\n")[0] and b"chunked" in head.lower(), raw
+            assert not payload.endswith(b"0\r\n\r\n"), payload  # a cut-off transfer, not a whole answer
+            assert router.stats.failed == 1, router.stats_doc()
+        finally:
+            await r_runner.cleanup()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
+
+
+def test_long_headers_and_query_strings_pass_the_router():
+    """``serve()`` (the CLI's) takes the header and URL sizes SGLang's server takes: a 10 KB bearer
+    token, a 16 KB cookie, a 9 KB query string (aiohttp's default limit, 8,190 bytes, made each a
+    bare 400 from the router), and it listens with uvicorn's backlog of 2,048."""
+    captured: dict = {}
+    real = web.run_app
+    try:
+        web.run_app = lambda app, **kw: captured.update(kw)
+        router_mod.serve(["http://127.0.0.1:9"], port=1, load_poll_s=0, model_path="")
+    finally:
+        web.run_app = real
+    assert captured["backlog"] >= 2048 and captured["max_line_size"] >= 65536 and captured["max_headers"] >= 256
+
+    async def main():
+        hits: list = []
+        # (the stub worker takes what SGLang's uvicorn takes)
+        w_runner, w_url = await _serve(_echo_worker(hits), max_line_size=65536, max_field_size=65536)
+        try:
+            with _served_router(w_url) as url:
+                async with aiohttp.ClientSession() as s:
+                    for _ in range(300):  # the subprocess up
+                        try:
+                            async with s.get(url + "/health") as resp:
+                                if resp.status == 200:
+                                    break
+                        except aiohttp.ClientConnectionError:
+                            pass
+                        await asyncio.sleep(0.1)
+                    body = {"input_ids": [1, 2, 3]}
+                    for headers, query in (({"Authorization": "Bearer " + "a" * 10_000}, ""),
+                                           ({"Cookie": "c=" + "b" * 16_000}, ""),
+                                           ({"X-Big": "x" * 8_200}, ""),
+                                           ({}, "?q=" + "z" * 9_000)):  # fmt: skip
+                        async with s.post(url + "/generate" + query, json=body, headers=headers) as resp:
+                            assert resp.status == 200, (list(headers), len(query), resp.status, await resp.text())
+        finally:
+            await w_runner.cleanup()
+        assert len(hits) == 4
+
+    asyncio.run(main())
