@@ -28,6 +28,7 @@ class TenantStats(msgspec.Struct, kw_only=True):
     no_store_requests: int = 0
     resident_pages: int = 0
     promoted_pages: int = 0
+    requeued_requests: int = 0
 
 
 class TierStats(msgspec.Struct, kw_only=True):

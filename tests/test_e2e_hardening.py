@@ -128,7 +128,7 @@ def _soak_workload(n: int, seed: int = 0):
 def _check_conservation(stats):
     tenants = stats["tenants"].values()
     for k in ("requests", "requests_hit", "prompt_tokens", "cached_tokens", "admitted_pages",
-              "evicted_pages", "invalidated_pages", "no_store_requests", "resident_pages"):  # fmt: skip
+              "evicted_pages", "invalidated_pages", "no_store_requests", "resident_pages", "requeued_requests"):  # fmt: skip
         assert sum(t[k] for t in tenants) == stats["totals"][k], k
     assert stats["totals"]["resident_pages"] >= 0
 
@@ -770,3 +770,55 @@ def test_a_prompt_with_no_tokens_is_400_with_a_tokenizer_without_bos(tiny_model_
             assert server.request("GET", "/health")[0] == 200
         status, got = _raw(server, "POST", "/generate", json.dumps({"text": "a", "sampling_params": sp}).encode())
         assert status == 200, got[:300]
+
+
+def test_priority_preemption_serves_what_recomputation_gives(reference32, tiny_model_path, tmp_path):
+    """SGLang's priority scheduling (session 29): with two running slots, a higher-priority request
+    preempts a running one, which is released unfinished (no checkpoint) and prefilled again
+    later, here in chunks of 48 tokens, with T1 on and the debug invariants after every cache
+    operation. Every output equals the no-cache server's (tie-aware), and the cache counts the
+    re-admissions (``requeued_requests``), so the preemption path really ran."""
+    from sglang_tiered.dev.greedy import LOGPROBS, compare
+    from sglang_tiered.dev.server import Server, ServerSpec
+
+    rng = random.Random(29)
+    tok = lambda k: [rng.randrange(10, 2000) for _ in range(k)]  # noqa: E731
+    systems = [tok(rng.randrange(40, 300)) for _ in range(3)]
+    rounds = []
+    for _ in range(12):  # two long low-priority requests, then two short urgent ones on the same prefix
+        base = rng.choice(systems)
+        rounds.append([(0, base + tok(rng.randrange(5, 200)), rng.choice([40, 64]), rng.choice([None, "acme"]))
+                       for _ in range(2)] +
+                      [(10, base + tok(rng.randrange(5, 200)), 8, rng.choice([None, "acme"])) for _ in range(2)])  # fmt: skip
+    want = {}
+    with ThreadPoolExecutor(4) as pool:
+        flat = [(ids, mn) for r in rounds for _, ids, mn, _ in r]
+        for (ids, mn), (status, out) in zip(flat, pool.map(lambda x: _gen(reference32, x[0], max_new=x[1], extra=LOGPROBS), flat)):
+            assert status == 200, out
+            want[tuple(ids)] = out
+    spec = ServerSpec(model_path=tiny_model_path, page_size=PAGE, max_total_tokens=4096, dtype="float32",
+                      extra_args=["--enable-priority-scheduling", "--max-running-requests", "2",
+                                  "--priority-scheduling-preemption-threshold", "0", "--chunked-prefill-size", "48"],
+                      env={"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_DEBUG": "1", "SGLANG_TIERED_TENANT_HEADER": HEADER})  # fmt: skip
+    differ, ties = [], 0
+    with Server(spec, tmp_path / "priority.log") as server:
+        def one(item):
+            prio, ids, mn, tenant = item
+            if prio:
+                time.sleep(0.4)  # the long ones are decoding by then
+            return item, _gen(server, ids, tenant=tenant, max_new=mn, extra={"priority": prio, **LOGPROBS})
+
+        for r in rounds:
+            with ThreadPoolExecutor(4) as pool:
+                for (_, ids, _, _), (status, out) in pool.map(one, r):
+                    assert status == 200, out
+                    verdict, why = compare(want[tuple(ids)], out)
+                    ties += verdict == "tie"
+                    if verdict == "differ":
+                        differ.append((len(ids), out["meta_info"]["cached_tokens"], why))
+        status, stats = server.request("GET", "/cache/stats")
+        _check_conservation(stats)
+        assert "Traceback" not in server.log_path.read_text()
+    assert not differ, differ[:5]
+    assert ties <= 2, ties
+    assert stats["totals"]["requeued_requests"] > 0, stats["totals"]  # preemptions happened

@@ -206,3 +206,34 @@ def test_long_headers_and_query_strings_pass_the_router():
         assert len(hits) == 4
 
     asyncio.run(main())
+
+
+def test_requests_released_unfinished_and_admitted_again_are_counted_by_tenant():
+    """A request SGLang retracts at decode or preempts for a higher priority is released unfinished
+    (``checkpointed=False``) and prefilled again as the same ``Req``: each such time is counted in
+    its tenant's ``requeued_requests`` (SGLang reports neither preemptions nor, outside its metrics,
+    retractions), the request itself still once in ``requests``, and a no-store request once in
+    ``no_store_requests`` (it was counted again at each re-admission)."""
+    from tests.strict_sim import Req, Sim
+
+    sim = Sim(capacity_tokens=256, page_size=4)
+    plain = Req(list(range(100, 140)), salt="acme", max_new=4)
+    quiet = Req(list(range(200, 230)), salt="acme", no_store=True)
+    for r in (plain, quiet):
+        assert sim.admit(r)
+        sim.postfill(r)
+        assert sim.decode(r, 7)
+    for _ in range(2):  # retracted (or preempted) twice, prefilled again each time
+        for r in (plain, quiet):
+            sim.retract(r)
+            assert sim.admit(r)
+            sim.postfill(r)
+    for r in (plain, quiet):
+        sim.release(r)
+    sim.check()
+    tc = sim.cache.tenant("acme")
+    assert (tc.requeued_requests, tc.requests, tc.no_store_requests) == (4, 2, 1), tc
+    once = Req(list(range(300, 320)), salt="acme")
+    assert sim.admit(once)
+    sim.release(once)
+    assert (tc.requeued_requests, tc.requests) == (4, 3), tc

@@ -66,6 +66,7 @@ class TenantCounters:
     no_store_requests: int = 0
     resident_pages: int = 0
     promoted_pages: int = 0
+    requeued_requests: int = 0  # admitted again after SGLang released them unfinished
 
     def as_dict(self) -> dict:
         return asdict(self)

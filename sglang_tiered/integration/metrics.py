@@ -22,6 +22,8 @@ COUNTERS = {
     "invalidated_pages": "Pages dropped by /cache/invalidate, by tenant",
     "no_store_requests": "Requests with a no-store hint (kv_transfer_params lmcache.skip_save), by tenant",
     "promoted_pages": "Pages promoted from the host tier (T1) into the device tier, by tenant",
+    "requeued_requests": "Requests admitted again after SGLang released them unfinished (decode retraction, "
+                         "priority preemption), by tenant",
 }
 
 
