@@ -285,6 +285,20 @@ def _served_router(worker_url: str):
             p.wait(timeout=10)
 
 
+async def _router_up(s, url: str, timeout_s: float = 30.0) -> None:
+    """Wait until the router at ``url`` (a subprocess) answers ``/health`` with 200."""
+    deadline = time.monotonic() + timeout_s
+    while True:  # the subprocess up, and its worker healthy
+        try:
+            async with s.get(url + "/health") as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientConnectionError:
+            pass
+        assert time.monotonic() < deadline, "router did not start"
+        await asyncio.sleep(0.1)
+
+
 def test_client_gone_before_a_non_streamed_answer():
     """serve() cancels a handler whose client left: the upstream request closes, so the worker sees
     the disconnect (SGLang then aborts the request instead of generating for nobody), and the
@@ -322,16 +336,7 @@ def test_client_gone_before_a_non_streamed_answer():
         try:
             async with aiohttp.ClientSession() as s:
                 with _served_router(w_url) as url:
-                    deadline = time.monotonic() + 30
-                    while True:  # the subprocess up, and its worker healthy
-                        try:
-                            async with s.get(url + "/health") as resp:
-                                if resp.status == 200:
-                                    break
-                        except aiohttp.ClientConnectionError:
-                            pass
-                        assert time.monotonic() < deadline, "router did not start"
-                        await asyncio.sleep(0.1)
+                    await _router_up(s, url)
                     await leave_early(s, url, "watch")
                     deadline = time.monotonic() + 5
                     while True:

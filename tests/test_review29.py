@@ -23,7 +23,7 @@ from aiohttp import web
 
 from sglang_tiered.fleet import router as router_mod
 from sglang_tiered.fleet.router import Router
-from tests.test_fleet_hardening import _echo_worker, _serve, _served_router
+from tests.test_fleet_hardening import _echo_worker, _router_up, _serve, _served_router
 
 
 async def _raw_server(handle):
@@ -186,14 +186,7 @@ def test_long_headers_and_query_strings_pass_the_router():
         try:
             with _served_router(w_url) as url:
                 async with aiohttp.ClientSession() as s:
-                    for _ in range(300):  # the subprocess up
-                        try:
-                            async with s.get(url + "/health") as resp:
-                                if resp.status == 200:
-                                    break
-                        except aiohttp.ClientConnectionError:
-                            pass
-                        await asyncio.sleep(0.1)
+                    await _router_up(s, url)
                     body = {"input_ids": [1, 2, 3]}
                     for headers, query in (({"Authorization": "Bearer " + "a" * 10_000}, ""),
                                            ({"Cookie": "c=" + "b" * 16_000}, ""),
