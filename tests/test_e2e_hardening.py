@@ -822,3 +822,26 @@ def test_priority_preemption_serves_what_recomputation_gives(reference32, tiny_m
     assert not differ, differ[:5]
     assert ties <= 2, ties
     assert stats["totals"]["requeued_requests"] > 0, stats["totals"]  # preemptions happened
+
+
+def test_a_body_cut_off_by_a_client_that_left_is_not_run(soak_server):
+    """A client sends less than its ``Content-Length`` and goes away: nothing runs, as on stock
+    SGLang (session 29: the part read ran unchecked; a token id past the vocabulary killed the
+    scheduler, and the body's own ``cache_salt`` chose the tenant over the trusted header)."""
+    import socket
+
+    def cut_off(body: dict) -> None:
+        raw = json.dumps(body).encode()
+        with socket.create_connection((soak_server.spec.host, soak_server.spec.port), timeout=30) as s:
+            s.sendall((f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{HEADER}: "
+                       f"intruder\r\nContent-Length: {len(raw) + 16}\r\n\r\n").encode() + raw)  # fmt: skip
+            time.sleep(1.0)  # the server has read what was sent
+
+    sp = {"max_new_tokens": 1, "temperature": 0}
+    cut_off({"input_ids": list(range(300, 364)), "cache_salt": "spoofed", "sampling_params": sp})
+    cut_off({"input_ids": [5000, 5], "sampling_params": sp})
+    time.sleep(3)
+    status, out = _gen(soak_server, [5, 6, 7], tenant="acme", max_new=2)
+    assert status == 200, out
+    status, stats = soak_server.request("GET", "/cache/stats")
+    assert "spoofed" not in stats["tenants"] and "intruder" not in stats["tenants"], sorted(stats["tenants"])

@@ -230,3 +230,59 @@ def test_requests_released_unfinished_and_admitted_again_are_counted_by_tenant()
     assert sim.admit(once)
     sim.release(once)
     assert (tc.requeued_requests, tc.requests) == (4, 3), tc
+
+
+def test_a_body_cut_off_by_a_client_that_left_is_not_run():
+    """A client that sends less than its ``Content-Length`` (or a chunked body without its last
+    chunk) and goes away: the app behind the middleware sees an unfinished body and the disconnect,
+    as it does without the middleware (Starlette raises ClientDisconnect; nothing runs). Before,
+    the part read was handed on as a whole body and run without the checks: a token id past the
+    vocabulary killed the scheduler, and the body's own ``cache_salt`` chose the tenant over the
+    trusted header (a helper's hunt, session 29). A whole body is still checked and salted."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from sglang_tiered.integration.http import HintMiddleware
+
+    ran: list = []
+
+    async def generate(request):  # (SGLang's routes read the body the same way: Starlette's Request)
+        ran.append(await request.json())
+        return JSONResponse({"ok": True})
+
+    app = Starlette(routes=[Route("/generate", generate, methods=["POST"])])
+
+    async def call(wrapped, body: bytes, messages: list):
+        sent: list = []
+        scope = {"type": "http", "method": "POST", "path": "/generate", "raw_path": b"/generate", "query_string": b"",
+                 "headers": [(b"x-tenant-id", b"attacker"), (b"content-type", b"application/json"),
+                             (b"content-length", str(len(body) + 16).encode())],
+                 "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 1), "client": ("127.0.0.1", 2)}  # fmt: skip
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(m):
+            sent.append(m)
+
+        try:
+            await wrapped(scope, receive, send)
+        except Exception as exc:  # noqa: BLE001  (Starlette's ClientDisconnect, as without us)
+            sent.append(type(exc).__name__)
+        return sent
+
+    body = json.dumps({"input_ids": [5000, 5], "cache_salt": "victim"}).encode()
+    for tenant_header in ("x-tenant-id", None):
+        for cut in (len(body), len(body) // 2):  # all of it but not its end, or half of it
+            msgs = [{"type": "http.request", "body": body[:cut], "more_body": True}, {"type": "http.disconnect"}]
+            asyncio.run(call(HintMiddleware(app, tenant_header), body, msgs))
+            assert ran == [], (tenant_header, cut, ran)
+            stock = [{"type": "http.request", "body": body[:cut], "more_body": True}, {"type": "http.disconnect"}]
+            asyncio.run(call(app, body, stock))
+            assert ran == [], ran  # (the same bytes reach the route no more without the middleware)
+    # a whole body: checked (an id past the vocabulary is a 400 where the vocabulary is known) and
+    # salted with the header's tenant
+    whole = json.dumps({"input_ids": [5, 6], "cache_salt": "victim"}).encode()
+    sent = asyncio.run(call(HintMiddleware(app, "x-tenant-id"), whole, [{"type": "http.request", "body": whole}]))
+    assert sent[0]["status"] == 200 and ran and ran[-1]["cache_salt"] != "victim", (sent, ran)

@@ -250,7 +250,12 @@ class HintMiddleware:
         chunks, more = [], True
         while more:
             msg = await receive()
-            if msg["type"] != "http.request":  # client went away: let the app see it as usual
+            if msg["type"] != "http.request":
+                # the client went away mid-body: the app sees what it sees without us, an
+                # unfinished body and the disconnect (Starlette: ClientDisconnect, nothing runs).
+                # Handing it the part read as a whole body ran it unchecked and unsalted: a bad
+                # token id killed the scheduler, a body's own cache_salt picked the tenant
+                # (review, session 29)
                 return await self.app(scope, _replay(b"".join(chunks), receive, msg), send)
             chunks.append(msg.get("body", b""))
             more = msg.get("more_body", False)
@@ -316,8 +321,9 @@ def _check_json_shape(raw: bytes) -> None:
 
 def _replay(body: bytes, receive, pending=None):
     """``receive`` for the app: the body we read (or rewrote) first, then ``pending`` (a
-    disconnect seen while reading), then whatever the client sends next."""
-    queue = [{"type": "http.request", "body": body, "more_body": False}]
+    disconnect seen while reading: the body is then unfinished, as the client left it), then
+    whatever the client sends next."""
+    queue = [{"type": "http.request", "body": body, "more_body": pending is not None}]
     if pending is not None:
         queue.append(pending)
 
