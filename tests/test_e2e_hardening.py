@@ -161,16 +161,26 @@ def test_differential_soak_at_page_size_1(soak_server_page1, reference32):
     _run_soak(soak_server_page1, reference32, max(100, SOAK_REQUESTS // 3))
 
 
+def _reference_outputs(reference, prompts) -> dict:
+    """The no-cache server's greedy outputs, with ``LOGPROBS`` for ``dev.greedy.compare``:
+    ``prompts`` is (token ids, max new tokens) pairs; returns {tuple(ids): output}."""
+    from sglang_tiered.dev.greedy import LOGPROBS
+
+    uniq = list({tuple(ids): mn for ids, mn in prompts}.items())
+    want = {}
+    with ThreadPoolExecutor(4) as pool:
+        for (ids, _), (status, out) in zip(uniq, pool.map(lambda x: _gen(reference, list(x[0]), max_new=x[1],
+                                                                          extra=LOGPROBS), uniq)):  # fmt: skip
+            assert status == 200, out
+            want[ids] = out
+    return want
+
+
 def _run_soak(soak_server, reference32, n: int):
     from sglang_tiered.dev.greedy import LOGPROBS, compare
 
     work = _soak_workload(n)
-    want = {}
-    with ThreadPoolExecutor(4) as pool:
-        uniq = list({tuple(ids) for _, ids, _ in work})
-        for ids, (status, out) in zip(uniq, pool.map(lambda i: _gen(reference32, list(i), extra=LOGPROBS), uniq)):
-            assert status == 200, out
-            want[ids] = out
+    want = _reference_outputs(reference32, [(ids, 4) for _, ids, _ in work])
 
     def one(item):
         t, ids, no_store = item
@@ -790,12 +800,7 @@ def test_priority_preemption_serves_what_recomputation_gives(reference32, tiny_m
         rounds.append([(0, base + tok(rng.randrange(5, 200)), rng.choice([40, 64]), rng.choice([None, "acme"]))
                        for _ in range(2)] +
                       [(10, base + tok(rng.randrange(5, 200)), 8, rng.choice([None, "acme"])) for _ in range(2)])  # fmt: skip
-    want = {}
-    with ThreadPoolExecutor(4) as pool:
-        flat = [(ids, mn) for r in rounds for _, ids, mn, _ in r]
-        for (ids, mn), (status, out) in zip(flat, pool.map(lambda x: _gen(reference32, x[0], max_new=x[1], extra=LOGPROBS), flat)):
-            assert status == 200, out
-            want[tuple(ids)] = out
+    want = _reference_outputs(reference32, [(ids, mn) for r in rounds for _, ids, mn, _ in r])
     spec = ServerSpec(model_path=tiny_model_path, page_size=PAGE, max_total_tokens=4096, dtype="float32",
                       extra_args=["--enable-priority-scheduling", "--max-running-requests", "2",
                                   "--priority-scheduling-preemption-threshold", "0", "--chunked-prefill-size", "48"],

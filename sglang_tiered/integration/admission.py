@@ -79,18 +79,14 @@ class Admission:
         refuse_all = no_store(req)
         counted = self._first_sighting(req.rid)
         first = counted is None
-        # SGLang released it unfinished (a retraction at decode, a priority preemption) and it is
-        # being prefilled again: counted once per time (on_release counts the request itself once)
-        requeued = first and getattr(req, "tiered_released", False)
-        if requeued:
+        if first and getattr(req, "tiered_released", False):
+            # SGLang released it unfinished (a retraction at decode, a priority preemption) and it
+            # is prefilled again: counted each time (on_release counts the request itself once)
             cache.tenant(req.cache_salt).requeued_requests += 1
         if refuse_all or stale or anchor.tiered_invalid or cache.invalidation.next_is_invalid(anchor, req, cpl):
             # Refuse: leave row, lock, last_node and cache_protected_len alone; release_kv_cache
             # frees [cache_protected_len, owned). No-store requests leave no trace (not even in
-            # the sketch); paths through invalidated entries are never extended.
-            if first and refuse_all and not requeued:
-                policy.stats.no_store_requests += 1
-                cache.tenant(req.cache_salt).no_store_requests += 1
+            # the sketch; on_release counts them); paths through invalidated entries are never extended.
             return None
         base = cache.path_hashes(anchor)
         assert len(base) * ps == cpl or anchor is cache.root_node, (len(base), cpl)

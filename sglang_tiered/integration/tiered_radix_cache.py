@@ -37,7 +37,7 @@ from sglang_tiered.core.keys import CacheKey
 from sglang_tiered.core.policy import AdaptivePolicy, PolicyConfig
 from sglang_tiered.core.tenants import TenantCounters, TenantTable
 from sglang_tiered.integration import build, tree_ops
-from sglang_tiered.integration.admission import COUNTED_MAX as IN_FLIGHT_MAX, Admission
+from sglang_tiered.integration.admission import COUNTED_MAX as IN_FLIGHT_MAX, Admission, no_store
 from sglang_tiered.integration.clock import LogicalClock
 from sglang_tiered.integration.evict import Eviction
 from sglang_tiered.integration.index_hints import IndexHints, tree_pages
@@ -414,6 +414,9 @@ class TieredRadixCache(RadixCache):
             cached = int(getattr(req, "cached_tokens", 0) or 0)
             tc.cached_tokens += cached
             tc.requests_hit += cached > 0
+            if no_store(req):
+                tc.no_store_requests += 1
+                self.policy.stats.no_store_requests += 1
         super().on_release(req, checkpointed=checkpointed)
 
     def flush_pending_backups(self) -> None:
