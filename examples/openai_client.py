@@ -1,5 +1,6 @@
 """Use the cache-worthiness policy with the ``openai`` client against a server running
-``--radix-cache-backend tiered`` (e.g. ``make serve``).
+``--radix-cache-backend tiered`` (e.g. ``SGLANG_ARGS=--enable-cache-report make serve``: without
+``--enable-cache-report`` SGLang reports no ``cached_tokens`` and this prints None).
 
     .venv/bin/python examples/openai_client.py --base-url http://127.0.0.1:30000/v1
 """

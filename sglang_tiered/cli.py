@@ -113,14 +113,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "Ctrl-C stops it.",
         flush=True,
     )
+    stopped = False
     try:
         while server.proc.poll() is None:
             time.sleep(0.5)
     except KeyboardInterrupt:
-        pass
+        stopped = True  # Ctrl-C / SIGTERM: SGLang's launcher then ends itself with SIGKILL (-9)
     finally:
         server.stop()
-    return 0 if server.proc.returncode in (0, -15, None) else server.proc.returncode
+    if stopped or server.proc.returncode in (0, -15, None):
+        return 0
+    return server.proc.returncode if server.proc.returncode > 0 else 128 - server.proc.returncode
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

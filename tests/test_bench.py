@@ -97,7 +97,11 @@ def test_load_trace_shapes_and_errors(tmp_path):
     assert [len(q.tokens) for q in r] == [5, 3] and [q.tenant for q in r] == ["x", None]
     for line, msg in [("[1]", "JSON object"), ("{}", "needs hash_ids"), ('{"input_ids": [1.5]}', "non-negative"),
                       ('{"input_ids": [1], "tenant": 3}', "tenant must be a string"), ("{", "not JSON"),
-                      ('{"hash_ids": [1], "input_length": 0}', "input_length")]:  # fmt: skip
+                      ('{"hash_ids": [1], "input_length": 0}', "input_length"),
+                      # read but not replayed: still a bad line, not silently taken (session 30)
+                      ('{"input_ids": [1], "timestamp": NaN}', "timestamp"), ('{"input_ids": [1], "timestamp": -1}', "timestamp"),
+                      ('{"input_ids": [1], "output_length": -5}', "output_length"),
+                      ('{"input_ids": [1], "output_length": true}', "output_length")]:  # fmt: skip
         p.write_text(line + "\n")
         with pytest.raises(ValueError, match=msg):
             load_trace(p)

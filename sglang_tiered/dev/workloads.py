@@ -114,8 +114,10 @@ def load_trace(path, tokens_per_block: int = 16, block_size: int = 512, limit: i
                 toks = raw
             ts = r.get("timestamp", 1000.0 * len(reqs))
             out = r.get("output_length", 1)
-            if not isinstance(ts, (int, float)) or not isinstance(out, int):
-                raise ValueError(f"{where}: timestamp and output_length must be numbers")
+            if (isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0
+                    or isinstance(out, bool) or not isinstance(out, int) or out < 0):
+                raise ValueError(f"{where}: timestamp must be a finite number >= 0 (ms) and output_length a "
+                                 f"whole number >= 0, got {ts!r} and {out!r}")  # fmt: skip
             reqs.append(Request(array("q", toks), tenant, kind, ts / 1000.0, max(1, min(out, 64))))
     if not reqs:
         raise ValueError(f"{path.name}: no requests")
