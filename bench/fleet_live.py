@@ -253,6 +253,11 @@ def main(argv=None) -> int:
                     help="each tiered server in its own cgroup with a CPU quota of CORES (e.g. 0.5): fixed compute per "
                          "server, as on a fleet where each has its own accelerator; without it the servers share "
                          "this host's cores and one that gets more requests also gets more CPU (needs root)")
+    ap.add_argument("--prefix-attention", action="store_true",
+                    help="SGLANG_TIERED_PREFIX_ATTENTION=on on the three servers: an extend computes attention "
+                         "for its new rows only, as SGLang's GPU backends do; SGLang's CPU backend recomputes the "
+                         "whole sequence's attention, so without it a cached prefix still pays its attention "
+                         "here (README, Long prefix); the no-cache reference stays SGLang's own")
     add_threads_option(ap)
     args = ap.parse_args(argv)
     use_server_threads(args.threads)
@@ -274,6 +279,8 @@ def main(argv=None) -> int:
             port = ports[i]
             env = {"SGLANG_TIERED_INDEX_URL": redis_url, "SGLANG_TIERED_SERVER_ID": f"http://127.0.0.1:{port}",
                    "SGLANG_TIERED_INDEX_TTL_S": "30", "SGLANG_TIERED_HOST": "off"}  # fmt: skip
+            if args.prefix_attention:
+                env["SGLANG_TIERED_PREFIX_ATTENTION"] = "on"
             servers.append(Server(ServerSpec(model_path=model, port=port, max_total_tokens=args.pool_tokens, env=env,
                                              dtype=args.dtype, cgroup=groups[i] if groups else None),
                                   LOGS / f"server-{i}.log"))  # fmt: skip
@@ -386,7 +393,8 @@ def main(argv=None) -> int:
                "kinds": [w["kind"] for w in work], "tenants": [w["tenant"] for w in work],
                "note": "same 3 servers (tiered, T1 off), caches flushed and Redis emptied between routers"
                        + (f"; each server capped at {args.server_cpus} CPU (cgroup quota)" if groups else
-                          "; the servers share the host's cores")}  # fmt: skip
+                          "; the servers share the host's cores")
+                       + ("; prefix attention on (new rows only)" if args.prefix_attention else "")}  # fmt: skip
         (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
         with open(out / f"{args.name}.csv", "w", newline="") as f:
             keys = dict.fromkeys(k for r in rows for k in r if k not in ("per_worker", "round", "explain", "hit_by_kind"))
@@ -410,6 +418,7 @@ def main(argv=None) -> int:
         for a in ax:
             a.tick_params(axis="x", rotation=30, labelsize=8)
         cpus = f", {args.server_cpus} CPU per server" if groups else ", servers share the host's cores"
+        cpus += ", prefix attention" if args.prefix_attention else ""
         fig.suptitle(f"3-server loopback fleet (git {env.get('git_sha')}, sglang {env.get('sglang')}{cpus})")
         fig.tight_layout()
         fig.savefig(out / f"{args.name}.png", dpi=110)
