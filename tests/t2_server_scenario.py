@@ -40,11 +40,12 @@ def t2_stats(server) -> dict:
 def main(out: str, model: str, log_dir: str) -> None:
     logs = pathlib.Path(log_dir)
     logs.mkdir(parents=True, exist_ok=True)
-    master = start_master(PORT, logs / "t2-master.log", lease_ms=500)
+    # a read must end within half the lease: timeout_ms < lease_ms / 2 (parse_t2_url refuses the rest)
+    master = start_master(PORT, logs / "t2-master.log", lease_ms=12_000)
     # timeout_ms: generous, as on a loaded CI machine (three CPU servers on two cores) a call that
     # missed a 1 s deadline opened the breaker and B fetched nothing (CI, once); the master-down
     # phase checks that requests still succeed, not how fast
-    url = f"mooncake://127.0.0.1:{PORT}?segment_mb=256&buffer_mb=32&mode=on&timeout_ms=5000&lease_ms=500"
+    url = f"mooncake://127.0.0.1:{PORT}?segment_mb=256&buffer_mb=32&mode=on&timeout_ms=5000&lease_ms=12000"
     env = {"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_RATIO": "1", "SGLANG_TIERED_T2": url,
            "SGLANG_TIERED_TENANT_HEADER": "x-tenant-id", "SGLANG_TIERED_DEBUG": "1"}  # fmt: skip
     common = dict(model_path=model, max_total_tokens=2048, dtype="float32")

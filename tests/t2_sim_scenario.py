@@ -40,8 +40,8 @@ def main(out_path: str) -> None:
     rng = random.Random(7)
     prompts = [[rng.randrange(1, 30000) for _ in range(320)] for _ in range(12)]
     tmp = pathlib.Path(tempfile.mkdtemp())
-    master = start_master(PORT, tmp / "master.log", lease_ms=500)
-    url = f"mooncake://127.0.0.1:{PORT}?segment_mb=64&buffer_mb=16&mode=on&min_freq=1&timeout_ms=500&lease_ms=500"
+    master = start_master(PORT, tmp / "master.log", lease_ms=1200)  # (timeout_ms < lease_ms / 2)
+    url = f"mooncake://127.0.0.1:{PORT}?segment_mb=64&buffer_mb=16&mode=on&min_freq=1&timeout_ms=500&lease_ms=1200"
     key = CacheKey(model_id="sim", weights_digest="w1", kv_dtype="float32")
     report: dict = {}
     try:
@@ -61,7 +61,7 @@ def main(out_path: str) -> None:
         # invalidation: A removes tenant acme's pages fleet-wide; a fresh E then finds none
         from sglang_tiered.core.tenants import name_hash
 
-        time.sleep(0.6)  # objects read above are leased for lease_ms (500 in this test)
+        time.sleep(1.3)  # objects read above are leased for lease_ms (1,200 in this test)
         a.t1.host.t2.invalidate(tenant=name_hash("acme"))
         a.t1.host.t2.wait_removals()  # (removals run off the scheduler thread)
         report["invalidate_removed"] = a.t1.host.t2.stats.removed_objects

@@ -5,7 +5,16 @@ failing on the code before its fix:
   launcher ends itself with SIGKILL when told to stop, and ``sglang-tiered serve`` passed that -9 on
   as its exit status;
 - a trace line with a NaN or negative ``timestamp`` or a negative ``output_length`` was taken
-  silently, though the README says a bad line stops the run (``tests/test_bench.py``)."""
+  silently, though the README says a bad line stops the run (``tests/test_bench.py``).
+
+And of a crash hunt on T2 (servers SIGKILLed while writing to Mooncake, peers reading after):
+- T2 took ``timeout_ms`` at or above half of ``lease_ms`` (this repository's own server test had
+  5000 and 500): every fetch then read one page, and no read was covered by its object's lease,
+  which is what keeps a put from reusing the memory mid-read (the footer catches only a tear that
+  reaches it);
+- a read the store answered with an error code (-800: the object's replica is on a peer that died,
+  until the master drops it, ~10 s) was counted as bad pages and nothing else: each such read
+  waited ~1 s on the scheduler thread, and every admission attempt read it again."""
 
 from __future__ import annotations
 
@@ -40,3 +49,65 @@ def test_serve_stopped_by_the_operator_exits_0(tiny_model_path, tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_t2_refuses_a_read_deadline_past_half_the_lease():
+    from sglang_tiered.tier.t2_config import T2ConfigError, parse_t2_url
+
+    for q in ("timeout_ms=5000&lease_ms=500", "timeout_ms=500&lease_ms=1000", "lease_ms=0", "timeout_ms=5000"):
+        with pytest.raises(T2ConfigError, match="must be below half of lease_ms"):
+            parse_t2_url(f"mooncake://127.0.0.1:1?{q}")
+    assert parse_t2_url("mooncake://127.0.0.1:1?timeout_ms=499&lease_ms=1000").lease_ms == 1000
+
+
+def test_t2_is_off_when_not_one_page_can_be_read_within_half_the_lease(monkeypatch):
+    """The deadline also counts the bytes at min_gbps, known once the model is: a page whose
+    transfer alone outlives half the lease keeps T2 off, with why in the stats."""
+    import types
+
+    import sglang_tiered.integration.t2_setup as t2s
+    from sglang_tiered.tier.t2 import fetch_pages
+    from sglang_tiered.tier.t2_config import parse_t2_url
+    from tests.test_review18 import _cache
+    from tests.test_t2 import ByteStore
+
+    monkeypatch.setattr(t2s, "MooncakeClient", lambda cfg: ByteStore())
+    cache = _cache()
+    layout = cache.t1.host.pool.layout
+    ok = parse_t2_url("mooncake://127.0.0.1:1?max_run_pages=4&queue_pages=64&timeout_ms=100&lease_ms=1000")
+    # 1 ms left of half the lease, and one page takes longer than that at min_gbps
+    slow = parse_t2_url("mooncake://127.0.0.1:1?max_run_pages=4&queue_pages=64&timeout_ms=499&lease_ms=1000"
+                        "&min_gbps=0.0001")  # fmt: skip
+    assert (2 * 64 + layout.page_bytes) / 1e5 > 1e-3
+    assert fetch_pages(ok, layout) == 4 and fetch_pages(slow, layout) == 0
+    decision = t2s.build_t2(cache, types.SimpleNamespace(tp_size=1), slow)
+    assert decision.startswith("off: one page's read") and cache.t1.host.t2 is None
+
+
+def test_a_t2_read_answered_with_an_error_code_is_a_failed_call():
+    import threading
+
+    from sglang_tiered.tier.host_pool import HostPool
+    from sglang_tiered.tier.t2 import T2Tier
+    from sglang_tiered.tier.t2_config import T2Config
+    from tests.test_t2 import LAYOUT, H, ByteStore
+
+    class DeadPeer(ByteStore):
+        gets = 0
+
+        def get(self, keys, ptrs, sizes):
+            self.gets += 1
+            return [-800] * len(keys)  # listed, but its replica's segment is gone
+
+    store = DeadPeer()
+    cfg = T2Config(master="127.0.0.1:1", queue_pages=8, max_run_pages=4, timeout_ms=20, min_gbps=1e4, lease_ms=1000)
+    t2 = T2Tier(store, HostPool(LAYOUT), threading.RLock(), cfg=cfg, model_tag="m")
+    try:
+        key = t2.key(H(1), 0, t2.generation(0))
+        store.objects[key] = b"x"  # (the existence check says it is there)
+        assert t2.fetch([H(1)], 0) == 0
+        assert t2.stats.failures == 1 and not t2.up  # the breaker is open: T2 skipped for a while
+        t2.breaker.until = 0.0  # (closed again)
+        assert t2.fetch([H(1)], 0) == 0 and store.gets == 1  # and the page is not read again right away
+    finally:
+        t2.close()

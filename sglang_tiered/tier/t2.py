@@ -85,6 +85,19 @@ _MASK = 2**64 - 1
 KEY_ROOT = "sgt"
 KEY_FORMAT = f"v{FORMAT_VERSION}"  # the object format, in every key: another format's objects are never read
 FETCH_BUDGET_S = 2.0  # a fetch's transfer time at min_gbps, at most (the scheduler waits for it)
+OBJECT_NOT_FOUND = -704  # Mooncake's code for a key that is not there (gone since the existence check)
+
+
+def fetch_pages(cfg, layout) -> int:
+    """Pages per fetch: its deadline (``timeout_ms`` + the bytes at ``min_gbps``) within
+    ``FETCH_BUDGET_S`` and within half the lease (an object whose lease runs out mid-read may be
+    reused by a put: review, session 23: 256 pages of a 70B model had a 13.6 s deadline, past the
+    10 s lease). 0: not even one page's read ends within half the lease (``build_t2`` keeps T2 off)."""
+    budget = FETCH_BUDGET_S  # the transfer's share of the deadline
+    if cfg.lease_ms:
+        budget = min(budget, cfg.lease_ms / 2e3 - cfg.timeout_ms / 1e3)
+    per_page = (2 * HEADER_BYTES + layout.page_bytes) / (cfg.min_gbps * 1e9)
+    return max(0, min(cfg.max_run_pages, int(budget / per_page)))
 
 
 # ---------------------------------------------------------------------- stats
@@ -211,11 +224,7 @@ class T2Tier:
         # pages per fetch: its deadline (timeout + bytes at min_gbps) within FETCH_BUDGET_S and half
         # the lease (an object whose lease runs out mid-read may be reused by a put: review, session
         # 23: 256 pages of a 70B model had a 13.6 s deadline, past the 10 s lease)
-        budget = FETCH_BUDGET_S  # the transfer's share of the deadline
-        if cfg.lease_ms:
-            budget = min(budget, cfg.lease_ms / 2e3 - cfg.timeout_ms / 1e3)
-        per_page = self.obj_bytes / (cfg.min_gbps * 1e9)
-        self.fetch_pages = max(1, min(self.run, int(budget / per_page)))
+        self.fetch_pages = max(1, fetch_pages(cfg, lay))
         self.state_path = state_path
         self.stats = T2Stats()
         self.decision = "on"
@@ -412,6 +421,14 @@ class T2Tier:
         got = self._call("get", self.client.get, keys, [stage.ptr + i * ob for i in range(n)], [ob] * n,
                          nbytes=n * ob, staging=stage)  # fmt: skip
         if got is None:
+            return 0, False
+        if got and got[0] < 0 and got[0] != OBJECT_NOT_FOUND:
+            # the store listed the object and could not move it (-800: its replica is on a peer
+            # that died, until the master drops that peer, ~10 s): a failed call, as an exception
+            # is. Before (session 30), each such read waited ~1 s on the scheduler thread, and
+            # every admission attempt of a waiting request read it again.
+            self._remember_miss(hashes[0])
+            self._failed("get", f"code {got[0]}")
             return 0, False
         whole = next((i for i, g in enumerate(got) if g != ob), len(got))
         good = whole

@@ -84,6 +84,14 @@ def parse_t2_url(url: str) -> T2Config:
         else:
             raise T2ConfigError(f"SGLANG_TIERED_T2: unknown option {k!r} (known: {', '.join(T2Config.__dataclass_fields__)})")
     cfg = T2Config(**kw)
+    if not cfg.timeout_ms < cfg.lease_ms / 2:
+        # a read must end while its object is leased: once the lease is over the store may remove
+        # the object and a put reuse its memory while the read still copies it, and the footer
+        # catches only a tear that reaches it (Mooncake moves a transfer in parallel slices).
+        # Session 30: timeout_ms=5000&lease_ms=500 was taken, and then no read was covered.
+        raise T2ConfigError(f"SGLANG_TIERED_T2 option timeout_ms={cfg.timeout_ms:g} must be below half of "
+                            f"lease_ms={cfg.lease_ms} (the master's --default_kv_lease_ttl): a read that outlives "
+                            "its object's lease can copy a page a put is overwriting")  # fmt: skip
     if cfg.queue_pages < cfg.max_run_pages:  # the queue refuses a run larger than itself
         raise T2ConfigError(f"SGLANG_TIERED_T2 option queue_pages={cfg.queue_pages} must be at least "
                             f"max_run_pages={cfg.max_run_pages} (an eviction's run would never be stored)")  # fmt: skip
