@@ -111,3 +111,50 @@ def test_a_t2_read_answered_with_an_error_code_is_a_failed_call():
         assert t2.fetch([H(1)], 0) == 0 and store.gets == 1  # and the page is not read again right away
     finally:
         t2.close()
+
+
+def test_tp_ranks_recreating_a_named_t1_map_one_file(tmp_path, monkeypatch):
+    """Two TP ranks of one server open a named T1 whose layout changed. Both used to find the old
+    layout, unlink and recreate the file, one after the other: the second unlinked the file the
+    first had just created and mapped, so the ranks wrote different files (the one left on disk
+    never held every head of a page: nothing survived a restart) and T1 took twice its memory.
+    The open is now done under a lock, one rank at a time. Here the first rank is held between
+    mapping its new file and writing its layout until the second has started (crash hunt, session
+    30: 2 of 22 races of two processes split)."""
+    import threading
+
+    import sglang_tiered.tier.host_pool as hp
+
+    monkeypatch.setattr(hp, "SHM_DIR", tmp_path)
+    name = "race"
+    hp.acquire_owner(name)
+    try:
+        hp.HostPool(hp.PoolLayout(64, 2, 2, 4, 4, "float32"), name=name)  # the old server's layout
+        new = hp.PoolLayout(96, 2, 2, 4, 4, "float32")
+        inside, go = threading.Event(), threading.Event()
+        real = hp.torch.UntypedStorage.from_file
+
+        def slow_first(*a, **k):  # the first rank has mapped the file it created, not yet said its layout
+            storage = real(*a, **k)
+            if not inside.is_set():
+                inside.set()
+                go.wait(10)
+            return storage
+
+        monkeypatch.setattr(hp.torch.UntypedStorage, "from_file", slow_first)
+        pools = {}
+        first = threading.Thread(target=lambda: pools.__setitem__(0, hp.HostPool(new, name=name)))
+        second = threading.Thread(target=lambda: pools.__setitem__(1, hp.HostPool(new, name=name)))
+        first.start()
+        assert inside.wait(10)
+        second.start()
+        time.sleep(0.5)  # (the old code: the second rank unlinks and recreates the file meanwhile)
+        go.set()
+        first.join(20)
+        second.join(20)
+        a, b = pools[0], pools[1]
+        a.raw[-1] = 7  # the same bytes: one file
+        assert int(b.raw[-1]) == 7
+        assert [x.attached for x in (a, b)] == [False, True]
+    finally:
+        hp.release_owner(name)

@@ -112,6 +112,10 @@ def _lock_path(name: str) -> pathlib.Path:
     return SHM_DIR / f"sglang-tiered-{name}.lock"
 
 
+def _init_lock_path(name: str) -> pathlib.Path:
+    return SHM_DIR / f"sglang-tiered-{name}.init"
+
+
 def acquire_owner(name: str, export: bool = False) -> str:
     """Take exclusive ownership of the named T1 for this process (and, with ``export``, for the
     processes it starts, through ``OWNER_ENV``). Idempotent per process. Raises
@@ -218,36 +222,18 @@ class HostPool:
             path = SHM_DIR / f"sglang-tiered-{name}"
             meta_path = path.with_suffix(".json")
             meta = {"version": LAYOUT_VERSION, **asdict(layout)}
-            if path.exists() and meta_path.exists():
-                try:
-                    old = json.loads(meta_path.read_text())
-                except ValueError:
-                    old = None
-                if old == meta and path.stat().st_size == total:
-                    self.attached = True
-                else:
-                    logger.warning("sglang-tiered: T1 file %s has another layout; recreating it", path)
-                    path.unlink(missing_ok=True)
+            # The TP ranks of one server open the file at the same time: one at a time, or two
+            # ranks that both find another layout each unlink the file the other just created and
+            # map different files (each rank's heads then persist in a file no restart sees).
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                try:
-                    os.posix_fallocate(fd, 0, total)  # reserve now: no SIGBUS when pages are written
-                finally:
-                    os.close(fd)
+                init_fd = os.open(_init_lock_path(name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             except OSError as exc:
-                if not self.attached:
-                    path.unlink(missing_ok=True)
-                raise HostPoolError(
-                    f"cannot reserve {total / 1e9:.3f} GB for T1 in {path} ({exc.strerror or exc}); "
-                    f"the filesystem behind {SHM_DIR} is too small (a container's /dev/shm is often "
-                    "64 MB: enlarge it, e.g. docker --shm-size, or lower SGLANG_TIERED_HOST_GB/RATIO)"
-                ) from None
+                raise HostPoolError(f"cannot open T1 init lock for {path}: {exc}") from exc
             try:
-                storage = torch.UntypedStorage.from_file(str(path), True, total)
-            except (OSError, RuntimeError) as exc:
-                raise HostPoolError(f"cannot map T1 shared memory {path} ({total} bytes): {exc}") from exc
-            if not self.attached:
-                meta_path.write_text(json.dumps(meta))
+                fcntl.flock(init_fd, fcntl.LOCK_EX)
+                storage = self._open_named(path, meta_path, meta, total)
+            finally:
+                os.close(init_fd)  # (releases the lock)
             self.path = path
             raw = torch.empty(0, dtype=torch.uint8).set_(storage)
         else:
@@ -290,6 +276,42 @@ class HostPool:
         self.staged_dropped = 0  # staged pages dropped unused (staging full, or invalidated)
         self._renew: list[bytes] = []  # pages ``reserve`` made resident or used, re-touched by ``commit``
         self._load_index()
+
+    def _open_named(self, path, meta_path, meta: dict, total: int):
+        """Attach ``path`` when its layout is ``meta``, else recreate it (under the init lock)."""
+        if path.exists() and meta_path.exists():
+            try:
+                old = json.loads(meta_path.read_text())
+            except ValueError:
+                old = None
+            if old == meta and path.stat().st_size == total:
+                self.attached = True
+            else:
+                logger.warning("sglang-tiered: T1 file %s has another layout; recreating it", path)
+                path.unlink(missing_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, total)  # reserve now: no SIGBUS when pages are written
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if not self.attached:
+                path.unlink(missing_ok=True)
+            raise HostPoolError(
+                f"cannot reserve {total / 1e9:.3f} GB for T1 in {path} ({exc.strerror or exc}); "
+                f"the filesystem behind {SHM_DIR} is too small (a container's /dev/shm is often "
+                "64 MB: enlarge it, e.g. docker --shm-size, or lower SGLANG_TIERED_HOST_GB/RATIO)"
+            ) from None
+        try:
+            storage = torch.UntypedStorage.from_file(str(path), True, total)
+        except (OSError, RuntimeError) as exc:
+            raise HostPoolError(f"cannot map T1 shared memory {path} ({total} bytes): {exc}") from exc
+        if not self.attached:  # a clean index before another rank can read the new layout's meta
+            raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+            raw[_align(self.layout.data_bytes) :].zero_()
+            meta_path.write_text(json.dumps(meta))
+        return storage
 
     # ------------------------------------------------------------------ index
     def _load_index(self) -> None:
