@@ -181,6 +181,9 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
             _positive("host_gb", self.host_gb, MAX_HOST_GB)
         if self.host_name is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.host_name):
             _bad("host_name", self.host_name, "use 1-64 letters, digits, '.', '_' or '-'")
+        if self.host_name is not None and self.host_name.endswith((".json", ".lock", ".init")):
+            # T1 "x" keeps its layout, owner and open lock in "x.json", "x.lock" and "x.init"
+            _bad("host_name", self.host_name, "a name ending in .json, .lock or .init is another T1's file")
         if self.tenant_header is not None and not re.fullmatch(r"[A-Za-z0-9-]{1,64}", self.tenant_header):
             _bad("tenant_header", self.tenant_header, "not a valid header name")
         if self.tenant_labels not in (None, "hashed", "raw"):

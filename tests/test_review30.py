@@ -158,3 +158,30 @@ def test_tp_ranks_recreating_a_named_t1_map_one_file(tmp_path, monkeypatch):
         assert [x.attached for x in (a, b)] == [False, True]
     finally:
         hp.release_owner(name)
+
+
+def test_named_t1s_whose_names_differ_after_a_dot_keep_their_own_layouts(tmp_path, monkeypatch):
+    """The layout file was the data file's name with its suffix replaced: T1s named "v1.2" and
+    "v1.3" (dots are allowed) shared "sglang-tiered-v1.json", so each start recreated the other's
+    file as "another layout" and neither kept its pages across a restart."""
+    import sglang_tiered.tier.host_pool as hp
+
+    monkeypatch.setattr(hp, "SHM_DIR", tmp_path)
+    a, b = hp.PoolLayout(64, 2, 2, 4, 4, "float32"), hp.PoolLayout(96, 2, 2, 4, 4, "float32")
+    for name in ("v1.2", "v1.3"):
+        hp.acquire_owner(name)
+    try:
+        hp.HostPool(a, name="v1.2")
+        hp.HostPool(b, name="v1.3")
+        assert hp.HostPool(a, name="v1.2").attached and hp.HostPool(b, name="v1.3").attached
+    finally:
+        for name in ("v1.2", "v1.3"):
+            hp.release_owner(name)
+
+
+def test_a_t1_name_that_is_another_t1s_file_is_refused():
+    from sglang_tiered.config import load_config
+
+    with pytest.raises(ValueError, match="another T1's file"):
+        load_config({"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_NAME": "prod.json"})
+    assert load_config({"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_NAME": "prod.v2"}).host_name == "prod.v2"

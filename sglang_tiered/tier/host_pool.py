@@ -220,7 +220,9 @@ class HostPool:
         if name:
             check_owner(name)
             path = SHM_DIR / f"sglang-tiered-{name}"
-            meta_path = path.with_suffix(".json")
+            # (not path.with_suffix: a name may hold dots, and "v1.2" and "v1.3" then shared
+            # "sglang-tiered-v1.json", each recreating the other's file as another layout)
+            meta_path = SHM_DIR / f"sglang-tiered-{name}.json"
             meta = {"version": LAYOUT_VERSION, **asdict(layout)}
             # The TP ranks of one server open the file at the same time: one at a time, or two
             # ranks that both find another layout each unlink the file the other just created and
@@ -593,4 +595,5 @@ class HostPool:
     def close(self, unlink: bool = False) -> None:
         if unlink and self.path is not None:
             self.path.unlink(missing_ok=True)
-            self.path.with_suffix(".json").unlink(missing_ok=True)
+            (SHM_DIR / f"sglang-tiered-{self.name}.json").unlink(missing_ok=True)
+            _init_lock_path(self.name).unlink(missing_ok=True)
