@@ -163,3 +163,23 @@ def test_gpu_correctness_dry_run():
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert out.stdout.strip().endswith("ok none (dry run)")
+
+
+def test_fleet_live_compare_reads_a_result(tmp_path):
+    """bench/fleet_live_compare.py on a made-up fleet_live result: the router whose every TTFT is
+    lower wins every round, and its bootstrap interval lies below 0."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import fleet_live_compare as flc
+
+    fields = ["worker", "prompt_tokens", "cached_tokens", "ttft_s"]
+    blocks = []
+    for rnd in range(3):
+        for name, scale, cached in (("ours", 1.0, 50), ("smg-round_robin", 1.5, 20)):
+            rows = [["w", 100, cached, scale * (0.1 + 0.001 * i)] for i in range(100)]
+            blocks.append({"router": name, "round": rnd, "requests": json.dumps(rows)})
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"per_request_fields": fields, "per_request": blocks}))
+    (c,) = flc.compare(flc.load(str(path)), "ours", resamples=200)
+    assert c["p90_lower_rounds"] == 3 and c["hit_higher_rounds"] == 3
+    assert c["p90_diff_ms"] == -95.0 and c["p90_diff_ci95_ms"][1] < 0
+    assert flc.main([str(path)]) == 0
