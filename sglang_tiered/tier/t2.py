@@ -221,10 +221,7 @@ class T2Tier:
         self.obj_bytes = 2 * HEADER_BYTES + lay.page_bytes
         self.digest = layout_digest(lay)
         self.run = cfg.max_run_pages
-        # pages per fetch: its deadline (timeout + bytes at min_gbps) within FETCH_BUDGET_S and half
-        # the lease (an object whose lease runs out mid-read may be reused by a put: review, session
-        # 23: 256 pages of a 70B model had a 13.6 s deadline, past the 10 s lease)
-        self.fetch_pages = max(1, fetch_pages(cfg, lay))
+        self.fetch_pages = max(1, fetch_pages(cfg, lay))  # (build_t2 keeps T2 off where it is 0)
         self.state_path = state_path
         self.stats = T2Stats()
         self.decision = "on"
