@@ -33,6 +33,7 @@ import urllib.request
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.fleet_live_compare import q as percentile  # noqa: E402
 from bench.live_compare import stream_generate  # noqa: E402
 from bench.trace_replay import environment  # noqa: E402
 from sglang_tiered.dev.server import (Server, ServerSpec, add_threads_option, cpu_quota_group, free_port,  # noqa: E402
@@ -200,8 +201,8 @@ def hit_by_kind(res, work) -> dict:
 
 def summarize(name, res, wall, ref, extra=None):
     ok = [r for r in res if "error" not in r]
-    ttft = sorted(r["ttft_s"] for r in ok)
-    q = lambda p: ttft[min(len(ttft) - 1, int(p * len(ttft)))] if ttft else float("nan")  # noqa: E731
+    ttft = [r["ttft_s"] for r in ok]
+    q = lambda p: percentile(ttft, p) if ttft else float("nan")  # noqa: E731
     same = sum(1 for r, g in zip(res, ref) if "error" not in r and r["output_ids"] == g["output_ids"])
     d = {"router": name, "requests": len(res), "errors": len(res) - len(ok),
          "hit_rate": round(sum(r["cached_tokens"] for r in ok) / max(1, sum(r["prompt_tokens"] for r in ok)), 4),

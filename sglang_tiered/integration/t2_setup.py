@@ -85,16 +85,17 @@ def build_t2(cache, ctx, cfg: T2Config) -> str:
         decision = f"off: --pp-size {pp} (T2 keys name no pipeline stage)"
         logger.warning("sglang-tiered: T2 %s", decision)
         return decision
-    from sglang_tiered.tier.t2 import fetch_pages
+    from sglang_tiered.tier.t2 import fetch_pages, object_bytes
 
-    if fetch_pages(cfg, cache.t1.host.pool.layout) < 1:
+    layout = cache.t1.host.pool.layout
+    if fetch_pages(cfg, layout) < 1:
         # even one page's read (timeout_ms + its bytes at min_gbps) outlives half the lease: no
         # read would be covered by it (session 30: T2 then read one page at a time, unprotected)
-        decision = (f"off: one page's read (timeout_ms={cfg.timeout_ms:g} + {cache.t1.host.pool.layout.page_bytes} "
-                    f"bytes at min_gbps={cfg.min_gbps:g}) does not end within half of lease_ms={cfg.lease_ms}")  # fmt: skip
+        decision = (f"off: one page's read (timeout_ms={cfg.timeout_ms:g} + {object_bytes(layout)} bytes at "
+                    f"min_gbps={cfg.min_gbps:g}) does not end within half of lease_ms={cfg.lease_ms}")  # fmt: skip
         logger.warning("sglang-tiered: T2 %s", decision)
         return decision
-    need = t2_host_bytes(cache.t1.host.pool.layout, cfg)
+    need = t2_host_bytes(layout, cfg)
     avail = _mem_available()
     if avail is not None and need > 0.9 * avail:  # (T1's own rule, host_pool.py)
         decision = (f"off: T2 needs {need / 1e9:.2f} GB of host memory beside T1 (staging and store "

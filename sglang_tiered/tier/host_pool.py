@@ -116,6 +116,12 @@ def _init_lock_path(name: str) -> pathlib.Path:
     return SHM_DIR / f"sglang-tiered-{name}.init"
 
 
+def _meta_path(name: str) -> pathlib.Path:
+    """The named T1's layout (not ``path.with_suffix``: a name may hold dots, and "v1.2" and
+    "v1.3" then shared "sglang-tiered-v1.json", each recreating the other's file)."""
+    return SHM_DIR / f"sglang-tiered-{name}.json"
+
+
 def acquire_owner(name: str, export: bool = False) -> str:
     """Take exclusive ownership of the named T1 for this process (and, with ``export``, for the
     processes it starts, through ``OWNER_ENV``). Idempotent per process. Raises
@@ -220,9 +226,7 @@ class HostPool:
         if name:
             check_owner(name)
             path = SHM_DIR / f"sglang-tiered-{name}"
-            # (not path.with_suffix: a name may hold dots, and "v1.2" and "v1.3" then shared
-            # "sglang-tiered-v1.json", each recreating the other's file as another layout)
-            meta_path = SHM_DIR / f"sglang-tiered-{name}.json"
+            meta_path = _meta_path(name)
             meta = {"version": LAYOUT_VERSION, **asdict(layout)}
             # The TP ranks of one server open the file at the same time: one at a time, or two
             # ranks that both find another layout each unlink the file the other just created and
@@ -595,5 +599,5 @@ class HostPool:
     def close(self, unlink: bool = False) -> None:
         if unlink and self.path is not None:
             self.path.unlink(missing_ok=True)
-            (SHM_DIR / f"sglang-tiered-{self.name}.json").unlink(missing_ok=True)
+            _meta_path(self.name).unlink(missing_ok=True)
             _init_lock_path(self.name).unlink(missing_ok=True)

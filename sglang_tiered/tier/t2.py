@@ -88,6 +88,11 @@ FETCH_BUDGET_S = 2.0  # a fetch's transfer time at min_gbps, at most (the schedu
 OBJECT_NOT_FOUND = -704  # Mooncake's code for a key that is not there (gone since the existence check)
 
 
+def object_bytes(layout: PoolLayout) -> int:
+    """One T2 object: a page in T1's canonical layout between its header and footer."""
+    return 2 * HEADER_BYTES + layout.page_bytes
+
+
 def fetch_pages(cfg, layout) -> int:
     """Pages per fetch: its deadline (``timeout_ms`` + the bytes at ``min_gbps``) within
     ``FETCH_BUDGET_S`` and within half the lease (an object whose lease runs out mid-read may be
@@ -96,7 +101,7 @@ def fetch_pages(cfg, layout) -> int:
     budget = FETCH_BUDGET_S  # the transfer's share of the deadline
     if cfg.lease_ms:
         budget = min(budget, cfg.lease_ms / 2e3 - cfg.timeout_ms / 1e3)
-    per_page = (2 * HEADER_BYTES + layout.page_bytes) / (cfg.min_gbps * 1e9)
+    per_page = object_bytes(layout) / (cfg.min_gbps * 1e9)
     return max(0, min(cfg.max_run_pages, int(budget / per_page)))
 
 
@@ -174,7 +179,7 @@ def t2_host_bytes(layout: PoolLayout, cfg: T2Config) -> int:
     """Host memory T2 takes beside T1 at most: three staging buffers of ``max_run_pages``
     objects (two for reads, one for writes) and ``queue_pages`` pages copied out of T1 for the
     store queue."""
-    return 3 * cfg.max_run_pages * (2 * HEADER_BYTES + layout.page_bytes) + cfg.queue_pages * layout.page_bytes
+    return 3 * cfg.max_run_pages * object_bytes(layout) + cfg.queue_pages * layout.page_bytes
 
 
 def layout_digest(layout: PoolLayout) -> bytes:
@@ -218,7 +223,7 @@ class T2Tier:
         self.value_of = value_of  # page hash -> sketch frequency, None where the sketch has no count
         lay = pool.layout
         self.layout = lay
-        self.obj_bytes = 2 * HEADER_BYTES + lay.page_bytes
+        self.obj_bytes = object_bytes(lay)
         self.digest = layout_digest(lay)
         self.run = cfg.max_run_pages
         self.fetch_pages = max(1, fetch_pages(cfg, lay))  # (build_t2 keeps T2 off where it is 0)
