@@ -60,3 +60,23 @@ def test_bar_summary_needs_every_alternative_beaten_and_the_load_bound():
     assert got[(0, 8)]["margin_points"] == 1.0 and got[(0, 8)]["x_single"] == 0.9
     assert not got[(0, 44)]["met"]
     assert not got[(1, 8)]["met"]  # load above 1.3
+
+
+def test_bar_summary_of_a_partial_run_prints_and_is_not_met(capsys, tmp_path, monkeypatch):
+    # a run without N = 1 (no single-server ratio) or with ours alone (no margin) crashed on
+    # formatting None; such a cell cannot be judged, so it is not met
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import bench.fleet_sim as fs
+
+    rows = [{"workload": "w", "seed": 0, "n": 8, "policy": "ours", "hit_rate": 0.5, "work_imbalance": 1.0}]
+    (cell,) = fs.bar(rows)
+    assert cell["x_single"] is None and cell["margin_points"] is None and not cell["met"]
+    monkeypatch.setattr(fs, "run_workload", lambda wl, seed, args, trace: rows)
+    monkeypatch.setattr(fs, "ROOT", tmp_path)
+    monkeypatch.setattr(fs, "meta", lambda: {})
+    monkeypatch.setattr(fs, "plot", lambda rows, path: None)
+    assert fs.main(["--workload", "family-single-0", "--ns", "8", "--policies", "ours", "--name", "t"]) == 0
+    assert "? x single; no alternative run" in capsys.readouterr().out
