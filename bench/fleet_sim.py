@@ -127,14 +127,16 @@ def diagnose(single_log, probe, served) -> dict:
 SHAPES = {"many": (64, 0.6), "skewed": (32, 1.2), "huge": (16, 2.5), "single": (1, 1.0)}
 
 
-def family_workload(name: str, limit: int):
-    """``family-<shape>-<seed>``: a generated workload with a fleet-relevant tenant shape."""
+def family_workload(name: str, limit: int, shape_requests: int = 1200):
+    """``family-<shape>-<seed>``: a generated workload with a fleet-relevant tenant shape, of at most
+    ``shape_requests`` requests (1,200, the recorded runs: about 27 per server at N = 44, where
+    even round robin's work max/mean is 1.2-1.3)."""
     from sglang_tiered.dev.workload_family import draw, generate
 
     _, shape, seed = name.split("-")
     p = draw(int(seed))
     p.tenants, p.tenant_zipf = SHAPES[shape]
-    p.n_requests = min(limit, 1200)
+    p.n_requests = min(limit, shape_requests)
     return generate(p)
 
 
@@ -147,9 +149,9 @@ def total_device_tokens(name: str, reqs) -> int:
     return max(44 * int(1.25 * longest), int(0.03 * sum(len(t) for t, _ in reqs))) // PAGE * PAGE
 
 
-def load_workload(name: str, limit: int, seed: int):
+def load_workload(name: str, limit: int, seed: int, shape_requests: int = 1200):
     if name.startswith("family-"):
-        return [(r.tokens, r.tenant) for r in family_workload(name, limit)]
+        return [(r.tokens, r.tenant) for r in family_workload(name, limit, shape_requests)]
     if name in ("live", "live-long"):  # bench/fleet_live.py's workload, as the servers tokenize its text prompts
         from transformers import AutoTokenizer
 
@@ -283,7 +285,7 @@ def plot(rows, path):
 
 def run_workload(wl: str, seed: int, args, trace) -> list:
     """Every N and policy on one workload (one seed); N = 1 is the single server."""
-    reqs = load_workload(wl, args.limit, seed)
+    reqs = load_workload(wl, args.limit, seed, args.shape_requests)
     rows, single_log = [], None
     for n in args.ns:
         for pol in (["round_robin"] if n == 1 else args.policies):
@@ -308,6 +310,8 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(ALL),
                     help="default: every policy in routing.POLICIES; also: " + ", ".join(EXTRA))
     ap.add_argument("--limit", type=int, default=4000, help="requests per workload (subsample: first N)")
+    ap.add_argument("--shape-requests", type=int, default=1200,
+                    help="requests of a generated shape (family-*), at most --limit")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seeds", type=int, nargs="+", help="several seeds in one run (multitenant, live); overrides --seed")
     ap.add_argument("--host-ratio", type=float, default=2.0, help="T1 pages per device page")

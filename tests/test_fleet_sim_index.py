@@ -80,3 +80,15 @@ def test_bar_summary_of_a_partial_run_prints_and_is_not_met(capsys, tmp_path, mo
     monkeypatch.setattr(fs, "plot", lambda rows, path: None)
     assert fs.main(["--workload", "family-single-0", "--ns", "8", "--policies", "ours", "--name", "t"]) == 0
     assert "? x single; no alternative run" in capsys.readouterr().out
+
+
+def test_shape_requests_sets_a_generated_shapes_length():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.fleet_sim import family_workload
+
+    assert len(family_workload("family-single-0", 4000)) == 1200  # the recorded runs' length
+    assert len(family_workload("family-single-0", 4000, shape_requests=1500)) == 1500
+    assert len(family_workload("family-single-0", 300, shape_requests=1500)) == 300  # --limit still caps it
