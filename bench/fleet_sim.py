@@ -57,7 +57,9 @@ EXTRA = {"ours_prev": lambda: AffinityCachePolicy(fresh=False, warm_frac=0.05, n
          # before the hatch's work share left out the routing memory's credit (git dae6791)
          "ours_memshare": lambda: AffinityCachePolicy(share_by_index=False, name="ours_memshare"),
          # new content placed by the work queued ahead, not by cache inflow (live: ours-fq)
-         "ours_fq": lambda: AffinityCachePolicy(fresh_by="queue", name="ours_fq")}
+         "ours_fq": lambda: AffinityCachePolicy(fresh_by="queue", name="ours_fq"),
+         # the policy before session 31: the warm cap only as leave for a warm worker over the hatch
+         "ours_warmcap": lambda: AffinityCachePolicy(cap_all=False, name="ours_warmcap")}
 ALL = {**POLICIES, **EXTRA}
 # Total device tokens per workload: at N = 44 each server still fits the workload's longest prompt.
 TOTAL_DEVICE = {"mooncake": 176_000, "multitenant": 44_000, "live": 3 * 6144, "live-long": 3 * 30720}

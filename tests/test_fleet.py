@@ -584,6 +584,20 @@ REPLAY_DIGESTS_CAP = {**REPLAY_DIGESTS, "policy:view": "87a1082dc6917830", "poli
 REPLAY_DIGESTS_MEMSHARE_CAP = {**REPLAY_DIGESTS_MEMSHARE, "policy:view": "a13fa41b08ad3926",
                                "policy:share": "06fb6a873a0363fe", "policy:tenant": "f5049f92108bc08b",
                                "router:index": "973d1498d33e973e"}  # fmt: skip
+# With the load bound (session 31, ``cap_all``, on by default): every configuration decides
+# differently on purpose (the replay's random loads and memberships reach the bound); with
+# ``cap_all=False`` every one decides exactly as REPLAY_DIGESTS_CAP / _MEMSHARE_CAP, and with
+# ``warm_cap=0`` (the bound's yardstick off) as REPLAY_DIGESTS: the bound is all that changed.
+REPLAY_DIGESTS_BOUND = {
+    "policy:default": "8051676e865335c4", "policy:view": "3015e640e090debb", "policy:share": "18c2e56c0b0eee28",
+    "policy:nofresh": "6196b5c765cdd70c", "policy:tenant": "aeb6193422769281",
+    "policy:warm_over_hatch": "c72d7585b548a872", "router:index": "d943d8dd13c77b57",
+    "router:noindex": "c6e1f6f6fe8a1737"}  # fmt: skip
+REPLAY_DIGESTS_MEMSHARE_BOUND = {
+    "policy:default": "aabcb638b7780187", "policy:view": "db214c942d79eaa0", "policy:share": "4d571382734ba84c",
+    "policy:nofresh": "b8d7a706cfb6e2a9", "policy:tenant": "35f1e55f23f4eb44",
+    "policy:warm_over_hatch": "faa4347369d46630", "router:index": "1ecac81ea975d53c",
+    "router:noindex": "c6e1f6f6fe8a1737"}  # fmt: skip
 
 
 def _replay_requests(seed: int, n: int):
@@ -636,9 +650,11 @@ def _policy_replay(kw: dict) -> str:
 def test_policy_replay_decisions_unchanged(name, kw):
     """600 seeded requests (tenants, families, membership changes, loads, index matches, index down)
     through the policy: the same decisions, in order, as recorded (and, with share_by_index off, as
-    before it; with warm_cap off, as before the cap)."""
-    assert _policy_replay(kw) == REPLAY_DIGESTS_CAP[name], name
-    assert _policy_replay({**kw, "share_by_index": False}) == REPLAY_DIGESTS_MEMSHARE_CAP[name], name
+    before it; with the load bound off, as before the bound; with warm_cap off, as before the cap)."""
+    assert _policy_replay(kw) == REPLAY_DIGESTS_BOUND[name], name
+    assert _policy_replay({**kw, "share_by_index": False}) == REPLAY_DIGESTS_MEMSHARE_BOUND[name], name
+    assert _policy_replay({**kw, "cap_all": False}) == REPLAY_DIGESTS_CAP[name], name
+    assert _policy_replay({**kw, "share_by_index": False, "cap_all": False}) == REPLAY_DIGESTS_MEMSHARE_CAP[name], name
     assert _policy_replay({**kw, "warm_cap": 0.0}) == REPLAY_DIGESTS[name], name
     assert _policy_replay({**kw, "share_by_index": False, "warm_cap": 0.0}) == REPLAY_DIGESTS_MEMSHARE[name], name
 
@@ -685,8 +701,10 @@ def test_router_replay_decisions_unchanged(with_index):
     key, load): the same decisions and explanations as recorded (and, with share_by_index off, as
     before it)."""
     name = "router:index" if with_index else "router:noindex"
-    assert _router_replay(with_index) == REPLAY_DIGESTS_CAP[name], name
-    assert _router_replay(with_index, {"share_by_index": False}) == REPLAY_DIGESTS_MEMSHARE_CAP[name], name
+    assert _router_replay(with_index) == REPLAY_DIGESTS_BOUND[name], name
+    assert _router_replay(with_index, {"share_by_index": False}) == REPLAY_DIGESTS_MEMSHARE_BOUND[name], name
+    assert _router_replay(with_index, {"cap_all": False}) == REPLAY_DIGESTS_CAP[name], name
+    assert _router_replay(with_index, {"share_by_index": False, "cap_all": False}) == REPLAY_DIGESTS_MEMSHARE_CAP[name], name
     assert _router_replay(with_index, {"warm_cap": 0.0}) == REPLAY_DIGESTS[name], name
     assert _router_replay(with_index, {"share_by_index": False, "warm_cap": 0.0}) == REPLAY_DIGESTS_MEMSHARE[name], name
 
@@ -805,3 +823,44 @@ def test_warm_cap_admits_a_warm_worker_over_the_hatch_only_within_its_long_run_s
     assert d.worker != "a"
     d = route(AffinityCachePolicy(memory_pages=0, warm_cap=0.0), 1000.0)  # no cap: the hatch rules
     assert d.worker != "a"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_load_bound_holds_on_every_decision(seed):
+    """The load bound (cap_all): whatever the request, the loads and what the index says, the
+    chosen worker's long-window work with this request's stays within warm_cap x the fleet mean +
+    slack mean requests' work, whenever any worker does; without the bound (cap_all=False) the
+    same stream breaks it (the hatch alone let one tenant's families pile up)."""
+    import random
+
+    from sglang_tiered.core.keys import chain_page_hashes
+
+    def run(cap_all: bool) -> tuple[int, int]:
+        rng = random.Random(seed)
+        ws = [f"w{i}" for i in range(12)]
+        fams = [[rng.randrange(50_000) for _ in range(rng.randrange(64, 600))] for _ in range(6)]
+        pol = AffinityCachePolicy(cap_all=cap_all, inflow_horizon=8)
+        checked = broken = 0
+        for i in range(1500):
+            tenant = "big" if rng.random() < 0.9 else f"t{rng.randrange(8)}"  # one tenant carries the traffic
+            fam = fams[rng.randrange(len(fams))]
+            tokens = fam[: rng.randrange(16, len(fam) + 1)] + [rng.randrange(50_000) for _ in range(rng.randrange(0, 80))]
+            hashes = chain_page_hashes(tenant.encode(), tokens, 16)
+            held = {w: 16 * rng.randrange(0, len(hashes) + 1) for w in ws if rng.random() < 0.3}
+            load = {w: float(rng.choice([0, 1, 2, 3])) for w in ws}
+            view = FleetView(ws, load, {w: 0.001 * load[w] for w in ws}, held if i % 7 else None)
+            req = RouteRequest(len(tokens), hashes, tenant, 16)
+            mview = pol._with_memory(req, view)
+            fits = {}  # judged before the route (the route adds its work to the window)
+            if pol._long.window:
+                under = pol._under_cap(req, mview, mview.matched or {}, room=True)
+                fits = {w: under(w) for w in ws}
+            d = pol.route(req, view)
+            if any(fits.values()):
+                checked += 1
+                broken += not fits[d.worker]
+        return checked, broken
+
+    checked, broken = run(True)
+    assert checked > 1000 and broken == 0
+    assert run(False)[1] > 0

@@ -53,6 +53,20 @@ Ours (``AffinityCachePolicy``), seed R2 + section 9.3, per request:
   and every multi-tenant cell at N = 8 and 44 came out above cache_aware, with work max/mean
   1.25 or less.
 
+* **The load bound** (``cap_all``, session 31): the same long-window test, with ``slack`` mean
+  requests' work of room, bounds every decision: a worker past it takes no request, home, warm or
+  fresh, while another worker is within it (``reason="cap"`` when it moves a cold choice). The
+  bound, by construction: after each request every worker's work over the window is at most
+  ``warm_cap`` x the fleet mean + ``slack`` x the mean request's work + one request, unless no
+  worker fitted (then the bound yields). Before it, only a warm worker over the hatch was capped,
+  and the hatch itself (view and share both over, its slack in whole requests against a share of
+  uncached work) let a worker reach about overload + slack / (horizon x (1 - hit rate)) of the
+  mean: work max/mean 1.34-1.60 at N = 44 on generated shapes where a few tenants carry the
+  traffic. Measured before/after in one run (README "Fleet simulator", session 31): those shapes
+  1.27-1.32 with hit rates -1.7 to +1.8 points; Mooncake and multi-tenant at N = 8 decide as
+  before, at N = 44 within half a point either way; the live bench's replica decides exactly as
+  before.
+
 * **Routing memory** (smg cache_aware's idea, under the index): the policy remembers the last
   worker it sent each page hash to (LRU, ``memory_pages``), and a worker's match is the longer of
   what the index says it holds and what was last sent there. The index says where a prefix *is*;
@@ -251,6 +265,16 @@ class AffinityCachePolicy:
     # mean. Measured (bench/fleet_sim.py, whole traces, session 22; module docstring): above
     # cache_aware in all 12 cells with work max/mean <= 1.25, where 0 lost 5 of them.
     warm_cap: float = 1.25
+    # The warm cap as a bound on every decision (True), not only as leave for a warm worker over
+    # the hatch (False, before session 31): a worker whose work over the inflow window, this
+    # request's included, would pass warm_cap x the fleet mean + ``slack`` mean requests' work
+    # takes no request (home, warm or fresh) while another worker stays within it. Why: the hatch
+    # trips only when the view and the share are both over, and its slack counts whole requests
+    # (prompt + decode) against a share of uncached work, so at a hit rate h it let a worker run
+    # to about overload + slack / (horizon x (1 - h)) of the mean: work max/mean 1.34-1.60 at N =
+    # 44 on generated shapes where one or a few tenants carry the traffic (hit rates 0.6-0.8).
+    # Measured before/after in one run (bench/fleet_sim.py, README "Fleet simulator", session 31).
+    cap_all: bool = True
     # What the hatch reads: "view", FleetView.load as given (live: requests in flight, an
     # instantaneous count; the simulator: a windowed work share); "share", this policy's own routed
     # work per worker (uncached prompt tokens it believed + decode_tokens per request) over the last
@@ -402,24 +426,33 @@ class AffinityCachePolicy:
         load = lambda w: view.load.get(w, 0.0)  # noqa: E731
         rank = lambda w: (load(w), order.get(w, n), w)  # noqa: E731
         over = self._hatch(view)
+        matched = (view.matched or {}) if self.use_index else {}
+        under_cap = self._under_cap(req, view, matched) if self.warm_cap else (lambda w: False)
+        # the load bound (cap_all): who may take this request at all, by its long-window work; when
+        # no worker fits, the bound yields (every choice below falls back to the unbounded one)
+        capped = self.cap_all and self.warm_cap and bool(self._long.window)
+        fits = self._under_cap(req, view, matched, room=True) if capped else (lambda w: True)
         # 1. the cold choice: the least loaded home; above cold_over x the mean (or over the
-        #    hatch: a spill) the least loaded worker
+        #    hatch: a spill; or past the load bound: "cap") the least loaded worker that fits
         choice, reason = min(homes, key=rank), "home"
         spill = over(choice)
-        if spill or load(choice) > self.cold_over * _mean_load(view):
-            choice, reason = min(workers, key=rank), ("spill" if spill else "cold")
+        cold = load(choice) > self.cold_over * _mean_load(view)
+        if spill or cold or not fits(choice):
+            pool = [w for w in workers if fits(w)] or workers
+            choice, reason = min(pool, key=rank), ("spill" if spill else "cold" if cold else "cap")
         # 2. locality (section 9.3): the worker the index says holds the longest prefix, under the
-        #    hatch, wins when the recompute it saves outweighs its extra queue delay
-        matched = (view.matched or {}) if self.use_index else {}
+        #    hatch (or within the warm cap) and the load bound, wins when the recompute it saves
+        #    outweighs its extra queue delay
         floor = max(1, self.warm_frac * req.prompt_tokens)
-        under_cap = self._under_cap(req, view, matched) if self.warm_cap else (lambda w: False)
         warm = [w for w, m in matched.items()
-                if m >= floor and w in view.load and (self.warm_over_hatch or not over(w) or under_cap(w))]  # fmt: skip
+                if m >= floor and w in view.load and fits(w)
+                and (self.warm_over_hatch or not over(w) or under_cap(w))]  # fmt: skip
         if fresh and self.use_index and not any(m >= floor for m in matched.values()):
             # 2'. new content (no worker holds warm_frac of it): to the worker whose cache takes the
             #     least inflow, under the hatch, so that every server's cache is under the same
             #     pressure (placing by work or by home left some servers' caches thrashing)
-            pool = [w for w in workers if not over(w)] or workers
+            fit = [w for w in workers if fits(w)] or workers  # the bound first, then the hatch
+            pool = [w for w in fit if not over(w)] or fit
             inflow = self._inflows.by_worker
             if self.fresh_by == "queue":
                 w = min(pool, key=lambda x: (view.queue_s.get(x, 0.0), inflow.get(x, 0), order.get(x, n), x))
@@ -435,9 +468,11 @@ class AffinityCachePolicy:
         return Decision(choice, spill=spill and reason == "spill", home=choice in order, reason=reason,
                         matched=matched.get(choice, 0))  # fmt: skip
 
-    def _under_cap(self, req: RouteRequest, view: FleetView, matched: dict) -> Callable[[str], bool]:
+    def _under_cap(self, req: RouteRequest, view: FleetView, matched: dict, room: bool = False) -> Callable[[str], bool]:
         """``warm_cap``'s test for one route: would ``w``'s long-window work, with this request's
-        work there, stay within warm_cap x the fleet mean of that window?"""
+        work there, stay within warm_cap x the fleet mean of that window (``room``: plus ``slack``
+        x the window's mean work per request, so that a young window, where one request is a
+        large part of a worker's share, does not split families by granularity alone)?"""
         by, ws = self._long.by_worker, view.workers
         total = None  # the window's work over the fleet: summed once, when a warm worker is over the hatch
 
@@ -448,7 +483,8 @@ class AffinityCachePolicy:
             if total is None:
                 total = sum(by.get(x, 0.0) for x in ws)
             work = max(0, req.prompt_tokens - matched.get(w, 0)) + self.decode_tokens
-            return by.get(w, 0.0) + work <= self.warm_cap * (total + work) / max(1, len(ws))
+            extra = self.slack * (total + work) / (len(self._long.window) + 1) if room else 0.0
+            return by.get(w, 0.0) + work <= self.warm_cap * (total + work) / max(1, len(ws)) + extra
 
         return under
 
