@@ -61,11 +61,12 @@ Ours (``AffinityCachePolicy``), seed R2 + section 9.3, per request:
   worker fitted (then the bound yields). Before it, only a warm worker over the hatch was capped,
   and the hatch itself (view and share both over, its slack in whole requests against a share of
   uncached work) let a worker reach about overload + slack / (horizon x (1 - hit rate)) of the
-  mean: work max/mean 1.34-1.60 at N = 44 on generated shapes where a few tenants carry the
+  mean: work max/mean up to 1.62 at N = 44 on generated shapes where a few tenants carry the
   traffic. Measured before/after in one run (README "Fleet simulator", session 31): those shapes
-  1.27-1.32 with hit rates -1.7 to +1.8 points; Mooncake and multi-tenant at N = 8 decide as
-  before, at N = 44 within half a point either way; the live bench's replica decides exactly as
-  before.
+  1.16-1.32 with hit rates -1.7 to +1.8 points (mean -0.2 on 1,200 requests, +0.1 on 4,800);
+  Mooncake and multi-tenant at N = 8 as before, at N = 44 within half a point either way (one
+  bar cell, multi-tenant seed 1, flips to 0.14 points under cache_aware); the live bench's
+  replica decides exactly as before.
 
 * **Routing memory** (smg cache_aware's idea, under the index): the policy remembers the last
   worker it sent each page hash to (LRU, ``memory_pages``), and a worker's match is the longer of
@@ -271,8 +272,8 @@ class AffinityCachePolicy:
     # takes no request (home, warm or fresh) while another worker stays within it. Why: the hatch
     # trips only when the view and the share are both over, and its slack counts whole requests
     # (prompt + decode) against a share of uncached work, so at a hit rate h it let a worker run
-    # to about overload + slack / (horizon x (1 - h)) of the mean: work max/mean 1.34-1.60 at N =
-    # 44 on generated shapes where one or a few tenants carry the traffic (hit rates 0.6-0.8).
+    # to about overload + slack / (horizon x (1 - h)) of the mean: work max/mean up to 1.62 at
+    # N = 44 on generated shapes where one or a few tenants carry the traffic.
     # Measured before/after in one run (bench/fleet_sim.py, README "Fleet simulator", session 31).
     cap_all: bool = True
     # What the hatch reads: "view", FleetView.load as given (live: requests in flight, an
