@@ -56,9 +56,12 @@ Ours (``AffinityCachePolicy``), seed R2 + section 9.3, per request:
 * **The load bound** (``cap_all``, session 31): the same long-window test, with ``slack`` mean
   requests' work of room, bounds every decision: a worker past it takes no request, home, warm or
   fresh, while another worker is within it (``reason="cap"`` when it moves a cold choice). The
-  bound, by construction: after each request every worker's work over the window is at most
-  ``warm_cap`` x the fleet mean + ``slack`` x the mean request's work + one request, unless no
-  worker fitted (then the bound yields). Before it, only a warm worker over the hatch was capped,
+  bound, by construction: a worker takes a request only if its work over the window, this
+  request's included (as the policy believes it: the prompt less what the index and the memory
+  say the worker holds), stays within ``warm_cap`` x the fleet mean + ``slack`` x the window's
+  mean work per request, unless no worker does (then the bound yields; as the window slides, a
+  worker that took nothing can still end up above it while the mean falls). Before it, only a
+  warm worker over the hatch was capped,
   and the hatch itself (view and share both over, its slack in whole requests against a share of
   uncached work) let a worker reach about overload + slack / (horizon x (1 - hit rate)) of the
   mean: work max/mean up to 1.62 at N = 44 on generated shapes where a few tenants carry the
@@ -475,7 +478,7 @@ class AffinityCachePolicy:
         x the window's mean work per request, so that a young window, where one request is a
         large part of a worker's share, does not split families by granularity alone)?"""
         by, ws = self._long.by_worker, view.workers
-        total = None  # the window's work over the fleet: summed once, when a warm worker is over the hatch
+        total = None  # the window's work over the fleet: summed once per route, when first asked
 
         def under(w: str) -> bool:
             nonlocal total
