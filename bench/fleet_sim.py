@@ -129,10 +129,14 @@ def diagnose(single_log, probe, served) -> dict:
 SHAPES = {"many": (64, 0.6), "skewed": (32, 1.2), "huge": (16, 2.5), "single": (1, 1.0)}
 
 
-def family_workload(name: str, limit: int, shape_requests: int = 1200):
+# A generated shape's length in the recorded runs: about 27 requests per server at N = 44, where
+# even round robin's work max/mean is 1.2-1.3 (--shape-requests sets it).
+SHAPE_REQUESTS = 1200
+
+
+def family_workload(name: str, limit: int, shape_requests: int = SHAPE_REQUESTS):
     """``family-<shape>-<seed>``: a generated workload with a fleet-relevant tenant shape, of at most
-    ``shape_requests`` requests (1,200, the recorded runs: about 27 per server at N = 44, where
-    even round robin's work max/mean is 1.2-1.3)."""
+    ``shape_requests`` requests."""
     from sglang_tiered.dev.workload_family import draw, generate
 
     _, shape, seed = name.split("-")
@@ -151,7 +155,7 @@ def total_device_tokens(name: str, reqs) -> int:
     return max(44 * int(1.25 * longest), int(0.03 * sum(len(t) for t, _ in reqs))) // PAGE * PAGE
 
 
-def load_workload(name: str, limit: int, seed: int, shape_requests: int = 1200):
+def load_workload(name: str, limit: int, seed: int, shape_requests: int = SHAPE_REQUESTS):
     if name.startswith("family-"):
         return [(r.tokens, r.tenant) for r in family_workload(name, limit, shape_requests)]
     if name in ("live", "live-long"):  # bench/fleet_live.py's workload, as the servers tokenize its text prompts
@@ -312,7 +316,7 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(ALL),
                     help="default: every policy in routing.POLICIES; also: " + ", ".join(EXTRA))
     ap.add_argument("--limit", type=int, default=4000, help="requests per workload (subsample: first N)")
-    ap.add_argument("--shape-requests", type=int, default=1200,
+    ap.add_argument("--shape-requests", type=int, default=SHAPE_REQUESTS,
                     help="requests of a generated shape (family-*), at most --limit")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seeds", type=int, nargs="+", help="several seeds in one run (multitenant, live); overrides --seed")

@@ -855,7 +855,7 @@ def test_load_bound_holds_on_every_decision(seed):
             mview = pol._with_memory(req, view)
             fits = {}  # judged before the route (the route adds its work to the window)
             if pol._long.window:
-                under = pol._under_cap(req, mview, mview.matched or {}, room=True)
+                under = pol._cap_tests(req, mview, mview.matched or {})[1]
                 fits = {w: under(w) for w in ws}
             d = pol.route(req, view)
             if any(fits.values()):

@@ -270,14 +270,7 @@ class AffinityCachePolicy:
     # cache_aware in all 12 cells with work max/mean <= 1.25, where 0 lost 5 of them.
     warm_cap: float = 1.25
     # The warm cap as a bound on every decision (True), not only as leave for a warm worker over
-    # the hatch (False, before session 31): a worker whose work over the inflow window, this
-    # request's included, would pass warm_cap x the fleet mean + ``slack`` mean requests' work
-    # takes no request (home, warm or fresh) while another worker stays within it. Why: the hatch
-    # trips only when the view and the share are both over, and its slack counts whole requests
-    # (prompt + decode) against a share of uncached work, so at a hit rate h it let a worker run
-    # to about overload + slack / (horizon x (1 - h)) of the mean: work max/mean up to 1.62 at
-    # N = 44 on generated shapes where one or a few tenants carry the traffic.
-    # Measured before/after in one run (bench/fleet_sim.py, README "Fleet simulator", session 31).
+    # the hatch (False, before session 31); why, and what it cost: the module docstring.
     cap_all: bool = True
     # What the hatch reads: "view", FleetView.load as given (live: requests in flight, an
     # instantaneous count; the simulator: a windowed work share); "share", this policy's own routed
@@ -431,11 +424,11 @@ class AffinityCachePolicy:
         rank = lambda w: (load(w), order.get(w, n), w)  # noqa: E731
         over = self._hatch(view)
         matched = (view.matched or {}) if self.use_index else {}
-        under_cap = self._under_cap(req, view, matched) if self.warm_cap else (lambda w: False)
-        # the load bound (cap_all): who may take this request at all, by its long-window work; when
-        # no worker fits, the bound yields (every choice below falls back to the unbounded one)
-        capped = self.cap_all and self.warm_cap and bool(self._long.window)
-        fits = self._under_cap(req, view, matched, room=True) if capped else (lambda w: True)
+        # the warm cap's leave over the hatch, and the load bound (cap_all): who may take this
+        # request at all; when no worker fits, every choice below falls back to the unbounded one
+        under_cap, fits = self._cap_tests(req, view, matched)
+        if not self.cap_all:
+            fits = lambda w: True  # noqa: E731
         # 1. the cold choice: the least loaded home; above cold_over x the mean (or over the
         #    hatch: a spill; or past the load bound: "cap") the least loaded worker that fits
         choice, reason = min(homes, key=rank), "home"
@@ -472,25 +465,44 @@ class AffinityCachePolicy:
         return Decision(choice, spill=spill and reason == "spill", home=choice in order, reason=reason,
                         matched=matched.get(choice, 0))  # fmt: skip
 
-    def _under_cap(self, req: RouteRequest, view: FleetView, matched: dict, room: bool = False) -> Callable[[str], bool]:
-        """``warm_cap``'s test for one route: would ``w``'s long-window work, with this request's
-        work there, stay within warm_cap x the fleet mean of that window (``room``: plus ``slack``
-        x the window's mean work per request, so that a young window, where one request is a
-        large part of a worker's share, does not split families by granularity alone)?"""
+    def _cap_tests(self, req: RouteRequest, view: FleetView, matched: dict) -> tuple[Callable[[str], bool], Callable[[str], bool]]:
+        """The two long-window tests of one route, sharing the window's fleet total and each
+        worker's figures (the cold choice, the warm workers and fresh placement ask about the same
+        workers): ``under_cap(w)``, would ``w``'s long-window work, with this request's work there,
+        stay within warm_cap x the fleet mean of that window (the warm cap's leave over the
+        hatch)? ``fits(w)``, the same plus ``slack`` x the window's mean work per request, so that
+        a young window, where one request is a large part of a worker's share, does not split
+        families by granularity alone (the load bound, ``cap_all``; always true while the window
+        is empty)."""
+        window = self._long.window
+        if not (self.warm_cap and window):
+            return (lambda w: False), (lambda w: True)
         by, ws = self._long.by_worker, view.workers
+        n, refs = max(1, len(ws)), len(window) + 1
         total = None  # the window's work over the fleet: summed once per route, when first asked
+        memo: dict = {}
 
-        def under(w: str) -> bool:
+        def sides(w: str) -> tuple:
+            """(w's window work with this request's, the cap, the room)."""
             nonlocal total
-            if not self._long.window:
-                return False
-            if total is None:
-                total = sum(by.get(x, 0.0) for x in ws)
-            work = max(0, req.prompt_tokens - matched.get(w, 0)) + self.decode_tokens
-            extra = self.slack * (total + work) / (len(self._long.window) + 1) if room else 0.0
-            return by.get(w, 0.0) + work <= self.warm_cap * (total + work) / max(1, len(ws)) + extra
+            got = memo.get(w)
+            if got is None:
+                if total is None:
+                    total = sum(by.get(x, 0.0) for x in ws)
+                work = max(0, req.prompt_tokens - matched.get(w, 0)) + self.decode_tokens
+                got = memo[w] = (by.get(w, 0.0) + work, self.warm_cap * (total + work) / n,
+                                 self.slack * (total + work) / refs)  # fmt: skip
+            return got
 
-        return under
+        def under_cap(w: str) -> bool:
+            have, cap, _ = sides(w)
+            return have <= cap
+
+        def fits(w: str) -> bool:
+            have, cap, room = sides(w)
+            return have <= cap + room
+
+        return under_cap, fits
 
 
 class WindowSums:
