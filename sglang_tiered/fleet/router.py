@@ -78,14 +78,14 @@ import json
 import logging
 import time
 from array import array
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes, client_extra_key
 from sglang_tiered.core.tenants import MAX_LABEL_CHARS, name_hash, tenant_label
 from sglang_tiered.fleet.index import LOOKUP_LUA, LookupConnection, alive_key, ckey_key, matched_from_lookup, page_key
-from sglang_tiered.fleet.routing import AffinityCachePolicy, FleetView, RouteRequest, token_affinity_key
+from sglang_tiered.fleet.routing import AffinityCachePolicy, Decision, FleetView, RouteRequest, token_affinity_key
 
 logger = logging.getLogger("sglang_tiered.router")
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -113,6 +113,23 @@ UPSTREAM_KEEPALIVE_S = 3.0
 MAX_HEADER_LINE = 65536
 MAX_HEADERS = 256
 LISTEN_BACKLOG = 2048
+# Routes that change every server's state go to every worker, and the answer is each worker's
+# (keyed by worker) with the worst status (review, session 32: through the router these reached
+# one worker, the least busy, so ``/abort_request`` went to a worker that did not run the request
+# and the generation ran to its end, and a weight or adapter update left the fleet mixed).
+FLEET_WIDE = frozenset(("/flush_cache", "/cache/invalidate", "/abort_request", "/pause_generation",
+                        "/continue_generation", "/update_weights_from_disk", "/update_weight_version",
+                        "/load_lora_adapter", "/unload_lora_adapter"))  # fmt: skip
+# SGLang's sessions (``/open_session``, then requests with ``session_params.id``) live in the one
+# server that opened them: the router remembers which (this many, the oldest forgotten first)
+SESSIONS_KEPT = 65536
+# A compressed request body is decoded to at most this many bytes (413 past it; ``max_body_mb``
+# when lower): a 1 MiB gzip upload that decodes to 1.1 GiB held the event loop for 12-16 s and
+# took the router to 2.1 GiB (review, session 32). SGLang itself does not decode request bodies.
+MAX_DECODED_MB = 16.0
+# The decisions log keeps a client's ``x-request-id`` up to this many characters (a 64 KiB id
+# per request made the 4,096 kept decisions 300 MiB: review, session 32)
+RID_CHARS = 128
 
 
 def _parse_body(raw: bytes):
@@ -406,9 +423,11 @@ class Router:
         if not max_body_mb > 0:
             raise ValueError(f"max_body_mb must be > 0, got {max_body_mb}")
         self.max_body = int(max_body_mb * (1 << 20))
+        self.decoded_limit = min(self.max_body, int(MAX_DECODED_MB * (1 << 20)))
         if not parse_limit_mb >= 0:
             raise ValueError(f"parse_limit_mb must be >= 0, got {parse_limit_mb}")
         self.parse_limit = int(parse_limit_mb * (1 << 20))
+        self.sessions: OrderedDict = OrderedDict()  # SGLang session id -> the worker that opened it
 
     # ------------------------------------------------------------------ setup
     async def start(self):
@@ -800,7 +819,7 @@ class Router:
 
         t0 = time.perf_counter()
         try:
-            raw = await read_body(request)
+            raw = await read_body(request, self.decoded_limit)
         except UnreadableBody as exc:
             return exc.response()
         if len(raw) > self.parse_limit:  # (PARSE_LIMIT_MB: parsing it would stall every stream)
@@ -843,19 +862,29 @@ class Router:
         tried: list[str] = []
         d = ws = None
         again = False
+        session = self._session_of(body)
         for attempt in range(3):
             if not again:
-                if len(tried) == 2:
+                # (with one worker, or a session's, there is no other worker: the third try went
+                # to the same one again, review session 32)
+                if len(tried) == 2 or (tried and (session or len(tried) >= len(self.workers))):
                     break
                 explain: Optional[dict] = {} if attempt == 0 else None
-                d = await self.choose(tokens, tenant, exclude=tried, explain=explain, label=label, extra_key=extra)
+                if session:
+                    d = Decision(session, reason="session")
+                    if explain is not None:
+                        explain.update(session=True)
+                else:
+                    d = await self.choose(tokens, tenant, exclude=tried, explain=explain, label=label,
+                                          extra_key=extra)  # fmt: skip
                 ws = self.workers[d.worker]
                 tried.append(d.worker)
                 if attempt == 0:
                     route_ms = (time.perf_counter() - t0) * 1e3
                     # the tenant as a digest: /router/decisions is open to anyone who can reach the
                     # router, and a cache_salt is the secret that keeps tenants apart (review, session 19)
-                    self.decisions.append({"rid": request.headers.get("x-request-id"), "tenant": tenant_digest(tenant),
+                    rid = request.headers.get("x-request-id")
+                    self.decisions.append({"rid": rid if rid is None else rid[:RID_CHARS], "tenant": tenant_digest(tenant),
                                            "tokens": len(tokens), **explain, "worker": d.worker, "reason": d.reason,
                                            "matched": d.matched, "route_ms": round(route_ms, 3)})  # fmt: skip
                     self.stats.requests += 1
@@ -867,7 +896,7 @@ class Router:
                     self.stats.route_ms_total += route_ms
             if attempt:
                 self.stats.retries += 1
-            session = self._fresh if again else self._proxy
+            conn = self._fresh if again else self._proxy
             again = False
             ws.routed += 1
             ws.inflight += 1
@@ -876,9 +905,9 @@ class Router:
             started_at = time.monotonic()
             resp = None
             try:
-                async with session.request(request.method, ws.url + request.path_qs, data=raw,
-                                           headers=headers) as up:  # fmt: skip
-                    resp = response_for(up)
+                async with conn.request(request.method, ws.url + request.path_qs, data=raw,
+                                        headers=headers) as up:  # fmt: skip
+                    resp = response_for(up, ws.url)
                     if self._is_admin(request):  # (with an admin key, worker URLs are for its holders)
                         resp.headers["x-sglang-tiered-worker"] = ws.url
                     if not await self._to_client(resp.prepare(request)):
@@ -908,13 +937,31 @@ class Router:
                     # session 29: a keep-alive race took healthy workers down); once more on a new
                     # connection, unless that is what just failed
                     self.stats.disconnects += 1
-                    again = session is self._proxy
-                logger.warning("router: %s failed (%s); %s", ws.url, exc,
-                               "giving up" if attempt == 2 or (len(tried) == 2 and not again) else "retrying")  # fmt: skip
+                    again = conn is self._proxy
+                last = attempt == 2 or (not again and (len(tried) == 2 or session or len(tried) >= len(self.workers)))
+                logger.warning("router: %s failed (%s); %s", ws.url, exc, "giving up" if last else "retrying")
             finally:
                 ws.finished(started_at, pending)
         self.stats.failed += 1
         return web.json_response({"error": {"message": "no worker could serve the request"}}, status=502)
+
+    def _session_of(self, body) -> Optional[str]:
+        """The worker that holds the request's SGLang session (``session_params.id``, opened
+        through this router), or None: routed as any request (a session the router did not see
+        opened, e.g. opened on a worker directly, is the worker's to refuse)."""
+        params = body.get("session_params") if isinstance(body, dict) else None
+        sid = params.get("id") if isinstance(params, dict) else None
+        if not isinstance(sid, str) or sid not in self.sessions:
+            return None
+        self.sessions.move_to_end(sid)
+        return self.sessions[sid]
+
+    def _worker_name(self, request, url: str) -> str:
+        """A worker as an answer names it: its URL for the admin key's holders (or with no admin
+        key), else its position in ``--workers`` (the URLs are for the key's holders)."""
+        if self._is_admin(request):
+            return url
+        return f"worker-{list(self.workers).index(url)}"
 
     async def _to_client(self, io) -> bool:
         """Await one write to the client (the headers, a chunk, the end); False when the client has
@@ -1043,13 +1090,13 @@ class Router:
     async def passthrough(self, request):
         """Every other route (``/v1/models``, ``/get_model_info``, ``/health_generate``,
         ``/v1/tokenize``, CORS preflights, ...): proxied as it is to one healthy worker (the least
-        busy), with no routing by cache; ``POST /flush_cache`` goes to every worker (review,
-        session 21: these were 404 or 405 through the router; the OpenAI SDK's
-        ``models.list()`` failed)."""
+        busy), with no routing by cache (review, session 21: these were 404 or 405 through the
+        router; the OpenAI SDK's ``models.list()`` failed). ``FLEET_WIDE`` routes go to every
+        worker; ``/close_session`` to the worker whose ``/open_session`` this router proxied."""
         from aiohttp import web
 
         try:
-            raw = await read_body(request)
+            raw = await read_body(request, self.decoded_limit)
         except UnreadableBody as exc:
             return exc.response()
         try:
@@ -1058,7 +1105,7 @@ class Router:
             return web.json_response({"error": {"message": str(exc)}}, status=400)
         live = [w for w in self.workers.values() if w.healthy] or list(self.workers.values())
         invalidate = request.path == "/cache/invalidate" and request.method == "POST"
-        fleet_wide = invalidate or request.path == "/flush_cache"
+        fleet_wide = request.path in FLEET_WIDE
         if invalidate:
             # every worker, with one T2 generation: they keep sharing the tenant's T2 pages after
             # it (each would take its own clock's), and none keeps serving what was invalidated
@@ -1093,13 +1140,36 @@ class Router:
             # else a down worker says (before, a bad body with a worker down was a 502)
             refused = [st for _, st, _ in res if 400 <= st < 500]
             status = min(refused) if refused else max(st for _, st, _ in res)
-            return web.json_response({u: {"status": st, "body": b} for u, st, b in res}, status=status)
+            return web.json_response({self._worker_name(request, u): {"status": st, "body": b} for u, st, b in res},
+                                     status=status)  # fmt: skip
         ws = min(live, key=lambda w: w.inflight)
+        sid = None
+        if request.path in ("/open_session", "/close_session"):
+            doc = _parse_body(raw)
+            sid = doc.get("session_id") if isinstance(doc, dict) else None
+            if request.path == "/close_session" and isinstance(sid, str) and sid in self.sessions:
+                ws = self.workers[self.sessions[sid]]
         resp = None
         try:
             async with self._proxy.request(request.method, ws.url + request.path_qs, data=raw,
                                            headers=headers, allow_redirects=False) as up:  # fmt: skip
-                resp = response_for(up)
+                resp = response_for(up, ws.url)
+                if request.path == "/open_session" and up.status == 200:
+                    # the session lives in this worker: its id (SGLang answers it as JSON) is
+                    # remembered, so that its requests and its close go there
+                    answer = await up.read()
+                    opened = _parse_body(answer)
+                    if isinstance(opened, str) and opened:
+                        self.sessions[opened] = ws.url
+                        self.sessions.move_to_end(opened)
+                        while len(self.sessions) > SESSIONS_KEPT:
+                            self.sessions.popitem(last=False)
+                    await resp.prepare(request)
+                    await resp.write(answer)
+                    await resp.write_eof()
+                    return resp
+                if request.path == "/close_session" and up.status == 200 and isinstance(sid, str):
+                    self.sessions.pop(sid, None)
                 await resp.prepare(request)
                 async for chunk in up.content.iter_any():
                     await resp.write(chunk)
@@ -1114,7 +1184,8 @@ class Router:
                 # body cut off by a dying worker reached the client as a whole one: review, session 29)
                 self.stats.failed += 1
                 raise
-            return web.json_response({"error": {"message": f"worker {ws.url}: {type(exc).__name__}"}}, status=502)
+            return web.json_response({"error": {"message": f"worker {self._worker_name(request, ws.url)}: "
+                                                           f"{type(exc).__name__}"}}, status=502)  # fmt: skip
 
     def app(self):
         from aiohttp import web
@@ -1167,19 +1238,25 @@ class Router:
 
 
 class UnreadableBody(ValueError):
-    """A request body aiohttp could not read (``read_body``)."""
+    """A request body aiohttp could not read, or one that decodes past its limit (``read_body``)."""
+
+    status = 400
 
     def response(self):
-        """A 400 that closes the connection: aiohttp's parser stopped inside this body, so the
-        connection cannot carry another request."""
+        """A 400 (413) that closes the connection: aiohttp's parser stopped inside this body, so
+        the connection cannot carry another request."""
         from aiohttp import web
 
-        resp = web.json_response({"error": {"message": str(self)}}, status=400)
+        resp = web.json_response({"error": {"message": str(self)}}, status=self.status)
         resp.force_close()
         return resp
 
 
-async def read_body(request) -> bytes:
+class BodyTooLarge(UnreadableBody):
+    status = 413
+
+
+async def read_body(request, decoded_limit: Optional[int] = None) -> bytes:
     """The request's body, decoded as its ``Content-Encoding`` says (aiohttp decodes gzip and
     deflate, and br with Brotli installed). ``UnreadableBody`` (a 400) for a body aiohttp cannot
     read: one that is not what its ``Content-Encoding`` says, or a broken chunked encoding. Before,
@@ -1189,8 +1266,20 @@ async def read_body(request) -> bytes:
     stream is marked ended, or aiohttp would read it again after the answer and log the error."""
     from aiohttp.web import RequestPayloadError
 
+    enc = request.headers.get("content-encoding", "").strip().lower()
     try:
-        return await request.read()
+        if decoded_limit is None or enc in ("", "identity"):
+            return await request.read()
+        # compressed: decoded a chunk at a time (aiohttp inflates as the reader asks), refused
+        # once past the limit; the rest is never inflated (the stream is ended, the connection closed)
+        body = bytearray()
+        async for chunk in request.content.iter_chunked(1 << 16):
+            body += chunk
+            if len(body) > decoded_limit:
+                request.content.feed_eof()
+                raise BodyTooLarge(f"the request body (Content-Encoding: {enc}) decodes to more than "
+                                   f"{decoded_limit} bytes, the router's limit for compressed bodies")  # fmt: skip
+        return bytes(body)
     except RequestPayloadError as exc:
         request.content.feed_eof()
         enc = request.headers.get("content-encoding")
@@ -1198,15 +1287,22 @@ async def read_body(request) -> bytes:
         raise UnreadableBody(f"cannot read the request body{f' (Content-Encoding: {enc})' if enc else ''}: {why}") from None
 
 
-def response_for(up):
+def response_for(up, origin: Optional[str] = None):
     """The client's response for a worker's answer ``up``: its status and its headers, less the
-    hop-by-hop ones (added, not set: two set-cookie stay two)."""
+    hop-by-hop ones (added, not set: two set-cookie stay two). A ``Location`` on the worker
+    ``origin`` becomes a path on the router: the worker builds it from the Host it was sent (its
+    own), so ``POST /generate/``'s redirect sent the client to the worker, past the router
+    (review, session 32)."""
     from aiohttp import web
 
     resp = web.StreamResponse(status=up.status)
     for k, v in up.headers.items():
-        if k.lower() not in HOP_RESPONSE_HEADERS:
-            resp.headers.add(k, v)
+        lk = k.lower()
+        if lk in HOP_RESPONSE_HEADERS:
+            continue
+        if lk == "location" and origin and (v == origin or v.startswith(origin + "/") or v.startswith(origin + "?")):
+            v = v[len(origin):] or "/"
+        resp.headers.add(k, v)
     return resp
 
 
