@@ -250,3 +250,66 @@ def test_fuzz_through_the_router_never_5xx(fleet):
     print("router fuzz (direct, routed):", sorted(Counter(seen).items(), key=str))
     status, body, _ = _post(router_url + "/generate", _prompt("after-fuzz", 0))
     assert status == 200 and body["text"] is not None
+
+
+def _call(url, payload, timeout=120):
+    """POST JSON; (status, parsed body or None, worker header), HTTP errors included."""
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST")
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            return r.status, (json.loads(raw) if raw else None), r.headers.get("x-sglang-tiered-worker")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()[:500], None
+
+
+def test_sessions_and_aborts_through_the_router(fleet):
+    """Review, session 32, on real servers: an SGLang session opened through the router keeps its
+    turns (each appended to the last by ``session_params.rid``) on the worker that opened it, each
+    turn's greedy output equals a plain request for the prompt the session built, and its close
+    reaches it; ``/abort_request`` through the router stops a generation wherever it runs (before:
+    the turns went wherever the cache sent them, "session id ... does not exist", and the abort
+    reached the least busy worker, not the generating one)."""
+    import threading
+
+    router = fleet["router"]
+    status, sid, _ = _call(router + "/open_session", {"capacity_of_str_len": 8192})
+    assert status == 200 and isinstance(sid, str), (status, sid)
+    prompt, prev, workers = [], None, set()
+    for i in range(4):
+        ids = [(7 * i + j) % 500 + 10 for j in range(40 + 10 * i)]
+        params = {"id": sid, **({"rid": prev} if prev else {})}
+        prev = f"sess-{sid}-{i}"
+        status, out, worker = _call(router + "/generate", {"input_ids": ids, "rid": prev, "session_params": params,
+                                                           "sampling_params": {"temperature": 0, "max_new_tokens": 6}})  # fmt: skip
+        assert status == 200, out
+        workers.add(worker)
+        prompt += ids
+        assert out["meta_info"]["prompt_tokens"] == len(prompt)
+        _, plain, _ = _call(worker + "/generate", {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 6}})
+        assert plain["output_ids"] == out["output_ids"], (i, plain["output_ids"], out["output_ids"])
+        prompt += out["output_ids"]
+    assert len(workers) == 1, workers
+    assert _call(router + "/close_session", {"session_id": sid})[0] == 200
+
+    # abort: a long generation through the router, aborted through the router
+    done = {}
+
+    def long_request():
+        done["out"] = _call(router + "/generate", {"text": "abort me " * 20, "rid": "abort-me-32",
+                                                   "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}},
+                            timeout=300)  # fmt: skip
+
+    t = threading.Thread(target=long_request)
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(1.5)
+    status, answer, _ = _call(router + "/abort_request", {"rid": "abort-me-32"})
+    # every worker got it: 200 from each live one (the fault test above killed one: 502 there)
+    assert status in (200, 502) and isinstance(answer, dict) and any(v["status"] == 200 for v in answer.values()), answer
+    t.join(timeout=120)
+    assert not t.is_alive() and time.monotonic() - t0 < 60
+    status, out, _ = done["out"]
+    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort", out
+    assert out["meta_info"]["completion_tokens"] < 3000
