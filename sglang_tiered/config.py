@@ -371,6 +371,30 @@ def check_server_args(cfg: TieredConfig, server_args, bigram_keys: bool = False)
         return int(getattr(server_args, name, 1) or 1)
 
     tp, pp, dp = arg("tp_size"), arg("pp_size"), arg("dp_size")
+    # SGLang options this backend does not take: before, each stopped a scheduler after the model
+    # loaded (the last) or was ignored without a word (the first: a 1,001-token prefix at priority
+    # 10 stayed in stock SGLang's cache and not in ours; a helper's hunt, session 32)
+    policy = getattr(server_args, "radix_eviction_policy", None) or "lru"
+    if policy != "lru" and not getattr(server_args, "_radix_eviction_policy_explicitly_set", True):
+        # a model's own serving default (SGLang sets priority for Qwen3-VL on large Hopper GPUs,
+        # unless the flag was given): the launch goes on, and says which order it keeps
+        import logging
+
+        logging.getLogger("sglang_tiered").warning(
+            "sglang-tiered: SGLang's model defaults chose --radix-eviction-policy %s; the tiered backend "
+            "keeps its own eviction order (give --radix-eviction-policy lru to silence this)", policy)
+    elif policy != "lru":
+        raise ConfigError(f"--radix-eviction-policy {policy} is not supported with --radix-cache-backend tiered, "
+                          "which brings its own eviction order (never below SGLang's lru by more than noise; "
+                          "README, 'The strict guarantee'): drop the flag, or set SGLANG_TIERED_GUARANTEE=leader "
+                          "to follow whichever of SGLang's lru, slru and lfu leads, or use SGLang's own backend")  # fmt: skip
+    if getattr(server_args, "enable_hierarchical_cache", False):
+        raise ConfigError("--radix-cache-backend tiered brings its own host tier (T1): drop "
+                          "--enable-hierarchical-cache (SGLANG_TIERED_HOST sizes T1)")  # fmt: skip
+    if getattr(server_args, "enable_streaming_session", False):
+        raise ConfigError("--enable-streaming-session is not supported with --radix-cache-backend tiered (SGLang "
+                          "runs streaming sessions on its own UnifiedRadixCache only): drop it; sessions without "
+                          "it work")  # fmt: skip
     t1 = cfg.host_mode != "off"
     if t1 and cfg.host_name is not None:
         for size, flag, why in ((pp, "--pp-size", "every pipeline stage would map the one segment with its own layers"),

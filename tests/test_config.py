@@ -132,6 +132,12 @@ def _args(**kw):
     ({"SGLANG_TIERED_T2": "mooncake://127.0.0.1:50051"}, {"pp_size": 2}, "T2 supports --pp-size 1 only"),
     ({"SGLANG_TIERED_TENANT_HEADER": "x-tenant-id"}, {"tokenizer_worker_num": 2}, "tenant isolation"),
     ({"SGLANG_TIERED_HOST": "on"}, {"pp_size": 2}, "T1 with --pp-size 2 is not supported"),
+    # (session 32: the first was ignored without a word, the others stopped a scheduler after the model loaded)
+    ({}, {"radix_eviction_policy": "priority", "_radix_eviction_policy_explicitly_set": True},
+     "--radix-eviction-policy priority is not supported"),
+    ({}, {"radix_eviction_policy": "slru"}, "SGLANG_TIERED_GUARANTEE=leader"),
+    ({}, {"enable_hierarchical_cache": True}, "drop --enable-hierarchical-cache"),
+    ({}, {"enable_streaming_session": True}, "--enable-streaming-session is not supported"),
 ])  # fmt: skip
 def test_server_args_that_make_an_option_unusable_stop_the_launch(env, args, says):
     """Review, session 18: these were turned off with a warning in every scheduler after the model
@@ -149,6 +155,10 @@ def test_server_args_that_leave_the_options_usable_pass():
     check_server_args(load_config({}), _args(dp_size=2, pp_size=2, tp_size=2, tokenizer_worker_num=4))  # auto: T1 off for PP
     check_server_args(load_config({"SGLANG_TIERED_HOST": "off", "SGLANG_TIERED_TENANT_HEADER": "x-t"}), _args(dp_size=2))
     check_server_args(load_config({}), object())  # attributes SGLang lacks count as 1
+    check_server_args(load_config({}), _args(radix_eviction_policy="lru", enable_hierarchical_cache=False,
+                                             enable_streaming_session=False))  # SGLang's defaults
+    # a model's serving default (not the flag: SGLang's Qwen3-VL override) warns, not stops
+    check_server_args(load_config({}), _args(radix_eviction_policy="priority", _radix_eviction_policy_explicitly_set=False))
 
 
 def test_the_launch_check_hook_target_exists_in_this_sglang():
