@@ -56,6 +56,19 @@ def _echo_worker(hits: list):
     return app
 
 
+@contextlib.asynccontextmanager
+async def _echo_router(hits: list, **kw):
+    """An ``_echo_worker`` behind a ``Router`` (no index, no load polls): yields (router, its URL)."""
+    w_runner, w_url = await _serve(_echo_worker(hits))
+    router = Router([w_url], None, load_poll_s=0, model_path="", **kw)
+    r_runner, r_url = await _serve(router.app())
+    try:
+        yield router, r_url
+    finally:
+        await r_runner.cleanup()
+        await w_runner.cleanup()
+
+
 async def _raw_post(url: str, header: bytes, body: bytes) -> bytes:
     """POST /generate with one header line as raw bytes (aiohttp's client sends only valid UTF-8)."""
     host, port = url.rsplit("/", 1)[1].split(":")

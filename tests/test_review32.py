@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from sglang_tiered.fleet.router import DECISIONS_KEPT, FLEET_WIDE, MAX_DECODED_MB, RID_CHARS, Router
-from tests.test_fleet_hardening import _echo_worker, _serve
+from tests.test_fleet_hardening import _echo_router, _serve
 
 
 def _session_worker(name: str, seen: list):
@@ -171,35 +171,29 @@ def test_a_compressed_body_decodes_to_a_bounded_size():
 
     async def main():
         hits: list = []
-        w_runner, w_url = await _serve(_echo_worker(hits))
-        router = Router([w_url], None, load_poll_s=0, model_path="")
-        r_runner, r_url = await _serve(router.app())
         bomb = gzip.compress(b'{"text": "' + b"a" * (64 << 20) + b'"}', compresslevel=9)
         small = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 1}}).encode()
-        try:
-            async with aiohttp.ClientSession() as s:
-                async def probe():
-                    t = time.perf_counter()
-                    async with s.post(r_url + "/generate", data=small) as resp:
-                        assert resp.status == 200
-                    return time.perf_counter() - t
+        async with _echo_router(hits) as (_, r_url), aiohttp.ClientSession() as s:
 
-                async def upload():
-                    async with s.post(r_url + "/generate", data=bomb, headers={"Content-Encoding": "gzip"}) as resp:
-                        return resp.status, (await resp.json())["error"]["message"]
-
-                up = asyncio.ensure_future(upload())
-                waits = [await probe() for _ in range(5)]
-                status, msg = await up
-                assert status == 413 and f"decodes to more than {int(MAX_DECODED_MB * (1 << 20))} bytes" in msg, msg
-                assert max(waits) < 5.0, waits
-                assert all(h["body_len"] == len(small) for h in hits)
-                async with s.post(r_url + "/generate", data=gzip.compress(small), headers={"Content-Encoding": "gzip"}) as resp:
+            async def probe():
+                t = time.perf_counter()
+                async with s.post(r_url + "/generate", data=small) as resp:
                     assert resp.status == 200
-                assert hits[-1]["body_len"] == len(small)
-        finally:
-            await r_runner.cleanup()
-            await w_runner.cleanup()
+                return time.perf_counter() - t
+
+            async def upload():
+                async with s.post(r_url + "/generate", data=bomb, headers={"Content-Encoding": "gzip"}) as resp:
+                    return resp.status, (await resp.json())["error"]["message"]
+
+            up = asyncio.ensure_future(upload())
+            waits = [await probe() for _ in range(5)]
+            status, msg = await up
+            assert status == 413 and f"decodes to more than {int(MAX_DECODED_MB * (1 << 20))} bytes" in msg, msg
+            assert max(waits) < 5.0, waits
+            assert all(h["body_len"] == len(small) for h in hits)
+            async with s.post(r_url + "/generate", data=gzip.compress(small), headers={"Content-Encoding": "gzip"}) as resp:
+                assert resp.status == 200
+            assert hits[-1]["body_len"] == len(small)
 
     asyncio.run(main())
 
@@ -243,17 +237,10 @@ def test_the_decisions_log_keeps_a_bounded_request_id():
 
     async def main():
         hits: list = []
-        w_runner, w_url = await _serve(_echo_worker(hits))
-        router = Router([w_url], None, load_poll_s=0, model_path="")
-        r_runner, r_url = await _serve(router.app())
-        try:
-            async with aiohttp.ClientSession() as s:
-                async with s.post(r_url + "/generate", json={"text": "x"}, headers={"x-request-id": "r" * 8000}) as resp:
-                    assert resp.status == 200
-            assert router.decisions[-1]["rid"] == "r" * RID_CHARS and DECISIONS_KEPT * RID_CHARS < 1 << 20
-            assert any(k.lower() == "x-request-id" and len(v) == 8000 for k, v in hits[-1]["headers"])
-        finally:
-            await r_runner.cleanup()
-            await w_runner.cleanup()
+        async with _echo_router(hits) as (router, r_url), aiohttp.ClientSession() as s:
+            async with s.post(r_url + "/generate", json={"text": "x"}, headers={"x-request-id": "r" * 8000}) as resp:
+                assert resp.status == 200
+        assert router.decisions[-1]["rid"] == "r" * RID_CHARS and DECISIONS_KEPT * RID_CHARS < 1 << 20
+        assert any(k.lower() == "x-request-id" and len(v) == 8000 for k, v in hits[-1]["headers"])
 
     asyncio.run(main())
