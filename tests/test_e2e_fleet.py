@@ -261,7 +261,11 @@ def _call(url, payload, timeout=120):
             raw = r.read()
             return r.status, (json.loads(raw) if raw else None), r.headers.get("x-sglang-tiered-worker")
     except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()[:500], None
+        raw = exc.read()
+        try:
+            return exc.code, json.loads(raw), None
+        except ValueError:
+            return exc.code, raw[:500], None
 
 
 def test_sessions_and_aborts_through_the_router(fleet):
