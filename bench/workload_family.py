@@ -169,6 +169,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.page_size < 1:
         raise SystemExit(f"--page-size must be >= 1, got {args.page_size}")
+    # (session 32, a helper's hunt: each of these was a traceback, in a worker or after the run)
+    if not all(0 < f <= 1 for f in args.fractions):  # (NaN fails too)
+        ap.error(f"--fractions are shares of the unique pages, each in (0, 1], got {args.fractions}")
+    if args.workers < 1 or args.n < 0:
+        ap.error(f"--workers must be >= 1 and --n >= 0, got {args.workers} and {args.n}")
+    if not args.from_partial and args.n == 0 and args.no_traces and not args.trace_file:
+        ap.error("nothing to run: --n 0 and --no-traces without a --trace-file")
     trace_replay.PAGE = args.page_size  # the workers fork after this and inherit it
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -196,6 +203,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     rows, params = [], {}
     if args.from_partial:
+        if not partial.is_file():
+            ap.error(f"--from-partial: {partial} does not exist (a run writes it as it goes)")
         for line in partial.read_text().splitlines():
             rec = json.loads(line)
             rows += rec["rows"]
@@ -240,12 +249,21 @@ def _override(kv: str):
     name, sep, value = kv.partition("=")
     if not sep:
         raise SystemExit(f"--policy takes FIELD=VALUE, got {kv!r}")
-    return name, ast.literal_eval(value)
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        raise SystemExit(f"--policy {kv!r}: the value is not a Python literal") from None
 
 
 def _policy_config(overrides: dict):
+    import dataclasses
+
     from sglang_tiered.core.policy import PolicyConfig
 
+    names = {f.name for f in dataclasses.fields(PolicyConfig)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise SystemExit(f"--policy: PolicyConfig has no field {', '.join(unknown)}")
     return PolicyConfig(**overrides) if overrides else None
 
 

@@ -108,6 +108,24 @@ def test_load_trace_shapes_and_errors(tmp_path):
     p.write_text("\n")
     with pytest.raises(ValueError, match="no requests"):
         load_trace(p)
+    # session 32 (a helper's hunt): these were tracebacks, or messages without the line
+    import gzip
+
+    good = b'{"input_ids": [1, 2, 3]}\n'
+    for data, msg in [(good + b'{"input_ids": [1], "tenant": "\xff"}\n', r"t.jsonl:2: not UTF-8"),
+                      (good + b"[" * 100_000 + b"\n", r"t.jsonl:2: not JSON"),
+                      (good + b'{"input_ids": [' + b"9" * 5000 + b"]}\n", r"t.jsonl:2: not JSON"),
+                      (good + b'{"input_ids": [1], "tenant": "\\ud800"}\n', r"t.jsonl:2: tenant must be"),
+                      (good + b'{"hash_ids": ["\\ud800"]}\n', r"t.jsonl:2: hash_ids holds")]:  # fmt: skip
+        p.write_bytes(data)
+        with pytest.raises(ValueError, match=msg):
+            load_trace(p)
+    z = tmp_path / "t.jsonl.gz"
+    whole = gzip.compress(good * 500)
+    for data in (whole[:-30], whole[:20] + b"\0" * 10 + whole[30:]):  # cut short; corrupt
+        z.write_bytes(data)
+        with pytest.raises(ValueError, match=r"t.jsonl.gz:\d+: cannot read the file on"):
+            load_trace(z)
 
 
 def test_kernel_bench_cpu(tmp_path):

@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import pathlib
+import zlib
 from array import array
 from dataclasses import dataclass
 
@@ -61,7 +62,8 @@ def load_trace(path, tokens_per_block: int = 16, block_size: int = 512, limit: i
 
     Optional on both: ``tenant`` (or ``cache_salt``), a string, the request's tenant (replayed as
     its cache salt: tenants never share entries); ``timestamp`` (ms); ``output_length``. A line
-    that is neither shape, or a bad field, raises ``ValueError`` naming the file and line."""
+    that is neither shape, or a bad field, raises ``ValueError`` naming the file and line, and so
+    does a line that is not UTF-8 or a compressed file cut short or corrupt."""
     if tokens_per_block < 1 or block_size < 1:
         raise ValueError(f"tokens_per_block and block_size must be >= 1, got {tokens_per_block}, {block_size}")
     path = pathlib.Path(path)
@@ -69,22 +71,29 @@ def load_trace(path, tokens_per_block: int = 16, block_size: int = 512, limit: i
     opener = gzip.open if path.suffix == ".gz" else open
     reqs: list[Request] = []
     cache: dict = {}
-    with opener(path, "rt") as f:
-        for lineno, line in enumerate(f, 1):
+    with opener(path, "rb") as f:
+        for lineno, raw_line in _lines(f, path):
             if limit is not None and len(reqs) >= limit:
                 break
+            where = f"{path.name}:{lineno}"
+            try:  # (each line decoded here: a byte that is not UTF-8 names its line)
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
             if not line.strip():
                 continue
-            where = f"{path.name}:{lineno}"
             try:
                 r = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+            except (ValueError, RecursionError) as exc:  # (an integer past 4,300 digits; nesting)
+                raise ValueError(f"{where}: not JSON this reader takes ({type(exc).__name__}: "
+                                 f"{str(exc)[:80] or 'nested too deep'})") from None  # fmt: skip
             if not isinstance(r, dict):
                 raise ValueError(f"{where}: a request is a JSON object, got {type(r).__name__}")
             tenant = r.get("tenant", r.get("cache_salt"))
-            if tenant is not None and not isinstance(tenant, str):
-                raise ValueError(f"{where}: tenant must be a string, got {tenant!r}")
+            if tenant is not None and (not isinstance(tenant, str) or not _utf8(tenant)):
+                raise ValueError(f"{where}: tenant must be a string (valid Unicode), got {tenant!r}")
             ids = r.get("hash_ids")
             if ids is not None:
                 if not isinstance(ids, list) or not ids:
@@ -94,7 +103,7 @@ def load_trace(path, tokens_per_block: int = 16, block_size: int = 512, limit: i
                     raise ValueError(f"{where}: input_length must be a positive integer, got {length!r}")
                 toks: list[int] = []
                 for j, h in enumerate(ids):
-                    if not isinstance(h, (int, str)) or isinstance(h, bool):
+                    if not isinstance(h, (int, str)) or isinstance(h, bool) or (isinstance(h, str) and not _utf8(h)):
                         raise ValueError(f"{where}: hash_ids holds {h!r} (ids are integers or strings)")
                     if h not in cache:
                         cache[h] = block_tokens(h, tokens_per_block)
@@ -122,6 +131,26 @@ def load_trace(path, tokens_per_block: int = 16, block_size: int = 512, limit: i
     if not reqs:
         raise ValueError(f"{path.name}: no requests")
     return reqs
+
+
+def _lines(f, path):
+    """(line number, bytes) of a trace file; a file that cannot be read on (a gzip cut short or
+    corrupt) raises ``ValueError`` naming it and the line it stopped at."""
+    lineno = 0
+    try:
+        for lineno, line in enumerate(f, 1):
+            yield lineno, line
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        raise ValueError(f"{path.name}:{lineno + 1}: cannot read the file on ({type(exc).__name__}: {exc})") from None
+
+
+def _utf8(text: str) -> bool:
+    """``text`` encodes as UTF-8 (JSON's \\ud800 escapes decode to lone surrogates, which do not)."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 class _Rng:
