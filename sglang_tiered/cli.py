@@ -53,6 +53,36 @@ def _redis_url(v: str) -> str:
     return v
 
 
+def _worker_url(v: str) -> str:
+    """A worker's base URL, ``http(s)://HOST:PORT`` (a trailing ``/`` dropped): before, ``ftp://x``
+    or ``notaurl`` started a router whose every request was a 502 (a helper's hunt, session 32)."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(v.strip())
+    try:
+        port = u.port  # (a port that is not a number, or past 65535, raises)
+    except ValueError:
+        port = 0
+    if (u.scheme.lower() not in ("http", "https") or not u.hostname or port == 0 or u.path not in ("", "/")
+            or u.query or u.fragment):
+        raise argparse.ArgumentTypeError(f"{v!r}: expected a worker's base URL, http://HOST:PORT")
+    return v.strip().rstrip("/")
+
+
+def _header_name(v: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", v):  # (as SGLANG_TIERED_TENANT_HEADER on the servers)
+        raise argparse.ArgumentTypeError(f"{v!r}: a header name is 1-64 letters, digits and '-'")
+    return v
+
+
+def _model_dir(v: str) -> str:
+    import os
+
+    if not os.path.isdir(v) or not os.path.isfile(os.path.join(v, "config.json")):
+        raise argparse.ArgumentTypeError(f"{v!r}: expected a local model folder (with its config.json and tokenizer)")
+    return v
+
+
 _PORT = _whole(1, 65535)
 _POSITIVE = _whole(1)
 
@@ -161,6 +191,10 @@ def _cmd_route(args: argparse.Namespace) -> int:
 
     from sglang_tiered.fleet.router import serve
 
+    twice = sorted({w for w in args.workers if args.workers.count(w) > 1})
+    if twice:
+        print(f"sglang-tiered route: --workers lists {', '.join(twice)} more than once", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     print(f"sglang-tiered router on http://{args.host}:{args.port} over {len(args.workers)} workers "
           f"(k={args.k}, index {args.redis or 'off'})", flush=True)
@@ -210,13 +244,14 @@ def main(argv: list[str] | None = None) -> int:
     from sglang_tiered.config import router_admin_key, worker_api_key
 
     r = sub.add_parser("route", help="tenant-affinity + cache-aware router over SGLang servers")
-    r.add_argument("--workers", nargs="+", required=True, help="worker URLs (also their ids in the index)")
+    r.add_argument("--workers", nargs="+", action="extend", type=_worker_url, required=True,
+                   help="worker URLs, http://HOST:PORT (also their ids in the index; repeatable)")
     r.add_argument("--redis", type=_redis_url, help="hint index, redis://127.0.0.1:PORT/DB (default: none: affinity + load)")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=_PORT, default=30100)
     r.add_argument("--k", type=_POSITIVE, default=1, help="minimum rendezvous homes per affinity key (hot keys get more)")
-    r.add_argument("--model", help="local model folder for the tokenizer (default: ask the workers)")
-    r.add_argument("--tenant-header", help="trusted tenant header (e.g. x-tenant-id); else cache_salt")
+    r.add_argument("--model", type=_model_dir, help="local model folder for the tokenizer (default: ask the workers)")
+    r.add_argument("--tenant-header", type=_header_name, help="trusted tenant header (e.g. x-tenant-id); else cache_salt")
     r.add_argument("--c-tok-us", type=_number(0.0), default=35.0, help="recompute microseconds per prompt token")
     r.add_argument("--page-size", type=_POSITIVE, default=None,
                    help="the servers' --page-size (default: read from their /server_info; 16 until one answers)")

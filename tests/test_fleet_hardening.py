@@ -57,10 +57,11 @@ def _echo_worker(hits: list):
 
 
 @contextlib.asynccontextmanager
-async def _echo_router(hits: list, **kw):
-    """An ``_echo_worker`` behind a ``Router`` (no index, no load polls): yields (router, its URL)."""
+async def _echo_router(hits: list, redis_url=None, **kw):
+    """An ``_echo_worker`` behind a ``Router`` (no load polls; no index unless ``redis_url``):
+    yields (router, its URL)."""
     w_runner, w_url = await _serve(_echo_worker(hits))
-    router = Router([w_url], None, load_poll_s=0, model_path="", **kw)
+    router = Router([w_url], redis_url, load_poll_s=0, model_path="", **kw)
     r_runner, r_url = await _serve(router.app())
     try:
         yield router, r_url

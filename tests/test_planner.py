@@ -42,3 +42,15 @@ def test_cli_prints_the_table():
                           "--params-b", "70", "--gpu", "h100", "--tp", "4"],
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert "327,680" in out and "35.4" in out and "9.3" in out and "nvme" in out
+
+
+def test_a_null_field_is_an_absent_one():
+    """``null`` in config.json (HF writes it for unset fields) is taken as absent, as the check
+    above it did; before, it passed the check and was then used (a traceback; session 32)."""
+    import pytest
+
+    base = {"num_attention_heads": 8, "hidden_size": 256, "num_hidden_layers": 4}
+    nulls = {**base, "num_key_value_heads": None, "intermediate_size": None, "vocab_size": None, "head_dim": None}
+    assert ModelShape.from_config(nulls) == ModelShape.from_config(base)
+    with pytest.raises(ValueError, match="lacks hidden_size"):
+        ModelShape.from_config({**base, "hidden_size": None})

@@ -274,3 +274,50 @@ def test_a_prompt_longer_than_the_pool_evicts_nothing_and_the_bound_holds():
     held = cache.evictable_size()
     out = cache.driver.run(reqs[79].tokens)
     assert not out.served and len(reqs[79].tokens) > CAP * PAGE and cache.evictable_size() == held
+
+
+def test_route_refuses_unusable_workers_headers_and_models(capsys, tmp_path):
+    """``sglang-tiered route`` with ``ftp://x``, ``notaurl`` or an empty worker started a router
+    whose every request was a 502; a worker listed twice became two; a second ``--workers`` replaced
+    the first; a header name the servers refuse, and a model path that is no model folder (a
+    Hugging Face message naming neither), went through. Each is now an argparse error (exit 2)."""
+    import pytest
+
+    from sglang_tiered.cli import _worker_url, main
+
+    for argv, says in [(["--workers", "ftp://x"], "worker's base URL"), (["--workers", "notaurl"], "worker's base URL"),
+                       (["--workers", ""], "worker's base URL"), (["--workers", "http://h:1/v1"], "worker's base URL"),
+                       (["--workers", "http://h:1", "--tenant-header", "x tenant"], "header name"),
+                       (["--workers", "http://h:1", "--model", str(tmp_path)], "local model folder")]:  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            main(["route", *argv])
+        assert exc.value.code == 2 and says in capsys.readouterr().err, argv
+    assert main(["route", "--workers", "http://h:1", "--workers", "http://h:1/"]) == 2
+    assert "more than once" in capsys.readouterr().err
+    assert _worker_url(" http://127.0.0.1:30000/ ") == "http://127.0.0.1:30000"
+
+
+def test_an_index_that_never_answers_is_said_and_not_counted_connected(caplog):
+    """``--redis`` at a port nobody listens on: the router logs why it routes without the index,
+    and its ``index_connected`` gauge reads 0 (before: nothing logged, and the gauge read 1)."""
+    import logging
+    import socket
+
+    async def main():
+        hits: list = []
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            dead = sock.getsockname()[1]
+        async with _echo_router(hits, redis_url=f"redis://127.0.0.1:{dead}/0") as (router, r_url):
+            async with aiohttp.ClientSession() as s:
+                async with s.post(r_url + "/generate", json={"text": "x"}) as resp:
+                    assert resp.status == 200
+            for _ in range(50):
+                if any("cannot read the servers' cache keys" in r.message for r in caplog.records):
+                    break
+                await asyncio.sleep(0.1)
+            assert "sglang_tiered_router_index_connected 0" in router.metrics_text()
+
+    with caplog.at_level(logging.WARNING, logger="sglang_tiered.router"):
+        asyncio.run(main())
+    assert any("cannot read the servers' cache keys" in r.message for r in caplog.records)

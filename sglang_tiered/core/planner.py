@@ -42,12 +42,17 @@ class ModelShape:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 # (a 0 divided, a string raised, a negative printed negative times: review, session 23)
                 raise ValueError(f"the model config's {name} must be a whole number >= 1, got {v!r}")
+        # null is absent (it passed the check above, then was used: a traceback; session 32)
+        cfg = {k: v for k, v in cfg.items() if v is not None}
+        missing = [n for n in ("num_attention_heads", "hidden_size", "num_hidden_layers") if n not in cfg]
+        if missing:
+            raise ValueError(f"the model config lacks {', '.join(missing)}")
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // heads
         kv_heads = cfg.get("num_key_value_heads", heads)
         layers = cfg["num_hidden_layers"]
-        return cls(layers, kv_heads, head_dim, params if params is not None else estimate_params(cfg))
+        return cls(layers, kv_heads, head_dim, params if params is not None else estimate_params(cfg))  # (cfg: no nulls)
 
 
 def estimate_params(cfg: dict) -> float:

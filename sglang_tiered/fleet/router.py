@@ -408,6 +408,7 @@ class Router:
         self._seeds: dict = {}  # CacheKey -> {namespace memo: seed} (bounded)
         self._memory_seeds: dict = {}
         self._ckey_task = None
+        self._ckey_warned_at = -1e9
         self._redis = None
         self._redis_down_until = 0.0
         self._slow_lookups = 0  # timeouts in a row
@@ -677,8 +678,15 @@ class Router:
                 if self.cache_key is not None and self._lookup_conn is None and not loaded:  # (it loads its own)
                     await asyncio.wait_for(self._redis.script_load(LOOKUP_LUA), 2.0)
                     loaded = True
-            except Exception:  # noqa: BLE001 - Redis down or slow: try again
-                pass
+            except Exception as exc:  # noqa: BLE001 - Redis down or slow: try again
+                # said, once a minute at most (before: a refused or wrong --redis was silent, and
+                # the router routed without the index for good; a helper's hunt, session 32)
+                now = time.monotonic()
+                if now >= self._ckey_warned_at + 60.0:
+                    self._ckey_warned_at = now
+                    logger.warning("router: cannot read the servers' cache keys from the index %s (%s: %s); "
+                                   "routing by affinity and load until it answers", self.redis_url,
+                                   type(exc).__name__, exc)  # fmt: skip
             # until every worker's key is known, soon; then every KEY_REFRESH_S (a weight update
             # re-seeds a server's key; until the router reads it, that server's pages do not match)
             known = len(self.cache_keys) == len(self.workers)
@@ -1078,7 +1086,8 @@ class Router:
         metric("worker_healthy", "gauge", "1 while the worker is in the routing set",
                [((("worker", w),), 1 if x.healthy else 0) for w, x in ws])  # fmt: skip
         metric("index_connected", "gauge", "1 while the index is in use",
-               [((), 1 if self._redis is not None and time.monotonic() >= self._redis_down_until else 0)])  # fmt: skip
+               [((), 1 if self._redis is not None and self.cache_key is not None  # (keys read: it answered)
+                      and time.monotonic() >= self._redis_down_until else 0)])  # fmt: skip
         return "\n".join(out) + "\n"
 
     def _upstream_headers(self, request) -> list:
