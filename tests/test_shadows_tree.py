@@ -35,7 +35,8 @@ def _tree_hits(reqs, cap_pages: int, policy: str) -> list[int]:
         seed = hashlib.blake2b((r.tenant or "").encode(), digest_size=16).digest()
         pages = chain_page_hashes(seed, r.tokens, PAGE)
         hits = sh.run(pages, tail=int(len(r.tokens) % PAGE > 0))
-        # a request bigger than the cache: SGLang's driver evicts for it, then cannot serve it
+        # a request bigger than the cache: neither the driver nor the shadow serves it or evicts for
+        # it (SGLang's PrefillAdder leaves it waiting; session 32)
         out.append(0 if len(pages) + (len(r.tokens) % PAGE > 0) > cap_pages else hits)
         sh.check()
     return out
@@ -121,7 +122,8 @@ class TreeShadowMachine(RuleBasedStateMachine):
         pages = chain_page_hashes(seed, toks, PAGE)
         tail = int(len(toks) % PAGE > 0)
         got = self.sh.run(pages, tail=tail)
-        # a request bigger than the cache: SGLang's driver evicts for it, then cannot serve it
+        # a request bigger than the cache: neither the driver nor the shadow serves it or evicts for
+        # it (SGLang's PrefillAdder leaves it waiting; session 32)
         assert (0 if len(pages) + tail > self.cap else got) == want
 
     @invariant()

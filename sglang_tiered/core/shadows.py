@@ -450,9 +450,14 @@ class TreeShadow:
         last = path[-1] if path else self.root
         self._set_lock(last, 1)
         need = len(pages) - matched + tail
-        if need > self.cap - self.used:
+        # SGLang takes a request only when it fits the free and evictable pages (PrefillAdder; the
+        # replay driver does the same since session 32): only this request's path is locked here,
+        # so one fits when the whole of it fits the cache, and one that does not evicts nothing
+        # (before, it evicted everything and then did not fit, as the driver did)
+        fits = len(pages) + tail <= self.cap
+        if fits and need > self.cap - self.used:
             self._evict(need - (self.cap - self.used))
-        if need <= self.cap - self.used:
+        if fits and need <= self.cap - self.used:
             # SGLang's insert (touches the matched path and counts a hit on each node ending
             # beyond ``start``), then checkpoint's re-match (touches it again). The path is locked
             # since the match, so both walk the nodes of ``path``; only the last touch survives
