@@ -871,11 +871,15 @@ class Router:
         d = ws = None
         again = False
         session = self._session_of(body)
+
+        def no_other() -> bool:
+            """No other worker left to try: two tried, or the only one (a session's, or the
+            fleet's; the third try went to the same one again, review session 32)."""
+            return len(tried) == 2 or (bool(tried) and (bool(session) or len(tried) >= len(self.workers)))
+
         for attempt in range(3):
             if not again:
-                # (with one worker, or a session's, there is no other worker: the third try went
-                # to the same one again, review session 32)
-                if len(tried) == 2 or (tried and (session or len(tried) >= len(self.workers))):
+                if no_other():
                     break
                 explain: Optional[dict] = {} if attempt == 0 else None
                 if session:
@@ -946,7 +950,7 @@ class Router:
                     # connection, unless that is what just failed
                     self.stats.disconnects += 1
                     again = conn is self._proxy
-                last = attempt == 2 or (not again and (len(tried) == 2 or session or len(tried) >= len(self.workers)))
+                last = attempt == 2 or (not again and no_other())
                 logger.warning("router: %s failed (%s); %s", ws.url, exc, "giving up" if last else "retrying")
             finally:
                 ws.finished(started_at, pending)
@@ -1153,10 +1157,10 @@ class Router:
                                      status=status)  # fmt: skip
         ws = min(live, key=lambda w: w.inflight)
         sid = None
-        if request.path in ("/open_session", "/close_session"):
+        if request.path == "/close_session":
             doc = _parse_body(raw)
             sid = doc.get("session_id") if isinstance(doc, dict) else None
-            if request.path == "/close_session" and isinstance(sid, str) and sid in self.sessions:
+            if isinstance(sid, str) and sid in self.sessions:
                 ws = self.workers[self.sessions[sid]]
         resp = None
         try:
