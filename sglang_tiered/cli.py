@@ -70,7 +70,9 @@ def _worker_url(v: str) -> str:
 
 
 def _header_name(v: str) -> str:
-    if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", v):  # (as SGLANG_TIERED_TENANT_HEADER on the servers)
+    from sglang_tiered.config import HEADER_NAME
+
+    if not HEADER_NAME.fullmatch(v):  # (as SGLANG_TIERED_TENANT_HEADER on the servers)
         raise argparse.ArgumentTypeError(f"{v!r}: a header name is 1-64 letters, digits and '-'")
     return v
 

@@ -102,6 +102,7 @@ OTHER_NAMES = {
     "SGLANG_TIERED_ROUTER_ADMIN_KEY": "sglang-tiered route --admin-api-key (the router's, not a server's)",
 }
 PREFIX = "SGLANG_TIERED_"
+HEADER_NAME = re.compile(r"[A-Za-z0-9-]{1,64}")  # a tenant header's name (the servers' and the router's)
 
 
 class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -184,7 +185,7 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.host_name is not None and self.host_name.endswith((".json", ".lock", ".init")):
             # T1 "x" keeps its layout, owner and open lock in "x.json", "x.lock" and "x.init"
             _bad("host_name", self.host_name, "a name ending in .json, .lock or .init is another T1's file")
-        if self.tenant_header is not None and not re.fullmatch(r"[A-Za-z0-9-]{1,64}", self.tenant_header):
+        if self.tenant_header is not None and not HEADER_NAME.fullmatch(self.tenant_header):
             _bad("tenant_header", self.tenant_header, "not a valid header name")
         if self.tenant_labels not in (None, "hashed", "raw"):
             _bad("tenant_labels", self.tenant_labels, "expected hashed or raw")
