@@ -36,7 +36,8 @@ Fail fast (``load_config``): any other ``SGLANG_TIERED_*`` name is refused with 
 one (a mistyped ``SGLANG_TIERED_HOST_GBS`` would otherwise leave T1 at its default size, silently),
 and so is an option that does nothing in the chosen setup: ``SERVER_ID`` or ``INDEX_TTL_S``
 without ``INDEX_URL``, ``STORE_QUEUE_PAGES`` with ``STORE=sync``, a T1 size or name with
-``HOST=off``, and ``HOST_RATIO`` beside ``HOST_GB`` (which overrides it).
+``HOST=off``, and ``HOST_RATIO`` beside ``HOST_GB`` (which overrides it). An option set to an
+empty or blank value is the same as one left unset, for every option (``SGLANG_TIERED_X= cmd``).
 """
 
 from __future__ import annotations
@@ -241,8 +242,16 @@ def _whole(field: str, value, lo: int, hi: int) -> None:
         _bad(field, value, _whole_why(lo, hi))
 
 
+def _given(env, field: str) -> Optional[str]:
+    """``field``'s variable, stripped; None when unset, empty or blank. One rule for every option:
+    ``SGLANG_TIERED_X= cmd`` is the same as leaving X unset (some options took an empty value as
+    unset and others refused it; a helper's hunt, session 32)."""
+    v = env.get(ENV[field])
+    return (v.strip() or None) if v is not None else None
+
+
 def _pages(env, field: str, lo: int, hi: int) -> Optional[int]:
-    v = env.get(ENV[field], "").strip()
+    v = _given(env, field) or ""
     if v and not (v.isascii() and v.isdigit()):  # (str.isdigit takes "²", which int() refuses)
         raise ConfigError(f"{ENV[field]}={v!r}: {_whole_why(lo, hi)}")
     return int(v) if v else None
@@ -267,8 +276,8 @@ def _physical_gb() -> float | None:
 
 
 def _float(env, field: str) -> Optional[float]:
-    v = env.get(ENV[field])
-    if v is None or v.strip() == "":
+    v = _given(env, field)
+    if v is None:
         return None
     try:
         return float(v)
@@ -277,18 +286,18 @@ def _float(env, field: str) -> Optional[float]:
 
 
 def _text(env, field: str) -> Optional[str]:
-    return env.get(ENV[field]) or None
+    return _given(env, field)
 
 
 def _on_off(env, field: str, default: str) -> bool:
-    v = env.get(ENV[field], default).strip().lower()
+    v = (_given(env, field) or default).lower()
     if v not in ("on", "off"):
         raise ConfigError(f"{ENV[field]}={v!r}: expected on or off")
     return v == "on"
 
 
 def _t2(env) -> Optional[T2Config]:
-    url = (env.get(ENV["t2"]) or "").strip()
+    url = _given(env, "t2") or ""
     if not url:
         return None
     try:
@@ -301,12 +310,12 @@ def load_config(env=None) -> TieredConfig:
     """Parse the environment (``os.environ`` unless given) into a validated ``TieredConfig``."""
     env = os.environ if env is None else env
     _check_names(env)
-    debug = env.get(ENV["debug"], "0").strip()
+    debug = _given(env, "debug") or "0"
     if debug not in ("0", "1"):
         raise ConfigError(f"SGLANG_TIERED_DEBUG={debug!r}: expected 0 or 1")
-    labels = (env.get(ENV["tenant_labels"]) or "").strip().lower() or None
+    labels = (_given(env, "tenant_labels") or "").lower() or None
     fields = {
-        "host_mode": env.get(ENV["host_mode"], "auto").strip().lower(),
+        "host_mode": (_given(env, "host_mode") or "auto").lower(),
         "host_ratio": _float(env, "host_ratio"),
         "host_gb": _float(env, "host_gb"),
         "host_name": _text(env, "host_name"),
@@ -314,14 +323,14 @@ def load_config(env=None) -> TieredConfig:
         "tenant_labels": labels,
         "identity_versions": _on_off(env, "identity_versions", "on"),
         "debug": debug == "1",
-        "store": env.get(ENV["store"], "async").strip().lower(),
+        "store": (_given(env, "store") or "async").lower(),
         "store_queue_pages": _pages(env, "store_queue_pages", 1, MAX_STORE_QUEUE_PAGES),
         "index_url": _text(env, "index_url"),
         "server_id": _text(env, "server_id"),
         "index_ttl_s": _float(env, "index_ttl_s"),
         "t2": _t2(env),
         "prefix_attention": _on_off(env, "prefix_attention", "off"),
-        "guarantee": env.get(ENV["guarantee"], "strict").strip().lower(),
+        "guarantee": (_given(env, "guarantee") or "strict").lower(),
         "lru_tree_pages": _pages(env, "lru_tree_pages", 0, MAX_LRU_TREE_PAGES),
     }
     cfg = TieredConfig(**{k: v for k, v in fields.items() if v is not None or k in ("host_gb", "tenant_labels")})
@@ -343,10 +352,10 @@ def _check_names(env) -> None:
         raise ConfigError(f"{name} is not an sglang-tiered option{hint}; the options: {', '.join(ENV.values())}")
 
     def given(field: str) -> bool:
-        return bool((env.get(ENV[field]) or "").strip())
+        return _given(env, field) is not None
 
     def value(field: str, default: str) -> str:
-        return (env.get(ENV[field]) or default).strip().lower()
+        return (_given(env, field) or default).lower()
 
     useless = []
     if not given("index_url"):
@@ -477,7 +486,7 @@ def shm_dir(env=None) -> pathlib.Path:
     """Directory of named T1 segments and their lock files (a tmpfs): ``SGLANG_TIERED_SHM_DIR``,
     default /dev/shm. Read once, when tier/host_pool.py is imported."""
     env = os.environ if env is None else env
-    return pathlib.Path(env.get("SGLANG_TIERED_SHM_DIR") or "/dev/shm")
+    return pathlib.Path((env.get("SGLANG_TIERED_SHM_DIR") or "").strip() or "/dev/shm")
 
 
 # Routes SGLang lets the operator rename (sglang/srt/entrypoints/http_server.py: Vertex's predict

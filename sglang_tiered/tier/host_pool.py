@@ -122,6 +122,45 @@ def _meta_path(name: str) -> pathlib.Path:
     return SHM_DIR / f"sglang-tiered-{name}.json"
 
 
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
+
+
+def filesystem_type(path: pathlib.Path, mounts: str = "/proc/mounts") -> str | None:
+    """The type of the filesystem that holds ``path`` (its longest mount point in ``mounts``);
+    None where that cannot be read."""
+    try:
+        real = os.path.realpath(path)
+        best, kind = "", None
+        with open(mounts, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                point = parts[1].replace("\\040", " ")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, parts[2]
+        return kind
+    except OSError:
+        return None
+
+
+_warned_fs: set = set()
+
+
+def warn_unless_memory(directory: pathlib.Path) -> None:
+    """A named T1 is a file in ``directory``: on a disk filesystem it still works, but its pages
+    are written back to the disk and survive a reboot. Said once per directory (a helper's hunt,
+    session 32: SGLANG_TIERED_SHM_DIR was taken without a look)."""
+    kind = filesystem_type(directory)
+    if kind is None or kind in MEMORY_FILESYSTEMS or directory in _warned_fs:
+        return
+    _warned_fs.add(directory)
+    logger.warning("sglang-tiered: named T1 segments are kept in %s, on a %s filesystem, not in memory "
+                   "(tmpfs): T1's pages are written back to disk; set SGLANG_TIERED_SHM_DIR to a tmpfs "
+                   "such as /dev/shm", directory, kind)  # fmt: skip
+
+
 def acquire_owner(name: str, export: bool = False) -> str:
     """Take exclusive ownership of the named T1 for this process (and, with ``export``, for the
     processes it starts, through ``OWNER_ENV``). Idempotent per process. Raises
@@ -134,6 +173,7 @@ def acquire_owner(name: str, export: bool = False) -> str:
     path = _lock_path(name)
     try:
         SHM_DIR.mkdir(parents=True, exist_ok=True)
+        warn_unless_memory(SHM_DIR)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         raise HostPoolError(f"cannot open T1 lock {path}: {exc}") from exc

@@ -1,0 +1,59 @@
+"""Session 33: what the hunts of session 32 left out, and what this session's hunts found."""
+
+import logging
+import pathlib
+
+import pytest
+
+from sglang_tiered import config
+from sglang_tiered.config import ENV, load_config
+
+
+@pytest.mark.parametrize("field", sorted(ENV))
+@pytest.mark.parametrize("blank", ["", "  ", "\t"])
+def test_an_empty_option_is_the_same_as_an_unset_one(field, blank):
+    # one rule for every option (some took "" as unset, others refused it: SGLANG_TIERED_DEBUG=,
+    # SGLANG_TIERED_HOST=, SGLANG_TIERED_STORE=, SGLANG_TIERED_GUARANTEE=, the on/off options)
+    assert load_config({ENV[field]: blank}) == load_config({})
+
+
+def test_an_empty_option_beside_its_overrider_is_not_called_useless():
+    # HOST_RATIO= beside HOST_GB, SERVER_ID= without an index: set to nothing, they do nothing
+    load_config({ENV["host_gb"]: "1", ENV["host_ratio"]: ""})
+    load_config({ENV["server_id"]: " "})
+
+
+def test_a_blank_shm_dir_is_the_default():
+    assert config.shm_dir({"SGLANG_TIERED_SHM_DIR": "  "}) == pathlib.Path("/dev/shm")
+
+
+def test_the_filesystem_of_a_path_is_its_longest_mount_point(tmp_path):
+    from sglang_tiered.tier.host_pool import filesystem_type
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text("overlay / overlay rw 0 0\n"
+                      "tmpfs /dev/shm tmpfs rw 0 0\n"
+                      "/dev/sda1 /dev/shm/disk ext4 rw 0 0\n"
+                      "tmpfs /mnt/with\\040space tmpfs rw 0 0\n"
+                      "short\n")  # fmt: skip
+    assert filesystem_type(pathlib.Path("/dev/shm"), str(mounts)) == "tmpfs"
+    assert filesystem_type(pathlib.Path("/dev/shm/x"), str(mounts)) == "tmpfs"
+    assert filesystem_type(pathlib.Path("/dev/shm/disk/y"), str(mounts)) == "ext4"
+    assert filesystem_type(pathlib.Path("/dev/shmx"), str(mounts)) == "overlay"
+    assert filesystem_type(pathlib.Path("/mnt/with space/t1"), str(mounts)) == "tmpfs"
+    assert filesystem_type(pathlib.Path("/"), str(tmp_path / "absent")) is None
+
+
+def test_a_named_t1_on_a_disk_filesystem_is_said_once(tmp_path, monkeypatch, caplog):
+    from sglang_tiered.tier import host_pool as hp
+
+    kinds = {tmp_path / "disk": "ext4", tmp_path / "mem": "tmpfs"}
+    monkeypatch.setattr(hp, "filesystem_type", lambda p, mounts="/proc/mounts": kinds[p])
+    monkeypatch.setattr(hp, "_warned_fs", set())
+    with caplog.at_level(logging.WARNING, logger="sglang_tiered"):
+        hp.warn_unless_memory(tmp_path / "mem")
+        assert not caplog.records
+        hp.warn_unless_memory(tmp_path / "disk")
+        hp.warn_unless_memory(tmp_path / "disk")
+    assert len(caplog.records) == 1
+    assert "ext4" in caplog.text and "SGLANG_TIERED_SHM_DIR" in caplog.text
