@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import pathlib
 import platform
 import subprocess
@@ -308,6 +309,28 @@ def run_workload(wl: str, seed: int, args, trace) -> list:
     return rows
 
 
+def _check_args(ap, args) -> None:
+    """Bad arguments stop with a usage message, not a traceback mid-run (a helper's hunt, session 32:
+    --ns 0 and --rho 0 were tracebacks)."""
+    known = ("both", "mooncake", "multitenant", "live", "live-long")
+    for w in args.workload:
+        parts = w.split("-")
+        family = len(parts) == 3 and parts[0] == "family" and parts[1] in SHAPES and parts[2].isdigit()
+        if w not in known and not family:
+            ap.error(f"--workload {w!r}: expected one of {', '.join(known)} or family-<shape>-<seed> "
+                     f"(shapes: {', '.join(SHAPES)}; seed a whole number)")  # fmt: skip
+    if not args.ns or min(args.ns) < 1:
+        ap.error(f"--ns: server counts must be >= 1, got {args.ns}")
+    if args.limit < 1 or args.shape_requests < 1:
+        ap.error(f"--limit and --shape-requests must be >= 1, got {args.limit} and {args.shape_requests}")
+    if not (math.isfinite(args.rho) and args.rho > 0):
+        ap.error(f"--rho is a utilisation, finite and > 0, got {args.rho}")
+    if not (math.isfinite(args.host_ratio) and args.host_ratio >= 0):
+        ap.error(f"--host-ratio is T1 pages per device page, finite and >= 0, got {args.host_ratio}")
+    if args.clients < 0:
+        ap.error(f"--clients must be >= 0 (0: open loop), got {args.clients}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", nargs="+", default=["both"],
@@ -329,6 +352,7 @@ def main(argv=None) -> int:
     ap.add_argument("--diagnose", action="store_true",
                     help="per request, against the single server (run N = 1 first): routing vs capacity loss")
     args = ap.parse_args(argv)
+    _check_args(ap, args)
     wls = [w for x in args.workload for w in (["mooncake", "multitenant"] if x == "both" else [x])]
     rows, trace = [], ([] if args.trace else None)
     for wl in wls:

@@ -172,6 +172,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--name", default="trace_replay")
     args = ap.parse_args(argv)
+    # bad arguments stop with a usage message, not a traceback mid-run (a helper's hunt, session 32)
+    if not args.fractions or not all(0 < f <= 1 for f in args.fractions):  # (NaN fails both)
+        ap.error(f"--fractions are shares of the unique pages, each in (0, 1], got {args.fractions}")
+    if args.limit is not None and args.limit < 1:
+        ap.error(f"--limit must be >= 1, got {args.limit}")
+    if not 0 <= args.mooncake_from < 1:
+        ap.error(f"--mooncake-from is a fraction of the trace in [0, 1), got {args.mooncake_from}")
+    if args.timing_runs < 0:
+        ap.error(f"--timing-runs must be >= 0, got {args.timing_runs}")
 
     workloads = {}
     if args.workload in ("mooncake", "both"):

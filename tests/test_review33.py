@@ -57,3 +57,26 @@ def test_a_named_t1_on_a_disk_filesystem_is_said_once(tmp_path, monkeypatch, cap
         hp.warn_unless_memory(tmp_path / "disk")
     assert len(caplog.records) == 1
     assert "ext4" in caplog.text and "SGLANG_TIERED_SHM_DIR" in caplog.text
+
+
+@pytest.mark.parametrize("args", [["--ns", "0"], ["--rho", "0"], ["--rho", "nan"], ["--host-ratio", "-1"],
+                                  ["--limit", "0"], ["--clients", "-2"], ["--workload", "mooncak"],
+                                  ["--workload", "family-many-x"], ["--workload", "family-tiny-1"]])  # fmt: skip
+def test_fleet_sim_refuses_bad_arguments_before_running(args, capsys):
+    import bench.fleet_sim as fs
+
+    with pytest.raises(SystemExit) as e:
+        fs.main(args)
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--fractions", "0"], ["--fractions", "nan"], ["--fractions", "1.5"],
+                                  ["--limit", "0"], ["--mooncake-from", "1"], ["--timing-runs", "-1"]])  # fmt: skip
+def test_trace_replay_refuses_bad_arguments_before_running(args, capsys):
+    import bench.trace_replay as tr
+
+    with pytest.raises(SystemExit) as e:
+        tr.main(args)
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
