@@ -80,3 +80,34 @@ def test_trace_replay_refuses_bad_arguments_before_running(args, capsys):
         tr.main(args)
     assert e.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_the_routers_index_hits_are_the_index_s_alone():
+    """With no index, requests that go back to the worker the router's own memory says holds their
+    prefix are warm routes, not index hits (index_hits counted both: it read as the index working
+    with Redis down)."""
+    import asyncio
+
+    import aiohttp
+
+    from tests.test_fleet_hardening import _echo_router
+
+    async def main():
+        hits: list = []
+        body = {"input_ids": list(range(1000, 1064))}
+        async with _echo_router(hits) as (router, r_url), aiohttp.ClientSession() as s:
+            for _ in range(3):
+                async with s.post(r_url + "/generate", json=body) as resp:
+                    assert resp.status == 200
+            async with s.get(r_url + "/router/stats") as resp:
+                st = await resp.json()
+            async with s.get(r_url + "/router/metrics") as resp:
+                text = await resp.text()
+        assert router.stats.requests == 3
+        assert st["index_hit_rate"] == 0 and st["index_matched_token_rate"] == 0, st
+        assert st["warm_route_rate"] > 0 and st["matched_token_rate"] > 0, st
+        lines = text.splitlines()
+        assert "sglang_tiered_router_index_hits_total 0.0" in lines
+        assert f"sglang_tiered_router_warm_routes_total {float(router.stats.warm_routes)!r}" in lines
+
+    asyncio.run(main())

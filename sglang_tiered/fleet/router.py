@@ -345,7 +345,8 @@ class RouterStats:
     requests: int = 0
     spills: int = 0
     index_lookups: int = 0
-    index_hits: int = 0  # requests sent to a worker the index said holds part of the prompt
+    index_hits: int = 0  # requests sent to a worker the index (Redis) said holds part of the prompt
+    warm_routes: int = 0  # requests sent to a worker the index or the router's memory said holds part
     index_errors: int = 0  # connection errors (Redis down), or SLOW_LOOKUPS_DOWN timeouts in a row
     index_timeouts: int = 0  # lookups slower than the timeout (that request routed without the index)
     index_unavailable: int = 0  # requests routed without the index
@@ -357,7 +358,8 @@ class RouterStats:
     failed: int = 0
     client_gone: int = 0  # the client closed its connection before the response ended
     unparsed_bodies: int = 0  # bodies over the parse limit: routed by tenant header and load alone
-    matched_tokens: int = 0
+    matched_tokens: int = 0  # prompt tokens the chosen worker held, by the index or the memory
+    index_matched_tokens: int = 0  # ... by the index alone
     prompt_tokens: int = 0
     route_ms_total: float = 0.0
     reasons: dict = field(default_factory=dict)  # the policy's reason per routed request (warm, fresh, home, ...)
@@ -902,7 +904,12 @@ class Router:
                     self.stats.requests += 1
                     self.stats.spills += d.spill
                     self.stats.reasons[d.reason] = self.stats.reasons.get(d.reason, 0) + 1
-                    self.stats.index_hits += d.matched > 0
+                    # the index's own word apart from the router's memory of what it sent where
+                    # (index_hits counted both, so it read as the index working with Redis down)
+                    by_index = (explain.get("index") or {}).get(d.worker, 0) if explain else 0
+                    self.stats.index_hits += by_index > 0
+                    self.stats.index_matched_tokens += by_index
+                    self.stats.warm_routes += d.matched > 0
                     self.stats.matched_tokens += d.matched
                     self.stats.prompt_tokens += len(tokens)
                     self.stats.route_ms_total += route_ms
@@ -1016,7 +1023,9 @@ class Router:
             "requests": s.requests,
             "spill_rate": s.spills / n,
             "index_hit_rate": s.index_hits / n,
-            "index_matched_token_rate": s.matched_tokens / max(1, s.prompt_tokens),
+            "index_matched_token_rate": s.index_matched_tokens / max(1, s.prompt_tokens),
+            "warm_route_rate": s.warm_routes / n,
+            "matched_token_rate": s.matched_tokens / max(1, s.prompt_tokens),
             "index_lookups": s.index_lookups,
             "index_errors": s.index_errors,
             "index_timeouts": s.index_timeouts,
@@ -1064,10 +1073,14 @@ class Router:
             ("spills", "Requests spilled off their homes by the occupancy hatch", s.spills),
             ("index_lookups", "Index lookups", s.index_lookups),
             ("index_hits", "Requests sent to a worker the index said holds part of the prompt", s.index_hits),
+            ("warm_routes", "Requests sent to a worker the index or the router's memory said holds part of the prompt",
+             s.warm_routes),
             ("index_errors", "Index connection errors (or slow lookups in a row)", s.index_errors),
             ("index_timeouts", "Index lookups slower than the timeout", s.index_timeouts),
             ("index_unavailable", "Requests routed without the index", s.index_unavailable),
-            ("matched_tokens", "Prompt tokens the chosen worker held, by the index", s.matched_tokens),
+            ("matched_tokens", "Prompt tokens the chosen worker held, by the index or the router's memory",
+             s.matched_tokens),
+            ("index_matched_tokens", "Prompt tokens the chosen worker held, by the index", s.index_matched_tokens),
             ("prompt_tokens", "Prompt tokens routed", s.prompt_tokens),
             ("retries", "Proxied requests sent again (on a new connection, or to another worker)", s.retries),
             ("disconnects", "Proxied requests whose worker connection closed before any answer", s.disconnects),
