@@ -167,7 +167,12 @@ def test_overlap_sends_the_strict_default_back_to_lru_and_serial_traffic_is_unch
     default left lru on the shadows' word and ended 0.28 points below SGLang's lru through the
     same schedule (cap_over_kept 449); with ``guard_serial`` it is SGLang's lru, request for
     request. Requests one at a time never count as overlapping (the recorded decision digests
-    of tests/test_bookkeeping_digest.py are unchanged)."""
+    of tests/test_bookkeeping_digest.py are unchanged).
+
+    Without the guard, the lru tree shadow's "bias" here (0.022 hits per reference) is the
+    overlap's error, not model error: since session 33 an exact tree shadow's positive bias is
+    never credited to the books, and the default without the guard ends at lru's hits as well
+    (0.1569; it was 0.1531 with that bias credited)."""
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     from sglang_tiered.dev.simulate import CacheDriver, make_params
@@ -183,7 +188,7 @@ def test_overlap_sends_the_strict_default_back_to_lru_and_serial_traffic_is_unch
     params, alloc, pool = make_params(cap, 16, 1 << 17)
     lru = [o.cached_len for o in replay_concurrent(CacheDriver(RadixCache(params), alloc, pool), reqs, batch=4)]
     assert got[True][0] == lru and got[True][1]["overlapped_requests"] > 0
-    assert got[False][0] != lru  # (what the guard is for)
+    assert got[False][0] == lru and got[False][1]["lru_model_bias"] > 0.01  # (the second line of defence)
     seq = TieredRadixCache.create_simulated(cap, 16)
     for toks, tenant in reqs[:200]:
         seq.driver.run(toks, tenant=tenant)

@@ -204,7 +204,7 @@ class SafetyDuel:
             # a turnover of references: a bias from a few requests passed a transition's loss off
             # as model error (family-130 at 20 %)
             b = self._bias["lru"]
-            bias = self._bias_rate("lru") if b[1] >= self._shadow.cap else 0.0
+            bias = self._credited_bias("lru") if b[1] >= self._shadow.cap else 0.0
             self._account(real - hits["lru"] + bias * n, n, n - hits["lru"])
         # the leading fixed order: lru unless another beats it clearly (ties and noise: lru)
         lead = max(2 * self._threshold, 0.01 * sh[0])  # hysteresis: switching orders costs hits
@@ -219,7 +219,7 @@ class SafetyDuel:
             # An order never followed has no measured bias (its page model may overstate it by
             # points: slru's shadow on Mooncake, +4 points): it is not a yardstick until measured.
             ref = best if fol == "adaptive" and self._bias[best][1] else "lru"
-            bias = self._bias_rate(ref)
+            bias = self._credited_bias(ref)
             c = self._credit
             if c > 0:
                 c *= d  # credit earned long ago fades (phase changes)
@@ -481,6 +481,15 @@ class SafetyDuel:
         b = self._bias[order]
         bound = self.cfg.guard_bias_bound
         return min(bound, max(-bound, b[0] / b[1])) if b[1] else 0.0
+
+    def _credited_bias(self, order: str) -> float:
+        """The bias the books and the credit may add back: ``_bias_rate``, except that an exact tree
+        shadow's is never credited (at most 0). Such a shadow is SGLang's own tree, fed every
+        request, so a positive bias is not model error but evictions the real cache made and the
+        shadow never saw (a request dropped after evicting: session 32). Credited, they passed a
+        real loss off as a surplus; left out, the books can only be stricter."""
+        rate = self._bias_rate(order)
+        return min(0.0, rate) if isinstance(self._shadows[order], TreeShadow) else rate
 
     def _follow(self, order: str) -> None:
         if self.following == "adaptive":  # (the integration sets the tree's ticks back to lru's)
