@@ -162,7 +162,11 @@ lru, ``M`` changes only by the transition in progress and the error of the bias 
 holds at every point of the trace, not only at its end, so a trace cut anywhere stays within it.
 With the tree shadows (the default) the lru shadow is SGLang's lru on the same requests, so the
 bound is against SGLang's lru itself, hit for hit (``M`` while lru is followed and settled is 0,
-not an error term); with page shadows it is a bound on the sampled, bias-corrected estimate of
+not an error term). That assumes the shadow sees every eviction the real cache makes; one it does
+not see (a request dropped after evicting, requests in flight together) shows as a positive
+"bias" of an exact shadow, which is never credited to the books or the credit
+(``SafetyDuel._credited_bias``, session 33: credited, it passed 0.87 points lost to lru off as a
+surplus): unseen evictions can only make the books stricter. With page shadows it is a bound on the sampled, bias-corrected estimate of
 lru, not an oracle. What it does not cover is the switch back nobody has measured yet (at most a
 cache's worth of pages, ``C``): on a trace of ``N`` references the 0.2-point bar allows
 ``0.002 x N`` lost pages, so where ``N < 500 x C`` (most of the family's cells: 500-1,200
