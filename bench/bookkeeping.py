@@ -64,7 +64,7 @@ def load(name: str):
 MODE_FIELDS = {"strict_guarantee": ("strict_guarantee", "cap_spared", "cap_admitted", "cap_over_pages", "cap_over_kept"),
                "follow_leader": ("follow_leader", "leader_switches"),
                # requests one at a time (these replays) never overlap: 0, left out as a mode's are
-               "overlapped_requests": ("overlapped_requests",)}  # fmt: skip
+               "overlapped_requests": ("overlapped_requests", "overlap_cut_pages")}  # fmt: skip
 
 
 def capacity_tokens(name: str, frac: float) -> int:

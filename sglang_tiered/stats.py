@@ -142,6 +142,7 @@ class PolicyReport(msgspec.Struct, kw_only=True):
     follow_leader: bool = False
     leader_switches: int = 0  # times the real cache switched to the order whose shadow led
     overlapped_requests: int = 0  # requests that started while another was in flight (lru then, strict)
+    overlap_cut_pages: int = 0  # switch-back price charged to the budget for episodes an overlap cut short
 
 
 class IndexStats(msgspec.Struct, kw_only=True):
