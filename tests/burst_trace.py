@@ -11,11 +11,17 @@ from array import array
 
 Q = {"seed": 467271685, "page": 16, "cap": 400, "hot_pages": 4, "n_hot": 3, "zipf": 1.0556999286224364,
      "p_hot": 0.2567607703671136, "scan_pages": 32, "cycles": 16, "serial": 200, "burst": 16, "burst_back": 8,
-     "p_ret": 0.7025814916605987, "batch": 8, "decode_ticks": 2}  # fmt: skip
+     "p_ret": 0.7025814916605987, "batch": 8, "chunk_pages": 0, "decode_ticks": 2}  # fmt: skip
+# A second hunt's shape against the first fix (a cut episode charged one hit per diverged page):
+# bursts of 32 copies of the last 4 scans, 16 in flight, prefill in 2-page chunks, pool 128 pages:
+# every in-flight copy missed the pages the episode had dropped; 1.75 points below lru.
+DUPS = {"cap": 128, "cycles": 8, "serial": 150, "burst": 32, "burst_back": 4, "p_ret": 1.0, "batch": 16,
+        "chunk_pages": 2}  # fmt: skip
 
 
 def build(q=Q):
-    """(requests as (tokens, tenant), segments as (start, end, batch)): batch 1 is serial."""
+    """(requests as (tokens, tenant), segments as (start, end, batch, chunk tokens)): batch 1 is
+    serial."""
     rng = random.Random(q["seed"])
     page = q["page"]
 
@@ -33,12 +39,12 @@ def build(q=Q):
                 t = toks(q["scan_pages"] * page)
                 reqs.append((t, None))
                 recent.append(t)
-        segs.append((a, len(reqs), 1))
+        segs.append((a, len(reqs), 1, 0))
         a = len(reqs)
         back = recent[-q["burst_back"]:]
         for _ in range(q["burst"]):
             reqs.append((back[rng.randrange(len(back))] if rng.random() < q["p_ret"] else toks(q["scan_pages"] * page), None))
-        segs.append((a, len(reqs), q["batch"]))
+        segs.append((a, len(reqs), q["batch"], q["chunk_pages"] * page))
     return reqs, segs
 
 
@@ -46,9 +52,9 @@ def replay(driver, reqs, segs, decode_ticks=Q["decode_ticks"]):
     from sglang_tiered.dev.simulate import replay_concurrent
 
     outs = []
-    for a, b, batch in segs:
+    for a, b, batch, chunk in segs:
         if batch <= 1:
             outs += [driver.run(t, tenant=ten) for t, ten in reqs[a:b]]
         else:
-            outs += replay_concurrent(driver, reqs[a:b], batch=batch, chunk=0, decode_ticks=decode_ticks)
+            outs += replay_concurrent(driver, reqs[a:b], batch=batch, chunk=chunk, decode_ticks=decode_ticks)
     return outs

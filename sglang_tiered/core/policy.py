@@ -142,8 +142,13 @@ real cache's own hits on the same (sampled) pages are counted too. It then follo
   when the overlap cuts the episode, at the cap's price: one hit per diverged page
   (``SafetyDuel._charge_cut_episode``, session 33). Unpaid, the loss of every cut episode went
   unbooked, the serial phases' gains kept the budget growing, and serial phases cut by bursts
-  ended 0.94 points below lru (1.68 over twice the cycles; tests/burst_trace.py). So the cut
-  episodes together cost at most what the budget had. The price: the strict
+  ended 0.94 points below lru (1.68 over twice the cycles; tests/burst_trace.py). One hit per
+  page holds one request at a time; copies of a prompt in flight together each miss the same
+  dropped pages (1.75 points below lru with that price). So once requests have overlapped, the
+  cap, the switch-back price and the charge count each diverged page once per request seen in
+  flight together at the most (``_peak``; 1 until an overlap, so nothing sequential changes). The
+  one exposure left is an episode the very first overlap of a run cuts (charged at the 2
+  requests then in flight). The price: the strict
   default's small wins (a tenth of a point on average over the family) are given up while
   requests overlap. An event-driven replica (each shadow stepped at SGLang's own match, alloc,
   checkpoint and release points) would keep them; not built. While requests overlap, only what

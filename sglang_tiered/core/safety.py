@@ -77,6 +77,13 @@ class SafetyDuel:
         self._margin = 0.0
         # pages charged to the margin outside the per-request books (``_charge_cut_episode``)
         self._charged = 0.0
+        # The most requests seen in flight together (1 until one overlaps another). A page lru
+        # holds and the real cache does not costs one hit per request that misses it before its
+        # KV is back in the tree: one, one at a time; up to this many when copies of a prompt run
+        # together (each misses the same pages; a helper's hunt, session 33: a burst of 32 copies
+        # of 4 recent scans lost 679 pages on an episode that had diverged 27). So the cap, the
+        # switch-back price and a cut episode's charge count each diverged page this many times.
+        self._peak = 1
         self._refs = 0.0
         # the cost of a switch back to lru (the next turnover's loss, measured after each one,
         # the largest kept), and the measurement in progress: [margin at the switch, refs left]
@@ -120,11 +127,14 @@ class SafetyDuel:
             self.following = "lru"
             self._hold = cfg.guard_start_hold * self._shadow.cap
 
-    def note_overlap(self) -> None:
-        """A request started while another was in flight (the cache tells: match_prefix). The
-        shadows model requests one at a time, so under the strict guarantee the real cache goes
-        back to lru, exactly, until a shadow turnover passes without overlap (``guard_serial``)."""
+    def note_overlap(self, in_flight: int = 2) -> None:
+        """A request started while another was in flight (the cache tells: match_prefix;
+        ``in_flight`` counts it too). The shadows model requests one at a time, so under the
+        strict guarantee the real cache goes back to lru, exactly, until a shadow turnover passes
+        without overlap (``guard_serial``)."""
         self.stats.overlapped_requests += 1
+        if in_flight > self._peak:
+            self._peak = in_flight
         if self._serial_guard:
             self._overlapping = True
             self._overlap_left = float(self._shadow.cap)
@@ -147,6 +157,7 @@ class SafetyDuel:
             return
         dv = self._div
         owed = float(dv.only_l) if dv is not None and dv.counting else float(self._shadow.used)
+        owed *= self._peak
         self._margin -= owed
         self._charged += owed
         self.stats.overlap_cut_pages += round(owed)
@@ -379,7 +390,7 @@ class SafetyDuel:
         h = sh[1] / sh[0] if sh[0] > 0 else 1.0
         n = self._shadow.used if whole else dv.only_l
         lump = min(n, self._max_hit) if self.cfg.guard_price_lump else 0
-        return n * min(1.0, h / max(1e-9, 1.0 - h)) + lump
+        return (n * min(1.0, h / max(1e-9, 1.0 - h)) + lump) * self._peak
 
     def div_room(self) -> float | None:
         """The divergence cap (``guard_div_cap``, the strict guarantee): how many more pages of
@@ -390,7 +401,7 @@ class SafetyDuel:
         dv = self._div
         if dv is None or not dv.counting or self.following == "lru" or not self.cfg.guard_div_cap:
             return None
-        return self._budget() - dv.only_l
+        return self._budget() / self._peak - dv.only_l
 
     def over_cap(self, hashes, cost: int) -> None:
         """The real cache evicted ``hashes`` beyond the cap (``cost`` of them lru's tree holds):

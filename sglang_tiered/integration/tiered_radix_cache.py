@@ -317,7 +317,7 @@ class TieredRadixCache(RadixCache):
             # a request that starts while another is in flight: the policy's shadows model requests
             # one at a time (PolicyConfig.guard_serial)
             if self.in_flight:
-                self.policy.note_overlap()
+                self.policy.note_overlap(len(self.in_flight) + 1)
             else:
                 self.policy.note_serial()
             if len(self.in_flight) >= IN_FLIGHT_MAX:  # never released (aborted): forget the oldest
