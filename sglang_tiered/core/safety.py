@@ -146,8 +146,9 @@ class SafetyDuel:
 
     def _charge_cut_episode(self) -> None:
         """An episode away from lru cut short by an overlap: its switch back is paid now, at the
-        cap's own price (one lost hit for each page lru's tree holds and the real cache does not;
-        every page of the cache without a divergence count). The books are not kept while
+        cap's own price (``_peak`` lost hits, one per request in flight together at the most, for
+        each page lru's tree holds and the real cache does not; every page of the cache without a
+        divergence count). The books are not kept while
         requests overlap and for the turnover after (the shadows model requests one at a time),
         which is exactly when that switch back is lost: unpaid, each cut episode's loss went
         unbooked, the budget grew with the serial phases' gains, and the next episode diverged
