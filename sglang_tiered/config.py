@@ -22,7 +22,7 @@ environment; ``TieredConfig.__post_init__`` validates every field, so a config b
 | SGLANG_TIERED_SERVER_ID | ``server_id`` | unset |
 | SGLANG_TIERED_INDEX_TTL_S | ``index_ttl_s`` | 30 |
 | SGLANG_TIERED_PREFIX_ATTENTION | ``prefix_attention`` (on/off) | off |
-| SGLANG_TIERED_GUARANTEE | ``guarantee`` (budget/strict/leader) | strict |
+| SGLANG_TIERED_GUARANTEE | ``guarantee`` (lru/budget/strict/leader) | strict |
 | SGLANG_TIERED_LRU_TREE_PAGES | ``lru_tree_pages`` | unset (2^21) |
 | SGLANG_TIERED_T2 | ``t2`` (``tier/t2_config.py``: mooncake://MASTER_HOST:PORT?options) | unset |
 | SGLANG_TIERED_SHM_DIR | ``shm_dir()`` (named T1 segments and their locks) | /dev/shm |
@@ -167,8 +167,11 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
     # switch back only (wins about twice as much over lru, and on the family's tiny caches has
     # lost up to 0.26 points). "leader": no bound; follow whichever of SGLang's orders has hit most
     # (PolicyConfig.guard_leader): the most wins over lru and the most losses (README, "Follow the
-    # leader").
-    guarantee: Literal["budget", "strict", "leader"] = "strict"
+    # leader"). "lru": SGLang's lru order itself, request for request, whatever the traffic (no
+    # learned policy; T1, T2, the identity and the control plane as ever): the choice where serial
+    # stretches alternate with bursts of identical prompts, which the strict bound does not cover
+    # yet (README, "Requests in flight together"; session 33).
+    guarantee: Literal["lru", "budget", "strict", "leader"] = "strict"
     # The largest device pool, in pages, beside which the policy keeps SGLang lru's tree itself
     # (PolicyConfig.lru_tree_pages): the strict guarantee's yardstick. Above it the duel runs on
     # sampled page models and the strict guarantee is off (the stats say so). [0, 2^26]; None: the
@@ -197,8 +200,8 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
         _whole("store_queue_pages", self.store_queue_pages, 1, MAX_STORE_QUEUE_PAGES)
         if not isinstance(self.prefix_attention, bool):
             _bad("prefix_attention", self.prefix_attention, "expected on or off")
-        if self.guarantee not in ("budget", "strict", "leader"):
-            _bad("guarantee", self.guarantee, "expected budget, strict or leader")
+        if self.guarantee not in ("lru", "budget", "strict", "leader"):
+            _bad("guarantee", self.guarantee, "expected lru, budget, strict or leader")
         _whole("lru_tree_pages", self.lru_tree_pages, 0, MAX_LRU_TREE_PAGES)
         if self.t2 is not None and self.host_mode == "off":  # T2 pages are staged in T1
             _bad("host_mode", self.host_mode, "SGLANG_TIERED_T2 is set and T2 needs T1: unset one of them")
@@ -447,7 +450,9 @@ def hashed_tenant_labels(cfg: TieredConfig) -> bool:
 def policy_config(cfg: TieredConfig):
     """The policy's configuration for ``cfg`` (None: the defaults)."""
     kw = {} if cfg.lru_tree_pages is None else {"lru_tree_pages": cfg.lru_tree_pages}
-    if cfg.guarantee == "leader":
+    if cfg.guarantee == "lru":
+        kw.update(force_mode="all+lru")
+    elif cfg.guarantee == "leader":
         kw.update(guard_leader=0.999, guard_div_cap=False)
     elif cfg.guarantee == "budget":
         kw.update(guard_div_cap=False)
