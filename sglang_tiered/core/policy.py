@@ -146,9 +146,11 @@ real cache's own hits on the same (sampled) pages are counted too. It then follo
   page holds one request at a time; copies of a prompt in flight together each miss the same
   dropped pages (1.75 points below lru with that price). So once requests have overlapped, the
   cap, the switch-back price and the charge count each diverged page once per request seen in
-  flight together at the most (``_peak``; 1 until an overlap, so nothing sequential changes). The
-  one exposure left is an episode the very first overlap of a run cuts (charged at the 2
-  requests then in flight). The price: the strict
+  flight together at the most (``_peak``; 1 until an overlap, so nothing sequential changes).
+  Open: an episode that the very first overlap of a run cuts is priced for 2 requests in
+  flight, and a first burst of copies of the prompts it dropped cascades far past any price
+  (15.1 points below lru on tests/first_burst_trace.py, a strict xfail; ``guarantee=lru`` in
+  config.py is the mode for such traffic). The price: the strict
   default's small wins (a tenth of a point on average over the family) are given up while
   requests overlap. An event-driven replica (each shadow stepped at SGLang's own match, alloc,
   checkpoint and release points) would keep them; not built. While requests overlap, only what
