@@ -158,6 +158,12 @@ def environment() -> dict:
     }
 
 
+def check_fractions(ap, fractions) -> None:
+    """``--fractions``: shares of the unique pages, each in (0, 1] (NaN fails both tests)."""
+    if not fractions or not all(0 < f <= 1 for f in fractions):
+        ap.error(f"--fractions are shares of the unique pages, each in (0, 1], got {fractions}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=["mooncake", "multitenant", "both"], default="both")
@@ -173,8 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="trace_replay")
     args = ap.parse_args(argv)
     # bad arguments stop with a usage message, not a traceback mid-run (a helper's hunt, session 32)
-    if not args.fractions or not all(0 < f <= 1 for f in args.fractions):  # (NaN fails both)
-        ap.error(f"--fractions are shares of the unique pages, each in (0, 1], got {args.fractions}")
+    check_fractions(ap, args.fractions)
     if args.limit is not None and args.limit < 1:
         ap.error(f"--limit must be >= 1, got {args.limit}")
     if not 0 <= args.mooncake_from < 1:

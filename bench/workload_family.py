@@ -170,8 +170,7 @@ def main(argv=None) -> int:
     if args.page_size < 1:
         raise SystemExit(f"--page-size must be >= 1, got {args.page_size}")
     # (session 32, a helper's hunt: each of these was a traceback, in a worker or after the run)
-    if not all(0 < f <= 1 for f in args.fractions):  # (NaN fails too)
-        ap.error(f"--fractions are shares of the unique pages, each in (0, 1], got {args.fractions}")
+    trace_replay.check_fractions(ap, args.fractions)
     if args.workers < 1 or args.n < 0:
         ap.error(f"--workers must be >= 1 and --n >= 0, got {args.workers} and {args.n}")
     if not args.from_partial and args.n == 0 and args.no_traces and not args.trace_file:

@@ -49,12 +49,15 @@ def build(q=Q):
 
 
 def replay(driver, reqs, segs, decode_ticks=Q["decode_ticks"]):
+    """Each segment (start, end, batch, chunk tokens[, decode ticks]) one at a time (batch 1, no
+    chunks) or through ``replay_concurrent`` (also tests/first_burst_trace.py's)."""
     from sglang_tiered.dev.simulate import replay_concurrent
 
     outs = []
-    for a, b, batch, chunk in segs:
-        if batch <= 1:
+    for a, b, batch, chunk, *ticks in segs:
+        if batch <= 1 and chunk <= 0:
             outs += [driver.run(t, tenant=ten) for t, ten in reqs[a:b]]
         else:
-            outs += replay_concurrent(driver, reqs[a:b], batch=batch, chunk=chunk, decode_ticks=decode_ticks)
+            outs += replay_concurrent(driver, reqs[a:b], batch=batch, chunk=chunk,
+                                      decode_ticks=ticks[0] if ticks else decode_ticks)  # fmt: skip
     return outs

@@ -9,6 +9,8 @@ that finished earlier, and the loss cascades: 4,757 pages, 15.1 points below SGL
 import random
 from array import array
 
+from tests.burst_trace import replay  # noqa: F401 (the same segments: start, end, batch, chunk, ticks)
+
 Q = {"seed": 294180477, "page": 16, "cap": 400, "hot_pages": 1, "hot_ratio": 1.1, "n_hot": 130,
      "zipf": 0.31307405179181375, "p_hot": 0.17285001406309697, "scan_frac": 0.1, "warm_caps": 52.877883370890906,
      "bursts": 1, "burst_mult": 4, "batch0": 64, "grow": 1, "burst_back": 8, "ser_caps": 20, "chunk": 0, "dt": 8,
@@ -49,17 +51,4 @@ def build(q=Q):
         if b < q["bursts"] - 1:
             serial(q["ser_caps"])
     return reqs, segs
-
-
-def replay(driver, reqs, segs):
-    from sglang_tiered.dev.simulate import replay_concurrent
-
-    outs = []
-    for a, b, batch, chunk, dt in segs:
-        seg = reqs[a:b]
-        if batch <= 1 and chunk <= 0:
-            outs += [driver.run(t, tenant=ten) for t, ten in seg]
-        else:
-            outs += replay_concurrent(driver, seg, batch=batch, chunk=chunk, decode_ticks=dt)
-    return outs
 
