@@ -65,6 +65,9 @@ MODE_FIELDS = {"strict_guarantee": ("strict_guarantee", "cap_spared", "cap_admit
                "follow_leader": ("follow_leader", "leader_switches"),
                # requests one at a time (these replays) never overlap: 0, left out as a mode's are
                "overlapped_requests": ("overlapped_requests", "overlap_cut_pages")}  # fmt: skip
+# a serial replay's values of the fields that say what the server may run at once (session 34):
+# left out as a mode's are, so the digests recorded before them still hold
+SERIAL_FIELDS = {"max_in_flight": 1, "burst_lru": False}
 
 
 def capacity_tokens(name: str, frac: float) -> int:
@@ -86,6 +89,8 @@ def digest(name: str, frac: float, config=None) -> dict:
         if not state.get(flag):
             for k in fields:
                 assert state.pop(k) in (False, 0), k
+    for k, v in SERIAL_FIELDS.items():
+        assert state.pop(k) == v, k
     snap = hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()[:16]
     return {"hits": hits, "snapshot": snap, "hit_tokens": r["hit_tokens"]}
 

@@ -36,9 +36,12 @@ from trace_replay import capacity_pages, environment, page_ids  # noqa: E402
 from workload_family import FRACTIONS, LRU_MARGIN, _load  # noqa: E402
 
 
-def replay(kind: str, reqs, cap: int, batch: int, chunk: int, policy_config=None) -> dict:
+def replay(kind: str, reqs, cap: int, batch: int, chunk: int, policy_config=None, told_serial=False) -> dict:
     """One concurrent replay of ``reqs`` through tiered (``kind == "tiered"``, its
-    ``policy_config``, None: the default) or SGLang's RadixCache with eviction policy ``kind``."""
+    ``policy_config``, None: the default) or SGLang's RadixCache with eviction policy ``kind``.
+    Tiered is told it may run ``batch`` requests at once, as SGLang's request pool tells a server
+    (the strict default is then lru's order itself); ``told_serial``: told 1, the cache a server
+    with --max-running-requests 1 has, run concurrently anyway (the serial guard's defence)."""
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     from sglang_tiered.dev.simulate import CacheDriver, make_params, replay_concurrent
@@ -46,7 +49,8 @@ def replay(kind: str, reqs, cap: int, batch: int, chunk: int, policy_config=None
 
     page = trace_replay.PAGE
     if kind == "tiered":
-        driver = TieredRadixCache.create_simulated(cap, page, policy_config=policy_config).driver
+        driver = TieredRadixCache.create_simulated(cap, page, policy_config=policy_config,
+                                                   max_in_flight=1 if told_serial else batch).driver  # fmt: skip
     else:
         params, alloc, pool = make_params(cap, page, 1 << 17, eviction_policy=kind)
         driver = CacheDriver(RadixCache(params), alloc, pool)
@@ -60,7 +64,7 @@ def replay(kind: str, reqs, cap: int, batch: int, chunk: int, policy_config=None
 
 
 def run_workload(task):
-    spec, fractions, batches, chunks, policies = task
+    spec, fractions, batches, chunks, policies, told_serial = task
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -77,7 +81,7 @@ def run_workload(task):
                 row = {"workload": name, "fraction": frac, "requests": len(reqs), "capacity_pages": cap_pages,
                        "batch": batch, "chunk": chunk}  # fmt: skip
                 for kind in ["tiered", *policies]:
-                    r = replay(kind, reqs, cap_pages * page, batch, chunk)
+                    r = replay(kind, reqs, cap_pages * page, batch, chunk, told_serial=told_serial)
                     row[kind] = r["hit_tokens"] / total
                     row[f"unserved_{kind}"] = r["unserved"]
                 best = max(policies, key=lambda p: row[p])
@@ -137,6 +141,9 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, nargs="+", default=[0, 512], help="prefill chunk tokens, 0 = off")
     ap.add_argument("--policies", nargs="+", default=["lru", "slru", "lfu"], help="SGLang policies (lru first)")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--told-serial", action="store_true",
+                    help="tell tiered it runs one request at a time (as with --max-running-requests 1): "
+                         "the serial guard's defence, measured; default: told BATCH, as a server is")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--name", default="concurrent_bar")
     ap.add_argument("--git-sha", default=None, help="record this sha (a run from an export)")
@@ -147,7 +154,7 @@ def main(argv=None) -> int:
     specs = [("family", s) for s in range(a.start, a.start + a.n)]
     if a.traces:
         specs += [("mooncake", None), ("multitenant", 2000)]
-    tasks = [(s, a.fractions, a.batch, a.chunk, a.policies) for s in specs]
+    tasks = [(s, a.fractions, a.batch, a.chunk, a.policies, a.told_serial) for s in specs]
     rows = []
     t0 = time.time()
     with mp.get_context("fork").Pool(a.workers) as pool:

@@ -168,9 +168,10 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
     # lost up to 0.26 points). "leader": no bound; follow whichever of SGLang's orders has hit most
     # (PolicyConfig.guard_leader): the most wins over lru and the most losses (README, "Follow the
     # leader"). "lru": SGLang's lru order itself, request for request, whatever the traffic (no
-    # learned policy; T1, T2, the identity and the control plane as ever): the choice where serial
-    # stretches alternate with bursts of identical prompts, which the strict bound does not cover
-    # yet (README, "Requests in flight together"; session 33).
+    # learned policy; T1, T2, the identity and the control plane as ever). "strict" is that too on
+    # a server that may run more than one request at once (PolicyConfig.max_in_flight, from
+    # SGLang's request pool): a burst of copies there makes any divergence's loss unbounded
+    # (README, "Requests in flight together"; session 34).
     guarantee: Literal["lru", "budget", "strict", "leader"] = "strict"
     # The largest device pool, in pages, beside which the policy keeps SGLang lru's tree itself
     # (PolicyConfig.lru_tree_pages): the strict guarantee's yardstick. Above it the duel runs on

@@ -131,9 +131,13 @@ class PolicyReport(msgspec.Struct, kw_only=True):
     trials_won: int = 0  # ... that came out ahead, so the real cache switched
     diverged_pages: int = 0  # pages SGLang's lru would hold now that this cache does not
     switch_back_price: float = 0.0  # what a switch back to lru may cost now (hits; the budget covers it)
-    # the strict guarantee (SGLANG_TIERED_GUARANTEE=strict, the default: the divergence cap); false
-    # and 0 where the cap cannot act (budget, leader, page shadows above lru_tree_pages)
+    # the strict guarantee (SGLANG_TIERED_GUARANTEE=strict, the default: the divergence cap, or lru's
+    # order itself where the server may batch); false and 0 where the cap cannot act (budget,
+    # leader, page shadows above lru_tree_pages)
     strict_guarantee: bool = False
+    max_in_flight: int = 1  # the most requests the server may run at once (SGLang's request pool)
+    # strict on a server that may batch (max_in_flight > 1): lru's order itself, request for request
+    burst_lru: bool = False
     cap_spared: int = 0  # victim leaves the cap passed over (their pages are SGLang lru's)
     cap_admitted: int = 0  # pages admitted that admission would have refused, to stay within the cap
     cap_over_pages: int = 0  # pages of lru's evicted beyond the cap (nothing else was evictable)

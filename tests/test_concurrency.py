@@ -153,13 +153,15 @@ def test_following_lru_is_sglang_lru_under_concurrency(data):
     reqs = [(tokens_of(r), None) for r in reqs]
     cap = data.draw(st.integers(6, 16)) * PAGE
     batch, chunk = data.draw(st.integers(2, 4)), data.draw(st.sampled_from([3, PAGE, 5, 2 * PAGE]))
-    for config in (PolicyConfig(force_mode="all+lru"), None):  # None: the default (strict, guard_serial)
-        tiered = TieredRadixCache.create_simulated(cap, PAGE, config, debug_checks=True)
+    # None: the default (strict, guard_serial), told one request at a time, then told ``batch``
+    # (as a server's request pool tells it: lru's order itself, session 34)
+    for config, told in ((PolicyConfig(force_mode="all+lru"), 1), (None, 1), (None, batch)):
+        tiered = TieredRadixCache.create_simulated(cap, PAGE, config, debug_checks=True, max_in_flight=told)
         params, alloc, pool = make_params(cap, PAGE, 1 << 12)
         lru = CacheDriver(RadixCache(params), alloc, pool)
         t = replay_concurrent(tiered.driver, reqs, batch=batch, chunk=chunk)
         s = replay_concurrent(lru, reqs, batch=batch, chunk=chunk)
-        assert [o.cached_len for o in t] == [o.cached_len for o in s], config
+        assert [o.cached_len for o in t] == [o.cached_len for o in s], (config, told)
 
 
 def test_overlap_sends_the_strict_default_back_to_lru_and_serial_traffic_is_unchanged():

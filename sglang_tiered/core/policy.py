@@ -147,10 +147,16 @@ real cache's own hits on the same (sampled) pages are counted too. It then follo
   dropped pages (1.75 points below lru with that price). So once requests have overlapped, the
   cap, the switch-back price and the charge count each diverged page once per request seen in
   flight together at the most (``_peak``; 1 until an overlap, so nothing sequential changes).
-  Open: an episode that the very first overlap of a run cuts is priced for 2 requests in
-  flight, and a first burst of copies of the prompts it dropped cascades far past any price
-  (15.1 points below lru on tests/first_burst_trace.py, a strict xfail; ``guarantee=lru`` in
-  config.py is the mode for such traffic). The price: the strict
+  An episode that the very first overlap of a run cuts is priced for 2 requests in flight, and
+  a first burst of copies of the prompts it dropped cascades far past any price (15.1 points
+  below lru on tests/first_burst_trace.py). No price can cover it: SGLang's lru itself, on the
+  same trace without one of the burst's prompts (40 pages, a tenth of the pool), loses up to
+  17.7 points (tests/test_review34.py), so where a burst may come no divergence from lru's
+  content is bounded. Hence ``max_in_flight`` (session 34): on a server that may run more than
+  one request at once (its request pool's rows) the strict guarantee is lru's order itself from
+  the start (``burst_lru``), and the serial guard above is a second line of defence for a cache
+  told one at a time that sees overlaps (its limit: the strict xfail in
+  tests/test_review33.py). The price: the strict
   default's small wins (a tenth of a point on average over the family) are given up while
   requests overlap. An event-driven replica (each shadow stepped at SGLang's own match, alloc,
   checkpoint and release points) would keep them; not built. While requests overlap, only what
@@ -279,7 +285,7 @@ is, so its recency and reuse count are never lower and it is never evicted befor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sglang_tiered.core.admission import AdmissionDuel
 from sglang_tiered.core.protection import COLD, PROTECTED, UNPROTECTED, ProtectionLearning
@@ -440,6 +446,14 @@ class PolicyConfig:
     # SGLang's lru per request through any concurrent, chunked schedule), and it stays there for
     # a shadow turnover after the last overlap. Requests one at a time: nothing changes.
     guard_serial: bool = True
+    # The most requests the server may run at once (SGLang's request pool rows, its
+    # --max-running-requests; the integration sets it, 1 in serial replays). Over 1, the strict
+    # guarantee (the cap with ``guard_serial``, not the leader) is lru's order itself, request for
+    # request, from the start (``burst_lru``): on such a server a burst of copies of a prompt can
+    # come at any request, and its loss against lru is not bounded by anything the cache diverged
+    # (SGLang's lru itself, given the same burst without one 40-page prompt it held, loses up to
+    # 17.7 points; tests/test_review34.py). 1: the serial bound as above.
+    max_in_flight: int = 1
 
 
 @dataclass
@@ -484,7 +498,13 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
     ghost lists), ``thrash``; their shadows and miniatures in ``shadows`` and ``miniature``."""
 
     def __init__(self, capacity_pages: int, config: PolicyConfig | None = None):
-        self.cfg = config or PolicyConfig()
+        cfg = config or PolicyConfig()
+        if not isinstance(cfg.max_in_flight, int) or cfg.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be a whole number >= 1, got {cfg.max_in_flight!r}")
+        # the strict guarantee on a server that may batch: lru's order, exactly (max_in_flight)
+        self.burst_lru = bool(cfg.max_in_flight > 1 and cfg.force_mode is None and cfg.safety_duel
+                              and cfg.guard_div_cap and cfg.guard_serial and not cfg.guard_leader)  # fmt: skip
+        self.cfg = replace(cfg, force_mode="all+lru") if self.burst_lru else cfg
         self.capacity_pages = max(1, capacity_pages)
         full = self.capacity_pages <= self.cfg.full_sample_pages
         extra = sample_shift(self.capacity_pages, self.cfg)
@@ -616,6 +636,8 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
 
     def check_invariants(self) -> None:
         """The safety duel's structures and the learned quantities are consistent and bounded."""
+        if self.burst_lru:  # a server that may batch, strict: lru's order itself, never left
+            assert not self._adapt and str(self.mode) == "all+lru" and self.k == 0.0, (self.mode, self.k)
         for sh in self._shadows.values():
             sh.check()
         tr = self._trial
@@ -670,7 +692,10 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
             "shadow_kind": "tree" if self._tree else "lru-tree" if self._lru_tree else "pages",
             "diverged_pages": self._div.only_l if self._div is not None and self._div.counting else 0,
             "switch_back_price": round(self._return_price(), 1),
-            "strict_guarantee": bool(self.cfg.guard_div_cap and self.prices_divergence()),  # the cap can act
+            # the cap can act, or lru's order itself on a server that may batch (max_in_flight)
+            "strict_guarantee": self.burst_lru or bool(self.cfg.guard_div_cap and self.prices_divergence()),
+            "max_in_flight": self.cfg.max_in_flight,
+            "burst_lru": self.burst_lru,
             "follow_leader": bool(self.cfg.guard_leader),
             "shadow_lru_hit_rate": round(self._sh[1] / self._sh[0], 4) if self._sh[0] else 0.0,
             "real_sampled_hit_rate": round(self._sh[2] / self._sh[0], 4) if self._sh[0] else 0.0,

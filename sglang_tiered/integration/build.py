@@ -95,14 +95,14 @@ def setup_host_tier(cache, ctx, cfg) -> None:
 def create_simulated(cls, capacity_tokens: int, page_size: int = 16, policy_config: Optional[PolicyConfig] = None,
                      cache_key: Optional[CacheKey] = None, max_request_tokens: int = 1 << 17,
                      debug_checks: bool = False, host_pages: int = 0, verify_kv: bool = False,
-                     store_queue_pages: int = 0):  # fmt: skip
+                     store_queue_pages: int = 0, max_in_flight: int = 1):  # fmt: skip
     """See ``TieredRadixCache.create_simulated``."""
     from sglang_tiered.dev.simulate import CacheDriver, make_params
 
     params, alloc, pool = make_params(capacity_tokens, page_size, max_request_tokens,
                                       with_kv=bool(host_pages or verify_kv))  # fmt: skip
     cache = cls(params, cache_key=cache_key, policy_config=policy_config,
-                capacity_tokens=alloc.size, debug_checks=debug_checks)  # fmt: skip
+                capacity_tokens=alloc.size, debug_checks=debug_checks, max_in_flight=max_in_flight)  # fmt: skip
     if host_pages:
         from sglang_tiered.integration.t1 import make_store_queue
         from sglang_tiered.tier.host_tier import HostTier

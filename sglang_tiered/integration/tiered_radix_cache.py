@@ -55,7 +55,7 @@ class TieredRadixCache(RadixCache):
 
     def __init__(self, params, *, cache_key: Optional[CacheKey] = None, policy_config: Optional[PolicyConfig] = None,
                  capacity_tokens: Optional[int] = None, tp_rank: int = 0, tp_size: int = 1,
-                 debug_checks: bool = False):  # fmt: skip
+                 debug_checks: bool = False, max_in_flight: Optional[int] = None):  # fmt: skip
         # RadixCache.__init__ calls self.reset(): our state must exist before it.
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.cache_key = cache_key or CacheKey()
@@ -78,6 +78,12 @@ class TieredRadixCache(RadixCache):
         if capacity_tokens is None:
             capacity_tokens = getattr(params.token_to_kv_pool_allocator, "size", 0) or 1 << 16
         self.capacity_tokens = capacity_tokens
+        # the most requests in flight at once: SGLang sizes its request pool by
+        # --max-running-requests (kv_cache_configurator.py); on such a server the strict guarantee
+        # is lru's order itself (PolicyConfig.max_in_flight)
+        if max_in_flight is None:
+            max_in_flight = int(getattr(params.req_to_token_pool, "size", 1) or 1)
+        policy_config = replace(policy_config or PolicyConfig(), max_in_flight=max(1, max_in_flight))
         self.policy = AdaptivePolicy(max(1, capacity_tokens // params.page_size), policy_config)
         self.tenants = TenantTable()
         self.hashes = PageHashes(self.cache_key, params.page_size)
@@ -113,15 +119,17 @@ class TieredRadixCache(RadixCache):
     def create_simulated(cls, capacity_tokens: int, page_size: int = 16, policy_config: Optional[PolicyConfig] = None,
                          cache_key: Optional[CacheKey] = None, max_request_tokens: int = 1 << 17,
                          debug_checks: bool = False, host_pages: int = 0, verify_kv: bool = False,
-                         store_queue_pages: int = 0) -> "TieredRadixCache":  # fmt: skip
+                         store_queue_pages: int = 0, max_in_flight: int = 1) -> "TieredRadixCache":  # fmt: skip
         """A ``TieredRadixCache`` over a simulated page allocator, without a model (build.py).
-        ``host_pages``: T1 size (0 = off); ``store_queue_pages``: store queue bound (0 = sync).
+        ``host_pages``: T1 size (0 = off); ``store_queue_pages``: store queue bound (0 = sync);
+        ``max_in_flight``: the most requests the simulated server runs at once (1: one at a time,
+        as ``driver.run`` replays them; over 1 the strict guarantee is lru's order itself).
 
         ``cache.driver.run(token_ids, tenant=...)`` replays one request in the scheduler's call
         order and returns its ``RequestOutcome`` (prompt_len, cached_len, seconds). Use it to
         evaluate the policy on your own traces (see bench/trace_replay.py)."""
         return build.create_simulated(cls, capacity_tokens, page_size, policy_config, cache_key, max_request_tokens,
-                                      debug_checks, host_pages, verify_kv, store_queue_pages)  # fmt: skip
+                                      debug_checks, host_pages, verify_kv, store_queue_pages, max_in_flight)  # fmt: skip
 
     def attach_host(self, host, store=None) -> None:
         """Put T1 (a ``HostTier``, and optionally its ``StoreQueue``) behind the device tree."""
