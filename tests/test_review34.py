@@ -130,3 +130,31 @@ def test_only_the_strict_guarantee_turns_to_lru_on_a_server_that_may_batch(guara
 def test_a_bad_max_in_flight_is_refused(bad):
     with pytest.raises(ValueError, match="max_in_flight"):
         AdaptivePolicy(100, PolicyConfig(max_in_flight=bad))
+
+
+@pytest.mark.parametrize("guarantee,rows", [("lru", 1), ("strict", 8)])
+def test_lrus_order_is_sglangs_lru_request_for_request_on_hot_prefixes(guarantee, rows):
+    """``SGLANG_TIERED_GUARANTEE=lru`` and the strict default on a server that may batch force
+    lru's order. They still pinned hot prefixes (pinning asked only whether the adaptive policy
+    was followed, and a forced order is): on this multi-tenant workload (3,000 requests) at 0.5 %,
+    21 requests hit otherwise than SGLang's lru (+0.61 points; 112 at 2 %, +1.86). More hits
+    here, but not lru's, and a pinned prefix is a divergence a burst can punish
+    (test_sglangs_lru_itself_falls_off_a_cliff...). Pinning is now the adaptive order's alone, as
+    cold aging is."""
+    import sys
+
+    from sglang_tiered.config import load_config, policy_config
+    from sglang_tiered.dev.workloads import multi_tenant
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "bench"))
+    from trace_replay import capacity_pages, page_ids, replay_sglang
+
+    reqs = multi_tenant(n_requests=3000, seed=0)
+    cap = capacity_pages(page_ids(reqs)[1], max(len(r.tokens) for r in reqs), 0.005, 16) * 16
+    lru = replay_sglang(reqs, cap, "lru")["per_request"]
+    cache = TieredRadixCache.create_simulated(cap, 16, policy_config(load_config({"SGLANG_TIERED_GUARANTEE": guarantee})),
+                                              max_in_flight=rows)  # fmt: skip
+    got = [cache.driver.run(r.tokens, tenant=r.tenant).cached_len for r in reqs]
+    assert got == lru
+    assert not cache.policy.pinning and cache.policy.cfg.force_mode == "all+lru"
