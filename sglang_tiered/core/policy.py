@@ -604,13 +604,13 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
 
     def protection_boost(self) -> float:
         """Requests by which a protected (reused) node's last use is shifted for eviction."""
-        if self.following != "adaptive":
+        if self.followed_order != "adaptive":  # a fixed order, followed or forced
             return 0.0
         return self.k * self.cycle
 
     def cold_age(self) -> float:
         """Requests by which a cold prompt's pages are aged at insertion."""
-        if self.following != "adaptive":
+        if self.followed_order != "adaptive":  # a fixed order, followed or forced
             return 0.0
         return self.c * self.cycle
 

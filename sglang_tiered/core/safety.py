@@ -439,8 +439,8 @@ class SafetyDuel:
         a switch back to lru can be priced (``prices_divergence``). ``real_pages``: a callable
         returning the real cache's pages now; with it the two sides are read whole when an
         episode away from lru starts and not kept while lru is followed (``Divergence``)."""
-        if not self.prices_divergence() or self._div is not None:
-            return
+        if not self._adapt or not self.prices_divergence() or self._div is not None:
+            return  # (a forced order never leaves itself: nothing to price, session 34)
         if real_pages is not None:
             dv = self._div = Divergence(self._shadow.pages, real_pages)
         else:

@@ -35,10 +35,12 @@ class Eviction:
         self._exits = cache.policy.adaptive_exits
 
     def reset(self) -> None:
-        """After the tree was (re)built: the adaptive order's persistent queue, or none (the fixed
-        orders rebuild a heap per call)."""
-        adaptive = self.cache.policy.eviction_order == "adaptive"
-        self.queue = VictimQueue(self.cache.evictable_leaves) if adaptive else None
+        """After the tree was (re)built: the persistent queue of the adaptive order and of lru
+        (boost 0: SGLang's lru order, O(log n) a victim; a forced lru too, session 34: the
+        strict default on a server that may batch), or none (slru and lfu rebuild a heap per
+        call, as SGLang does)."""
+        persistent = self.cache.policy.eviction_order in ("adaptive", "lru")
+        self.queue = VictimQueue(self.cache.evictable_leaves) if persistent else None
 
     def unage(self) -> int:
         """Give every node its lru tick again (``tiered_lru``: its last use, as SGLang's
