@@ -158,3 +158,18 @@ def test_lrus_order_is_sglangs_lru_request_for_request_on_hot_prefixes(guarantee
     got = [cache.driver.run(r.tokens, tenant=r.tenant).cached_len for r in reqs]
     assert got == lru
     assert not cache.policy.pinning and cache.policy.cfg.force_mode == "all+lru"
+
+
+@pytest.mark.parametrize("host_pages", [0, 64])
+def test_a_forced_order_counts_the_sketch_only_for_t1(host_pages):
+    """The sketch's readers are the adaptive policy and T1/T2 (a page's value): lru's order on a
+    server that may batch, without T1, does not count it (bookkeeping, session 34)."""
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+
+    cache = TieredRadixCache.create_simulated(32 * 16, 16, max_in_flight=4, host_pages=host_pages, debug_checks=True)
+    tokens = list(range(100, 100 + 5 * 16))
+    for _ in range(4):
+        cache.driver.run(tokens)
+    assert cache.policy.burst_lru and cache.policy.sketch_read is bool(host_pages)
+    freq = cache.policy.node_frequency(cache.path_hashes(cache.root_node.children[next(iter(cache.root_node.children))]))
+    assert (freq > 0) is bool(host_pages), freq

@@ -528,6 +528,13 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
             self.k = {"lru": 0.0, "slru": float("inf")}.get(self.mode.eviction, self.k)
         self._init_admission()
         self._init_safety()
+        # The sketch's readers: the adaptive policy (admission, pinning) and T1/T2's page value
+        # (``read_sketch``, when T1 is attached). A forced order without T1 has none: not counted.
+        self.sketch_read = self._adapt
+
+    def read_sketch(self) -> None:
+        """T1 (and T2 behind it) values pages by the sketch: count every request from now on."""
+        self.sketch_read = True
 
     # --- per request (called once per request, from checkpoint) -----------------------------
     def begin_request(self) -> int:
@@ -547,9 +554,10 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
         # every page, and the list is passed on as it is: nothing below writes to it)
         m = self._sketch_mask
         counted = [h for h in page_hashes if not h[0] & m] if m else page_hashes
-        self.sketch.increment_all(counted)
-        if m and page_hashes and page_hashes[-1][0] & m:
-            self.sketch.increment(page_hashes[-1])  # the request's last page is always counted
+        if self.sketch_read:
+            self.sketch.increment_all(counted)
+            if m and page_hashes and page_hashes[-1][0] & m:
+                self.sketch.increment(page_hashes[-1])  # the request's last page is always counted
         # (following the leader never follows adaptive; requests in flight together follow lru)
         if self._adapt and self._leader is None and not self._overlapping:
             dm = self._duel_mask  # a subset of the counted pages

@@ -133,6 +133,7 @@ class TieredRadixCache(RadixCache):
 
     def attach_host(self, host, store=None) -> None:
         """Put T1 (a ``HostTier``, and optionally its ``StoreQueue``) behind the device tree."""
+        self.policy.read_sketch()  # T1's and T2's page value
         self.t1 = T1Tier(self, host, store)
         if self.index.listener is not None:
             self.attach_index(self.index.listener)
