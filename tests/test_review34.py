@@ -173,3 +173,48 @@ def test_a_forced_order_counts_the_sketch_only_for_t1(host_pages):
     assert cache.policy.burst_lru and cache.policy.sketch_read is bool(host_pages)
     freq = cache.policy.node_frequency(cache.path_hashes(cache.root_node.children[next(iter(cache.root_node.children))]))
     assert (freq > 0) is bool(host_pages), freq
+
+
+def test_the_logical_clock_never_ties_however_many_uses_come_between_two_requests(monkeypatch):
+    """A helper's hunt (session 34): the clock is the request tick plus a sequence number, capped
+    at MAX_SEQ_PER_TICK; past the cap every later use in that tick had one stamp, and ties went
+    to the older node id, not to the later use. A scheduler refreshes each waiting request's
+    prefix every round (``touch_prefix``), so a million uses between two requests begun is a long
+    queue behind long decodes. Now a full tick carries into the next: every stamp is later than
+    the one before. Here the cap is 5 (the hunt's reproducer used a million touches)."""
+    from array import array
+
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+    from sglang_tiered.dev.simulate import CacheDriver, make_params
+    from sglang_tiered.integration import clock
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+
+    monkeypatch.setattr(clock, "MAX_SEQ_PER_TICK", 5)
+
+    class Policy:
+        tick = 7
+
+    c, seen = clock.LogicalClock(Policy), []
+    for i in range(40):
+        seen.append(c.now())
+        if i % 13 == 12:
+            Policy.tick += 1
+    assert all(a < b for a, b in zip(seen, seen[1:])) and c.carried > 0, seen
+
+    params, alloc, pool = make_params(8, 1, 1 << 12)
+    drivers = {"lru": CacheDriver(RadixCache(params), alloc, pool),
+               "tiered": TieredRadixCache.create_simulated(8, 1, max_in_flight=8, debug_checks=True).driver}  # fmt: skip
+    got = {}
+    for name, d in drivers.items():
+        d.run([1, 2, 3])
+        d.run([4, 5, 6])
+        z = d.begin([10])  # in flight: no request begins while the waiting ones are touched
+        kx, ky = RadixKey(array("q", [1, 2, 3])), RadixKey(array("q", [4, 5, 6]))
+        for _ in range(12):
+            d.cache.touch_prefix(kx)
+        d.cache.touch_prefix(ky)
+        d.cache.touch_prefix(kx)  # X is the later use: Y goes first
+        d.end(z)
+        got[name] = [d.run(t).cached_len for t in ([7, 8, 9], [1, 2, 3], [4, 5, 6])]
+    assert got["tiered"] == got["lru"] == [0, 3, 0], got

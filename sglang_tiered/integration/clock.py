@@ -17,14 +17,24 @@ class LogicalClock:
         self.policy = policy
         self.current = 0.0  # logical time of the cache call in progress
         self._seq = self._seq_tick = 0
+        # Ticks the clock has run ahead of the policy's: a tick whose sequence numbers ran out
+        # (more than MAX_SEQ_PER_TICK uses before the next request began: a scheduler refreshing
+        # waiting requests' prefixes every round while long decodes run) carries into the next.
+        # Before (session 34, a helper's hunt) later uses in that tick all had one stamp, and ties
+        # went to the older node id instead of the later use: not SGLang's lru order.
+        self.carried = 0
 
     def now(self) -> float:
-        """A fresh logical time of use (also kept as ``current``)."""
-        t = self.policy.tick
+        """A fresh logical time of use (also kept as ``current``), later than every earlier one."""
+        t = self.policy.tick + self.carried
         if t != self._seq_tick:
             self._seq_tick, self._seq = t, 0
         self._seq += 1
-        self.current = t + min(self._seq, MAX_SEQ_PER_TICK) * 1e-6
+        if self._seq > MAX_SEQ_PER_TICK:
+            self.carried += 1
+            t = self._seq_tick = t + 1
+            self._seq = 1
+        self.current = t + self._seq * 1e-6
         return self.current
 
     def stamp(self, node, root) -> None:
