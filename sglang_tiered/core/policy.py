@@ -528,9 +528,12 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
             self.k = {"lru": 0.0, "slru": float("inf")}.get(self.mode.eviction, self.k)
         self._init_admission()
         self._init_safety()
-        # The sketch's readers: the adaptive policy (admission, pinning) and T1/T2's page value
-        # (``read_sketch``, when T1 is attached). A forced order without T1 has none: not counted.
-        self.sketch_read = self._adapt
+        # The sketch's readers: TinyLFU admission and pinning (the adaptive policy, or a forced
+        # mode with either) and T1/T2's page value (``read_sketch``, when T1 is attached). A
+        # forced fixed order admitting everything (lru's on a batching server) without T1 has
+        # none: not counted.
+        forced = self.modes[self.mode_index]
+        self.sketch_read = self._adapt or forced.admission == "tinylfu" or forced.eviction == "adaptive"
 
     def read_sketch(self) -> None:
         """T1 (and T2 behind it) values pages by the sketch: count every request from now on."""
