@@ -97,8 +97,17 @@ def test_leader_option_parses_and_reaches_the_policy():
 @pytest.mark.server
 def test_leader_on_a_live_server(tiny_model_path, reference_server):
     """``SGLANG_TIERED_GUARANTEE=leader`` on a live tiered server (a 2,048-token pool, so it
-    evicts and the shadows' orders differ): every greedy output equals the no-cache server's,
-    prefixes hit, and the policy reports the mode it runs."""
+    evicts and the shadows' orders differ): every greedy output equals the no-cache server's or,
+    where SGLang's own extend over a cached prefix rounds otherwise than a recompute, stock
+    SGLang's with its radix cache on the same requests; prefixes hit, and the policy reports the
+    mode it runs.
+
+    (Session 34: in a fresh environment request 16, with 112 tokens cached, gave ' Model& open'
+    against the no-cache server's ' Model cache'; its first token's logprob was -4.684929 against
+    -4.699766. Stock SGLang's radix cache, 112 tokens cached too, served the same -4.684929 and
+    the same text, and so did the code of session 33: SGLang's CPU extend path, not the cache's
+    KV. So a difference from the no-cache server is accepted only where stock SGLang's cache gives
+    the same text, and only for a few requests.)"""
     from sglang_tiered.dev.server import ServerSpec
     from tests.conftest import _start
     from tests.test_e2e_control_plane import stats
@@ -109,12 +118,20 @@ def test_leader_on_a_live_server(tiny_model_path, reference_server):
                    env={"SGLANG_TIERED_GUARANTEE": "leader"}),
         "leader",
     )  # fmt: skip
+    stock = None
     try:
+        stock = _start(ServerSpec(model_path=tiny_model_path, backend=None, page_size=16, max_total_tokens=2048),
+                       "stock-leader")  # fmt: skip
         docs = [make_prompt(900 + d, 120) for d in range(6)]
+        rounded = []
         for k in range(36):  # a few hot documents, a colder tail and one-shot scans
             text = make_prompt(5000 + k, 150) if k % 5 == 4 else docs[(0, 0, 1, 0, 2, 3, 1, 4, 5)[k % 9]]
             text += f" question {k % 7}"
-            assert greedy(server, text, 4)["text"] == greedy(reference_server, text, 4)["text"], k
+            got, want, sglang = (greedy(s, text, 4)["text"] for s in (server, reference_server, stock))
+            if got != want:
+                assert got == sglang, (k, got, want, sglang)
+                rounded.append(k)
+        assert len(rounded) <= 3, rounded
         body = stats(server)
         assert body["totals"]["cached_tokens"] > 0, body["totals"]
         pol = body["policy"][0]
@@ -122,3 +139,5 @@ def test_leader_on_a_live_server(tiny_model_path, reference_server):
         assert pol["following"] in FIXED_ORDERS, pol
     finally:
         server.stop()
+        if stock is not None:
+            stock.stop()
