@@ -602,8 +602,9 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
 
     @property
     def adaptive_extras(self) -> bool:
-        """Cold aging and pinning: only while the adaptive order is followed (not in fallback)."""
-        return self.following == "adaptive" and self.modes[self.mode_index].eviction == "adaptive"
+        """Protection, cold aging and pinning: only while the adaptive order evicts (not a fixed
+        order, followed by the duel or forced: those are SGLang's orders exactly)."""
+        return self.followed_order == "adaptive"
 
     @property
     def pinning(self) -> bool:
@@ -615,13 +616,13 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
 
     def protection_boost(self) -> float:
         """Requests by which a protected (reused) node's last use is shifted for eviction."""
-        if self.followed_order != "adaptive":  # a fixed order, followed or forced
+        if not self.adaptive_extras:
             return 0.0
         return self.k * self.cycle
 
     def cold_age(self) -> float:
         """Requests by which a cold prompt's pages are aged at insertion."""
-        if self.followed_order != "adaptive":  # a fixed order, followed or forced
+        if not self.adaptive_extras:
             return 0.0
         return self.c * self.cycle
 
