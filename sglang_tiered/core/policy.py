@@ -528,12 +528,12 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
             self.k = {"lru": 0.0, "slru": float("inf")}.get(self.mode.eviction, self.k)
         self._init_admission()
         self._init_safety()
-        # The sketch's readers: TinyLFU admission and pinning (the adaptive policy, or a forced
-        # mode with either) and T1/T2's page value (``read_sketch``, when T1 is attached). A
-        # forced fixed order admitting everything (lru's on a batching server) without T1 has
+        # The sketch's readers: TinyLFU admission and pinning (the adaptive policy's mode, or a
+        # forced one with either) and T1/T2's page value (``read_sketch``, when T1 is attached).
+        # A forced fixed order admitting everything (lru's on a batching server) without T1 has
         # none: not counted.
-        forced = self.modes[self.mode_index]
-        self.sketch_read = self._adapt or forced.admission == "tinylfu" or forced.eviction == "adaptive"
+        mode = self.modes[self.mode_index]  # (the adaptive policy starts in all+adaptive)
+        self.sketch_read = mode.admission == "tinylfu" or mode.eviction == "adaptive"
 
     def read_sketch(self) -> None:
         """T1 (and T2 behind it) values pages by the sketch: count every request from now on."""
@@ -555,16 +555,18 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
         self._win_hits += device_hit_pages
         # (hot path: a few list comprehensions per request, no per-page calls; a mask of 0 means
         # every page, and the list is passed on as it is: nothing below writes to it)
-        m = self._sketch_mask
-        counted = [h for h in page_hashes if not h[0] & m] if m else page_hashes
-        if self.sketch_read:
-            self.sketch.increment_all(counted)
-            if m and page_hashes and page_hashes[-1][0] & m:
-                self.sketch.increment(page_hashes[-1])  # the request's last page is always counted
         # (following the leader never follows adaptive; requests in flight together follow lru)
-        if self._adapt and self._leader is None and not self._overlapping:
-            dm = self._duel_mask  # a subset of the counted pages
-            self._duel([h for h in counted if not h[0] & dm] if dm else counted)
+        duel = self._adapt and self._leader is None and not self._overlapping
+        if self.sketch_read or duel:  # (neither: lru's order on a batching server, no T1)
+            m = self._sketch_mask
+            counted = [h for h in page_hashes if not h[0] & m] if m else page_hashes
+            if self.sketch_read:
+                self.sketch.increment_all(counted)
+                if m and page_hashes and page_hashes[-1][0] & m:
+                    self.sketch.increment(page_hashes[-1])  # the request's last page is always counted
+            if duel:
+                dm = self._duel_mask  # a subset of the counted pages
+                self._duel([h for h in counted if not h[0] & dm] if dm else counted)
         if self._guard:
             t = self._shard_t
             if self._lru_tree:
