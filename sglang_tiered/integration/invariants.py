@@ -25,7 +25,7 @@ def check_tree(cache) -> None:
     """T1, T2 over the whole device tree."""
     evictable = protected = 0
     pol, ev = cache.policy, cache.eviction
-    unaged = pol.followed_order != "adaptive" and ev._exits == pol.adaptive_exits
+    unaged = not pol.adaptive_extras and ev._exits == pol.adaptive_exits
     stack = list(cache.root_node.children.values())
     while stack:
         n = stack.pop()

@@ -455,7 +455,7 @@ class TieredRadixCache(RadixCache):
         # SGLang stamps the node it splits (both halves) as used now: lru's tick; the adaptive
         # order keeps the old one (a split is not a use of the lower half), until it is left
         child.tiered_lru = new_node.tiered_lru = self.clock.current
-        if self.policy.followed_order != "adaptive":  # a fixed order, followed or forced
+        if not self.policy.adaptive_extras:  # a fixed order, followed or forced
             child.tiered_tick = new_node.tiered_tick = self.clock.current
         else:
             self.eviction.diverged = True
