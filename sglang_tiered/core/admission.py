@@ -60,7 +60,6 @@ class AdmissionDuel:
         """How many of a request's new (not yet cached) pages to keep. Prefix-consistent: a
         refusal drops the page and everything after it."""
         n = len(new_hashes)
-        self.stats.pages_offered += n
         admitted = n
         if n and self.filtering and victim_freq is not None:
             # Admit the leading pages whose frequency beats the victim's (TinyLFU), at least the
@@ -89,6 +88,15 @@ class AdmissionDuel:
                 admitted = keep
             if admitted < n:
                 self.stats.admissions_refused += 1
+        return self._admitted(n, admitted)
+
+    def admit_all(self, n: int) -> int:
+        """All ``n`` new pages of a request kept, unfiltered (a forced order admitting everything,
+        told page counts only: ``reads_pages``): ``admit_pages``'s counts alone."""
+        return self._admitted(n, n)
+
+    def _admitted(self, n: int, admitted: int) -> int:
+        self.stats.pages_offered += n
         self.stats.pages_admitted += admitted
         self.stats.pages_rejected += n - admitted
         self._record(stores=admitted)

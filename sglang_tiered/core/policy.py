@@ -544,15 +544,28 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
         self.tick += 1
         return self.tick
 
+    @property
+    def reads_pages(self) -> bool:
+        """Whether anything here reads a request's page hashes: the adaptive policy (its sketch,
+        duel, shadows, ghosts, divergence) or the sketch's readers (T1). A forced fixed order
+        without T1 (lru's on a batching server) reads none: it is told a request's page counts
+        alone (``count_request``), and its pages are hashed only where something else needs them."""
+        return self._adapt or self.sketch_read
+
+    def count_request(self, n_pages: int, device_hit_pages: int) -> None:
+        """A request's counts (the thrash window's): ``n_pages`` pages observed, of which
+        ``device_hit_pages`` the device held. All ``observe`` does where ``reads_pages`` is false."""
+        self.stats.requests += 1
+        self._win_pages += n_pages
+        self._win_hits += device_hit_pages
+
     def observe(self, page_hashes: list[bytes], device_hit_pages: int, *, whole: list | None = None,
                 start: int = 0, tail: int = 0) -> None:
         """Count the request's pages in the sketch (once per request) and feed the duel.
         ``whole``: all the request's page hashes when ``page_hashes`` is its part from ``start``
         on (a later chunk); ``tail``: 1 when a partial last page also took a slot (the tree
         shadows replay SGLang's allocation exactly)."""
-        self.stats.requests += 1
-        self._win_pages += len(page_hashes)
-        self._win_hits += device_hit_pages
+        self.count_request(len(page_hashes), device_hit_pages)
         # (hot path: a few list comprehensions per request, no per-page calls; a mask of 0 means
         # every page, and the list is passed on as it is: nothing below writes to it)
         # (following the leader never follows adaptive; requests in flight together follow lru)

@@ -28,7 +28,7 @@ class AdmissionPlan(NamedTuple):
     anchor: object  # the request's last tree node before this checkpoint
     cpl: int  # cache_protected_len (tokens the tree already owns)
     admit_len: int  # tokens up to which SGLang's checkpoint runs
-    hashes: list  # page hashes of the request up to its page-aligned length
+    hashes: Optional[list]  # page hashes of the request up to its page-aligned length (None: not hashed)
     admitted: list  # hashes of the newly admitted pages
     before_tokens: int  # tree tokens before the insert (to count what was stored)
 
@@ -88,14 +88,20 @@ class Admission:
             # frees [cache_protected_len, owned). No-store requests leave no trace (not even in
             # the sketch; on_release counts them); paths through invalidated entries are never extended.
             return None
-        base = cache.path_hashes(anchor)
-        assert len(base) * ps == cpl or anchor is cache.root_node, (len(base), cpl)
-        prev = base[-1] if base else cache.hashes.seed(req.extra_key, req.cache_salt)
-        tokens = req.full_untruncated_fill_ids
-        # (EAGLE: a page's hash takes the token after it too, as the tree's bigram key does)
-        new = chain_page_hashes(prev, tokens[len(base) * ps : aligned + eagle], ps, eagle) if aligned > cpl else []
-        hashes = base + new
-        n_admit = self._decide(req, first, counted or 0, base, new, hashes, int(up_to > aligned))
+        if cache.hashes_read():
+            base = cache.path_hashes(anchor)
+            assert len(base) * ps == cpl or anchor is cache.root_node, (len(base), cpl)
+            prev = base[-1] if base else cache.hashes.seed(req.extra_key, req.cache_salt)
+            tokens = req.full_untruncated_fill_ids
+            # (EAGLE: a page's hash takes the token after it too, as the tree's bigram key does)
+            new = chain_page_hashes(prev, tokens[len(base) * ps : aligned + eagle], ps, eagle) if aligned > cpl else []
+            hashes = base + new
+            n_admit = self._decide(req, first, counted or 0, base, new, hashes, int(up_to > aligned))
+        else:  # nothing reads a page hash: the same counts, no hashing (``hashes_read``)
+            hashes, new = None, []
+            base = 0 if anchor is cache.root_node else cpl // ps  # (pages; as len(base) above)
+            n_new = (aligned - base * ps) // ps if aligned > cpl else 0
+            n_admit = self._count(req, first, counted or 0, base, n_new, int(up_to > aligned))
         admit_len = cpl + n_admit * ps
         if n_admit < len(new) and cache.t1 is not None:
             cache.t1.on_refused(req, admit_len, new[n_admit:])
@@ -132,6 +138,15 @@ class Admission:
         cache.tenant(req.cache_salt).rejected_pages += len(new) - n_admit
         return n_admit
 
+    def _count(self, req, first: bool, counted: int, base: int, new: int, tail: int) -> int:
+        """``_decide`` where no page hash is read (a forced fixed order admitting everything,
+        without T1 or the index): the request's counts alone, its ``new`` pages all kept."""
+        policy, total = self.cache.policy, base + new
+        if total > counted or (first and tail):
+            policy.count_request(max(0, total - counted), max(0, base - counted))
+            self.counted[req.rid] = total
+        return policy.admit_all(new)
+
     def adopted(self, req, plan: AdmissionPlan) -> None:
         """After SGLang's checkpoint inserted ``[cpl, admit_len)``: hashes, stamps, T1, aging."""
         cache, policy = self.cache, self.cache.policy
@@ -139,7 +154,8 @@ class Admission:
         tc = cache.tenant(req.cache_salt)
         tc.admitted_pages += stored
         tc.resident_pages += stored
-        cache.hashes.attach(req.last_node, plan.hashes)
+        if plan.hashes is not None:
+            cache.hashes.attach(req.last_node, plan.hashes)
         cache.index.device_stored(plan.admitted)
         cache.clock.stamp(req.last_node, cache.root_node)
         if cache.t1 is not None:

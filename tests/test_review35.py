@@ -1,0 +1,122 @@
+"""Session 35: where nothing reads a page hash (lru's order on a server that may batch, without T1
+or the fleet index), checkpoint hashes nothing; the identity is computed when first needed."""
+
+import pytest
+
+from sglang_tiered.core.keys import chain_page_hashes
+from sglang_tiered.dev.simulate import replay_concurrent
+from sglang_tiered.dev.workloads import multi_tenant
+from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+
+
+def _nodes(cache):
+    out, stack = [], list(cache.root_node.children.values())
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(n.children.values())
+    return out
+
+
+def _replay(cache, reqs, batch):
+    """(hit tokens, served) of every request."""
+    outs = replay_concurrent(cache.driver, [(r.tokens, r.tenant) for r in reqs], batch=batch)
+    return [(o.cached_len, o.served) for o in outs]
+
+
+# snapshot fields that only the hashes feed: the ghost lists of evicted leaves (keyed by a leaf's
+# first page hash), which a forced fixed order never reads (protection.on_miss returns before
+# using them; the adaptive order's k and c stay unlearned)
+GHOST_ONLY = ("ghost",)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_unhashed_checkpoints_decide_and_count_as_hashed_ones(monkeypatch, batch):
+    """The strict default told 8 in flight (lru's order, no T1): every request's hit and every
+    policy count equal those of the same cache made to hash every page (as before session 35),
+    under debug checks (H1/H2 over the nodes that have hashes, the tree, the victim queue); the
+    tree's nodes hold no hashes."""
+    reqs = multi_tenant(n_requests=600, seed=3)
+    cap = 96 * 16
+    lazy = TieredRadixCache.create_simulated(cap, 16, max_in_flight=8, debug_checks=True)
+    assert lazy.policy.burst_lru and not lazy.hashes_read()
+    eager = TieredRadixCache.create_simulated(cap, 16, max_in_flight=8, debug_checks=True)
+    monkeypatch.setattr(eager, "hashes_read", lambda: True)
+    got_lazy, got_eager = _replay(lazy, reqs, batch), _replay(eager, reqs, batch)
+    assert got_lazy == got_eager and sum(h for h, _ in got_lazy) > 0
+    a, b = lazy.policy.snapshot(), eager.policy.snapshot()
+    keys = [k for k in a if not any(g in k for g in GHOST_ONLY)]
+    assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    assert lazy.policy.stats.evicted_pages > 0 and lazy.policy.stats.requests == sum(s for _, s in got_lazy) > 400
+    assert all(n.tiered_hashes is None for n in _nodes(lazy))
+    assert all(n.tiered_hashes is not None for n in _nodes(eager))
+
+
+def test_an_unhashed_node_gets_its_identity_when_needed():
+    """``path_hashes`` (invalidation's cut, T1's probe) hashes an unhashed path on demand: the same
+    chained hashes a hashing checkpoint gives, tenant namespace included."""
+    lazy = TieredRadixCache.create_simulated(64 * 16, 16, max_in_flight=4, debug_checks=True)
+    tokens = list(range(7, 7 + 5 * 16 + 3))
+    lazy.driver.run(tokens, tenant="acme")
+    lazy.driver.run(tokens[:2 * 16] + [9] * 40, tenant="acme")  # splits the node at 2 pages
+    leaf = next(n for n in _nodes(lazy) if not n.children and len(n.key) == 3 * 16)
+    assert leaf.tiered_hashes is None
+    got = lazy.path_hashes(leaf)
+    seed = lazy.hashes.seed(leaf.key.extra_key, leaf.key.cache_salt)
+    assert got == chain_page_hashes(seed, tokens[:5 * 16], 16)
+    lazy.hashes.check(lazy.root_node)  # H1/H2 on what was just hashed
+    assert leaf.parent.tiered_hashes == got[:2] and leaf.tiered_end == 5 * 16
+
+
+def test_invalidating_an_unhashed_tenant_drops_it_and_nothing_else():
+    """A tenant's invalidation on a tree whose nodes were never hashed drops that tenant's
+    entries only; its next request misses, another tenant's hits."""
+    cache = TieredRadixCache.create_simulated(64 * 16, 16, max_in_flight=4, debug_checks=True)
+    tokens = list(range(300, 300 + 4 * 16))
+    for t in ("a", "b"):
+        cache.driver.run(tokens, tenant=t)
+    from sglang_tiered.core.tenants import name_hash
+
+    res = cache.invalidation.invalidate(tenant_hash=name_hash("a"))
+    assert res["dropped_tokens"] == 4 * 16
+    assert cache.driver.run(tokens, tenant="a").cached_len == 0
+    assert cache.driver.run(tokens, tenant="b").cached_len == 4 * 16
+
+
+@pytest.mark.parametrize("guarantee_rows", [("strict", 1), ("budget", 8), ("lru", 1)])
+def test_what_reads_page_hashes_still_gets_them(guarantee_rows):
+    """The adaptive policy (the strict default on a server that runs one request at a time, the
+    budget mode on any) reads page hashes, so its nodes get them at checkpoint; ``lru`` forced
+    without T1 reads none, and its nodes get none."""
+    from sglang_tiered.config import load_config, policy_config
+
+    guarantee, rows = guarantee_rows
+    cache = TieredRadixCache.create_simulated(32 * 16, 16, policy_config(load_config({"SGLANG_TIERED_GUARANTEE": guarantee})),
+                                              max_in_flight=rows, debug_checks=True)  # fmt: skip
+    cache.driver.run(list(range(50, 50 + 3 * 16)))
+    hashed = all(n.tiered_hashes is not None for n in _nodes(cache))
+    assert hashed is cache.hashes_read() is (guarantee != "lru")
+
+
+def test_t1_and_the_index_read_page_hashes():
+    """T1 (a demoted page is stored under its hash) and a fleet index listener turn hashing on."""
+
+    class Listener:
+        def on_store(self, hashes):
+            self.stored = getattr(self, "stored", 0) + len(hashes)
+
+        def on_remove(self, hashes):
+            pass
+
+        def on_clear(self):
+            pass
+
+    with_t1 = TieredRadixCache.create_simulated(32 * 16, 16, max_in_flight=4, host_pages=64, debug_checks=True)
+    assert with_t1.hashes_read()
+    indexed = TieredRadixCache.create_simulated(32 * 16, 16, max_in_flight=4, debug_checks=True)
+    assert not indexed.hashes_read()
+    listener = Listener()
+    indexed.attach_index(listener)
+    assert indexed.hashes_read()
+    indexed.driver.run(list(range(50, 50 + 3 * 16)))
+    assert listener.stored == 3
