@@ -120,3 +120,26 @@ def test_t1_and_the_index_read_page_hashes():
     assert indexed.hashes_read()
     indexed.driver.run(list(range(50, 50 + 3 * 16)))
     assert listener.stored == 3
+
+
+@pytest.mark.parametrize("tenant", [None, "acme"])
+def test_bodies_sglang_refuses_as_not_json_are_not_rewritten_into_json(tenant):
+    """A UTF-8 BOM or a UTF-16 body: stock SGLang's parser (orjson) refuses both (400). With a
+    tenant header configured every body is parsed and re-encoded, and Python's ``json.loads`` of
+    bytes took both, so the server answered 200 where stock answers 400 (a helper's hunt). Now
+    such a body is a 400 in tenant mode and passed unchanged (SGLang's 400) otherwise; a plain
+    UTF-8 body, non-ASCII text included, is read as before."""
+    import json
+
+    from sglang_tiered.integration.http import BadRequest, rewrite_body
+
+    body = {"text": "héllo ✓", "sampling_params": {"max_new_tokens": 2}}
+    for raw in (b"\xef\xbb\xbf" + json.dumps(body).encode(), json.dumps(body).encode("utf-16")):
+        if tenant is None:
+            assert rewrite_body(raw, "/generate", None) == raw
+        else:
+            with pytest.raises(BadRequest, match="not valid JSON"):
+                rewrite_body(raw, "/generate", tenant)
+    plain = json.dumps(body, ensure_ascii=False).encode()
+    out = rewrite_body(plain, "/generate", tenant)
+    assert json.loads(out)["text"] == body["text"]
