@@ -187,6 +187,31 @@ class SafetyDuel:
             hits["trial"] = tr[1].run(pages, tail, start)
         self._duel_step(hits, real, n)
 
+    @property
+    def replays_matches(self) -> bool:
+        """Whether ``match_only`` has anything to replay (lru's tree shadow is kept)."""
+        return self._guard and self._lru_tree
+
+    def match_only(self, pages: list) -> None:
+        """A request was matched and then never stored (turned away as too long for the pool, or
+        aborted while it waited): SGLang's match touched its cached path, which a later eviction
+        orders by. The tree shadows replay that touch (those ``_safety_tree`` steps now), so lru's
+        yardstick stays SGLang's lru. Before, they missed it: on serial replays with prompts
+        longer than the cache, lru's shadow evicted a hot prefix SGLang's lru kept, the books
+        showed a gain over lru that was not there, and the policy left lru and lost up to 2.5
+        points to it (a helper's hunt, session 35; tests/test_review35.py)."""
+        if not self.replays_matches or not pages:
+            return
+        sh = self._shadows
+        if self._overlapping or not self._tree:
+            sh["lru"].touch(pages)  # (slru and lfu: frozen while overlapping; page models otherwise)
+        else:
+            for o in FIXED_ORDERS:
+                sh[o].touch(pages)
+        tr = self._trial
+        if tr is not None:
+            tr[1].touch(pages)
+
     def _safety(self, sampled: list, real: int, n: int) -> None:
         """The safety duel, once per request: ``n`` sampled page references of which the real
         cache hit ``real`` (a prefix of them); each fixed-order shadow hits some."""

@@ -4,7 +4,8 @@ A node's ``tiered_hashes`` are the chained hashes (``core/keys.py``) of its page
 tree namespace (``CacheKey.namespace_seed``) or continued from its parent's last hash;
 ``tiered_end`` is the token depth of its end. A long prompt is hashed once, page by page, as it
 is inserted (``attach``), never again; nodes created without hashes get them on first need
-(``ensure``).
+(``ensure``). Where nothing reads a page hash at insertion (``TieredRadixCache.hashes_read``:
+lru's order on a server that may batch, without T1 or the fleet index) nothing is hashed then.
 
 Invariants (checked by ``check``):
   H1 ``node.tiered_hashes == chain_page_hashes(prev, node tokens, page_size)`` (a bigram key, EAGLE:

@@ -33,7 +33,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, Inc
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 from sglang_tiered.config import lifetime_id
-from sglang_tiered.core.keys import CacheKey
+from sglang_tiered.core.keys import CacheKey, chain_page_hashes
 from sglang_tiered.core.policy import AdaptivePolicy, PolicyConfig
 from sglang_tiered.core.tenants import TenantCounters, TenantTable
 from sglang_tiered.integration import build, tree_ops
@@ -168,6 +168,14 @@ class TieredRadixCache(RadixCache):
         T1 attached later), as a split's node does. The chained hashes are the identity of what
         leaves the device; the tree itself keys pages by their tokens and tenant namespace."""
         return self.policy.reads_pages or self.t1 is not None or self.index.listener is not None
+
+    def _prompt_pages(self, req) -> list:
+        """The page hashes of ``req``'s prompt (its full pages; under EAGLE each page with the
+        token after it, as checkpoint hashes them), from its tree namespace's seed."""
+        tokens, ps, eagle = getattr(req, "origin_input_ids", None) or [], self.page_size, int(self.is_eagle)
+        aligned = ((len(tokens) - eagle) // ps) * ps
+        seed = self.hashes.seed(getattr(req, "extra_key", None), getattr(req, "cache_salt", None))
+        return chain_page_hashes(seed, tokens[: aligned + eagle], ps, eagle) if aligned > 0 else []
 
     def path_hashes(self, node) -> list:
         """Chained page hashes from the root to the end of ``node``."""
@@ -409,6 +417,8 @@ class TieredRadixCache(RadixCache):
         it: its probe and admission state go here (a later request may reuse the rid)."""
         super().release_aborted_request(handle)
         rid = getattr(handle, "rid", None)
+        if rid in self.in_flight and rid not in self.admission.counted and self.policy.replays_matches:
+            self.policy.match_only(self._prompt_pages(handle))  # matched, never stored
         self.admission.forget(rid)
         self.in_flight.pop(rid, None)
         if self.t1 is not None:
