@@ -164,8 +164,8 @@ class TieredRadixCache(RadixCache):
         """Whether anything reads the page hashes of a request's pages as they are stored: the
         policy (``reads_pages``), T1 (and T2 behind it) or the fleet index. When nothing does
         (lru's order on a batching server, T1 off, no index), checkpoint hashes nothing: a node
-        gets its hashes when something first needs them (``PageHashes.ensure``: invalidation, a
-        T1 attached later), as a split's node does. The chained hashes are the identity of what
+        gets its hashes when something first needs them (``PageHashes.ensure``: an invalidation's
+        cut), as a split's node does. The chained hashes are the identity of what
         leaves the device; the tree itself keys pages by their tokens and tenant namespace."""
         return self.policy.reads_pages or self.t1 is not None or self.index.listener is not None
 
