@@ -171,21 +171,25 @@ class SafetyDuel:
         """The duel's per-request step with the tree shadows (every order's, or lru's alone):
         ``pages`` the request's page hashes from its first, ``pages[start:]`` (``n`` of them) this
         step's references."""
-        sh = self._shadows
+        hits = {o: t.run(pages, tail, start) for o, t in self._stepped_trees()}
         if self._overlapping:  # lru's shadow alone (see ``_overlapping``)
-            hits = {"lru": sh["lru"].run(pages, tail, start), "slru": 0.0, "lfu": 0.0}
-        elif self._tree:
-            hits = {o: sh[o].run(pages, tail, start) for o in FIXED_ORDERS}
-        else:  # lru's tree alone: slru and lfu are the page models, their hits scaled to pages
-            hits = {"lru": sh["lru"].run(pages, tail, start)}
+            hits["slru"] = hits["lfu"] = 0.0
+        elif not self._tree:  # lru's tree alone: slru and lfu are the page models, hits scaled to pages
             tb, own = self._shard_tb, pages[start:]
             self._model_hits(hits, [h for h in own if h[2:4] < tb] if tb else own, 65536 / self._shard_t)
         if self._over:
             self._settle_over()
-        tr = self._trial
-        if tr is not None:
-            hits["trial"] = tr[1].run(pages, tail, start)
         self._duel_step(hits, real, n)
+
+    def _stepped_trees(self) -> list:
+        """(name, TreeShadow) of the tree shadows a request steps now: lru's alone while requests
+        overlap or where slru and lfu are page models, else every order's; and a priced switch's
+        trial fork. ``_safety_tree`` runs them, ``match_only`` touches them."""
+        sh = self._shadows
+        trees = [("lru", sh["lru"])] if self._overlapping or not self._tree else [(o, sh[o]) for o in FIXED_ORDERS]
+        if self._trial is not None:
+            trees.append(("trial", self._trial[1]))
+        return trees
 
     @property
     def replays_matches(self) -> bool:
@@ -202,15 +206,8 @@ class SafetyDuel:
         points to it (a helper's hunt, session 35; tests/test_review35.py)."""
         if not self.replays_matches or not pages:
             return
-        sh = self._shadows
-        if self._overlapping or not self._tree:
-            sh["lru"].touch(pages)  # (slru and lfu: frozen while overlapping; page models otherwise)
-        else:
-            for o in FIXED_ORDERS:
-                sh[o].touch(pages)
-        tr = self._trial
-        if tr is not None:
-            tr[1].touch(pages)
+        for _, t in self._stepped_trees():
+            t.touch(pages)
 
     def _safety(self, sampled: list, real: int, n: int) -> None:
         """The safety duel, once per request: ``n`` sampled page references of which the real

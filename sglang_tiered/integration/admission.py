@@ -99,9 +99,9 @@ class Admission:
             n_admit = self._decide(req, first, counted or 0, base, new, hashes, int(up_to > aligned))
         else:  # nothing reads a page hash: the same counts, no hashing (``hashes_read``)
             hashes, new = None, []
-            base = 0 if anchor is cache.root_node else cpl // ps  # (pages; as len(base) above)
-            n_new = (aligned - base * ps) // ps if aligned > cpl else 0
-            n_admit = self._count(req, first, counted or 0, base, n_new, int(up_to > aligned))
+            n_base = 0 if anchor is cache.root_node else cpl // ps  # (len(base) above)
+            n_new = (aligned - n_base * ps) // ps if aligned > cpl else 0
+            n_admit = self._count(req, first, counted or 0, n_base, n_new, int(up_to > aligned))
         admit_len = cpl + n_admit * ps
         if n_admit < len(new) and cache.t1 is not None:
             cache.t1.on_refused(req, admit_len, new[n_admit:])
@@ -128,11 +128,8 @@ class Admission:
         cache, policy = self.cache, self.cache.policy
         if first and new:
             policy.on_miss(new[0])  # ghost hit? (adapts the eviction order)
-        if len(hashes) > counted or (first and tail):
-            # (a request shorter than a page is observed too: SGLang still gives its partial page
-            # a slot, which can evict, and the tree shadows replay that)
+        if self._unseen(req, first, counted, len(hashes), tail):
             policy.observe(hashes[counted:], max(0, len(base) - counted), whole=hashes, start=counted, tail=tail)
-            self.counted[req.rid] = len(hashes)
         victim_freq = cache.eviction.victim_frequency() if (new and policy.filtering) else None
         n_admit = policy.admit_pages(new, victim_freq)
         cache.tenant(req.cache_salt).rejected_pages += len(new) - n_admit
@@ -141,11 +138,20 @@ class Admission:
     def _count(self, req, first: bool, counted: int, base: int, new: int, tail: int) -> int:
         """``_decide`` where no page hash is read (a forced fixed order admitting everything,
         without T1 or the index): the request's counts alone, its ``new`` pages all kept."""
-        policy, total = self.cache.policy, base + new
-        if total > counted or (first and tail):
-            policy.count_request(max(0, total - counted), max(0, base - counted))
-            self.counted[req.rid] = total
+        policy = self.cache.policy
+        if self._unseen(req, first, counted, base + new, tail):
+            policy.count_request(max(0, base + new - counted), max(0, base - counted))
         return policy.admit_all(new)
+
+    def _unseen(self, req, first: bool, counted: int, total: int, tail: int) -> bool:
+        """Whether this checkpoint shows the policy pages of ``req`` it has not seen (``total``
+        pages now, ``counted`` before), or a first checkpoint's partial page (a request shorter
+        than a page is observed too: SGLang still gives its partial page a slot, which can evict,
+        and the tree shadows replay that). Records them as seen."""
+        if total > counted or (first and tail):
+            self.counted[req.rid] = total
+            return True
+        return False
 
     def adopted(self, req, plan: AdmissionPlan) -> None:
         """After SGLang's checkpoint inserted ``[cpl, admit_len)``: hashes, stamps, T1, aging."""

@@ -180,8 +180,6 @@ class Eviction:
         cache = self.cache
         ps = cache.page_size
         t1 = cache.t1
-        if t1 is not None:
-            cache.hashes.ensure(x)  # (stored before T1 was attached: hashed on first need)
         if t1 is not None and not x.tiered_invalid and x.tiered_hashes:
             t1.on_evict(x)
         else:  # gone from this server

@@ -850,7 +850,7 @@ def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool | 
         # UTF-8 only, as SGLang's own parser (orjson) takes it: ``json.loads`` of bytes also takes
         # a UTF-8 BOM and UTF-16/32, and the rewritten body, re-encoded, was served where stock
         # SGLang answers 400 (a helper's hunt, session 35)
-        body = json.loads(raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw)
+        body = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         if not tenant_mode and not isinstance(exc, RecursionError):
             return raw  # not JSON: not ours to judge, SGLang answers it with a 400 as usual
