@@ -170,11 +170,16 @@ class TieredRadixCache(RadixCache):
         return self.policy.reads_pages or self.t1 is not None or self.index.listener is not None
 
     def _prompt_pages(self, req) -> list:
-        """The page hashes of ``req``'s prompt (its full pages; under EAGLE each page with the
-        token after it, as checkpoint hashes them), from its tree namespace's seed."""
-        tokens, ps, eagle = getattr(req, "origin_input_ids", None) or [], self.page_size, int(self.is_eagle)
+        """The page hashes of ``req``'s prompt, from its tree namespace's seed."""
+        return self._token_pages(getattr(req, "origin_input_ids", None) or [],
+                                 getattr(req, "extra_key", None), getattr(req, "cache_salt", None))  # fmt: skip
+
+    def _token_pages(self, tokens, extra_key, cache_salt) -> list:
+        """The page hashes of ``tokens`` (their full pages; under EAGLE each page with the token
+        after it, as checkpoint hashes them) in the namespace (``extra_key``, ``cache_salt``)."""
+        ps, eagle = self.page_size, int(self.is_eagle)
         aligned = ((len(tokens) - eagle) // ps) * ps
-        seed = self.hashes.seed(getattr(req, "extra_key", None), getattr(req, "cache_salt", None))
+        seed = self.hashes.seed(extra_key, cache_salt)
         return chain_page_hashes(seed, tokens[: aligned + eagle], ps, eagle) if aligned > 0 else []
 
     def path_hashes(self, node) -> list:
@@ -360,7 +365,14 @@ class TieredRadixCache(RadixCache):
         """SGLang's refresh of a waiting request's cached path (``SchedulePolicy`` calls it while
         the request waits; on by default for fcfs + lru): its ``last_access_time``, and our logical
         tick, which the victim queue orders by (before, only the former moved, so "following lru"
-        evicted a waiting request's prefix that SGLang's lru keeps: review, session 24)."""
+        evicted a waiting request's prefix that SGLang's lru keeps: review, session 24).
+
+        The policy's tree shadows replay the touch too (``match_only``), so lru's yardstick stays
+        SGLang's lru. Before session 36 they did not: on a server that runs one request at a time
+        (the only one where the adaptive order runs) with requests waiting, lru's shadow evicted
+        prefixes SGLang's lru kept because a waiting request's refresh touched them, the books
+        showed a gain over lru that was not there, and the strict default lost 2.2 to 4.7 points
+        to lru (tests/test_review36.py)."""
         key, _ = key.maybe_to_bigram_view(self.is_eagle)
         if self.disable or len(key) == 0:
             return
@@ -370,6 +382,8 @@ class TieredRadixCache(RadixCache):
         self.clock.now()
         _, node = self._match_prefix_helper(self.root_node, key)
         self.clock.stamp(node, self.root_node)
+        if self.policy.replays_matches:
+            self.policy.match_only(self._token_pages(key.raw_token_ids(), key.extra_key, key.cache_salt))
 
     def init_load_back(self, params):
         """Promote the T1 pages probed for this request into new device pages, all or nothing.
