@@ -64,7 +64,9 @@ def load(name: str):
 MODE_FIELDS = {"strict_guarantee": ("strict_guarantee", "cap_spared", "cap_admitted", "cap_over_pages", "cap_over_kept"),
                "follow_leader": ("follow_leader", "leader_switches"),
                # requests one at a time (these replays) never overlap: 0, left out as a mode's are
-               "overlapped_requests": ("overlapped_requests", "overlap_cut_pages")}  # fmt: skip
+               "overlapped_requests": ("overlapped_requests", "overlap_cut_pages"),
+               # paths touched unstored (session 36): none where every prompt is served at once
+               "replayed_touches": ("replayed_touches",)}  # fmt: skip
 # a serial replay's values of the fields that say what the server may run at once (session 34):
 # left out as a mode's are, so the digests recorded before them still hold
 SERIAL_FIELDS = {"max_in_flight": 1, "burst_lru": False}

@@ -147,6 +147,9 @@ class PolicyReport(msgspec.Struct, kw_only=True):
     leader_switches: int = 0  # times the real cache switched to the order whose shadow led
     overlapped_requests: int = 0  # requests that started while another was in flight (lru then, strict)
     overlap_cut_pages: int = 0  # switch-back price charged to the budget for episodes an overlap cut short
+    # paths SGLang touched without storing (a waiting request's refresh, a request released
+    # unserved), replayed into the policy's tree shadows so that lru's yardstick stays SGLang's lru
+    replayed_touches: int = 0
 
 
 class IndexStats(msgspec.Struct, kw_only=True):

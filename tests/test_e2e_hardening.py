@@ -850,3 +850,48 @@ def test_a_body_cut_off_by_a_client_that_left_is_not_run(soak_server):
     assert status == 200, out
     status, stats = soak_server.request("GET", "/cache/stats")
     assert "spoofed" not in stats["tenants"] and "intruder" not in stats["tenants"], sorted(stats["tenants"])
+
+
+def test_a_server_running_one_request_at_a_time_serves_what_recomputation_gives(reference32, tiny_model_path,
+                                                                                 tmp_path):  # fmt: skip
+    """``--max-running-requests 1``: the only server where the adaptive policy runs (one that may
+    batch runs lru's order itself). Clients send 8 at a time, so requests wait, and SGLang
+    refreshes the waiting requests' cached prefixes (``touch_prefix``), which the policy's tree
+    shadows replay (session 36). Shared system prompts across two tenants, one-shot scans that
+    evict, a device pool of 2,048 tokens, the debug invariants after every cache operation:
+    every output equals the no-cache server's (tie-aware), and the stats show the serial
+    policy (not lru's order forced), no overlap, and the refreshes replayed."""
+    from sglang_tiered.dev.greedy import LOGPROBS, compare
+    from sglang_tiered.dev.server import Server, ServerSpec
+
+    rng = random.Random(36)
+    tok = lambda k: [rng.randrange(10, 2000) for _ in range(k)]  # noqa: E731
+    systems = [tok(rng.randrange(60, 200)) for _ in range(5)]
+    items = [(rng.choice(systems) + tok(rng.randrange(3, 60)), rng.choice([None, "acme"])) for _ in range(60)]
+    items += [(tok(rng.randrange(400, 700)), None) for _ in range(6)]  # one-shot scans: evictions
+    rng.shuffle(items)
+    want = _reference_outputs(reference32, [(ids, 4) for ids, _ in items])
+    spec = ServerSpec(model_path=tiny_model_path, page_size=PAGE, max_total_tokens=2048, dtype="float32",
+                      extra_args=["--max-running-requests", "1"],
+                      env={"SGLANG_TIERED_DEBUG": "1", "SGLANG_TIERED_TENANT_HEADER": HEADER})  # fmt: skip
+    differ, ties = [], 0
+    with Server(spec, tmp_path / "serial.log") as server:
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda it: _gen(server, it[0], tenant=it[1], extra=LOGPROBS), items))
+        for (ids, _), (status, out) in zip(items, outs):
+            assert status == 200, out
+            verdict, why = compare(want[tuple(ids)], out)
+            ties += verdict == "tie"
+            if verdict == "differ":
+                differ.append((len(ids), out["meta_info"]["cached_tokens"], why))
+        status, stats = server.request("GET", "/cache/stats")
+        _check_conservation(stats)
+        assert "Traceback" not in server.log_path.read_text()
+    assert not differ, differ[:5]
+    assert ties <= 2, ties
+    assert stats["totals"]["cached_tokens"] > 0
+    pol = stats["policy"][0]
+    assert pol["max_in_flight"] == 1 and pol["burst_lru"] is False and pol["strict_guarantee"] is True, pol
+    assert pol["overlapped_requests"] == 0, pol
+    assert pol["replayed_touches"] > 0, pol  # SGLang refreshed waiting prefixes and the shadows saw it
+    assert pol["evicted_pages"] > 0, pol

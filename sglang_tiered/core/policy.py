@@ -478,6 +478,9 @@ class PolicyStats:
     leader_switches: int = 0  # follow the leader: times the real cache switched to another order
     overlapped_requests: int = 0  # requests that started while another was in flight (guard_serial)
     overlap_cut_pages: int = 0  # switch-back price charged for episodes an overlap cut short
+    # paths SGLang touched without storing (a waiting request's refresh, a request released
+    # unserved), replayed into the tree shadows (``match_only``)
+    replayed_touches: int = 0
 
 
 def sample_shift(capacity_pages: int, cfg: PolicyConfig) -> int:

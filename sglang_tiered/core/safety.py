@@ -207,6 +207,7 @@ class SafetyDuel:
         points to it (a helper's hunt, session 35; tests/test_review35.py)."""
         if not self.replays_matches or not pages:
             return
+        self.stats.replayed_touches += 1
         for _, t in self._stepped_trees():
             t.touch(pages)
 
