@@ -486,6 +486,30 @@ class SafetyDuel:
         if self._div is not None:
             self._div.r_clear()
 
+    def device_flushed(self) -> None:
+        """SGLang's flush emptied the device tree (``/flush_cache``; every weight update): its own
+        cache under any order would be empty now too, so every fixed order's shadow starts empty,
+        a priced switch's trial fork is dropped, and lru's side of the divergence is emptied
+        (the real side is, by ``real_cleared``). Before session 36 the shadows kept their
+        pages: lru's yardstick hit what SGLang's lru then missed (``lru_model_bias`` up to
+        +0.46), and the policy gave up its gains until they turned over (a helper's audit; never
+        a loss: the books favoured lru)."""
+        self._shadows = {o: TreeShadow(s.cap, o) if isinstance(s, TreeShadow) else type(s)(s.cap)
+                         for o, s in self._shadows.items()}  # fmt: skip
+        self._shadow = self._shadows["lru"]
+        self._trial = None
+        self._over = []
+        dv = self._div
+        if dv is not None:
+            counting = dv.counting
+            dv.stop()
+            dv.L, dv.R = set(), set()
+            if dv.lazy:
+                dv.l_pages = self._shadow.pages
+            self._shadow.track = dv
+            if counting:
+                dv.start()
+
     def _adaptive_ahead(self) -> bool:
         """Evidence for following adaptive: its better miniature leads the lru miniature, by more
         than the best fixed order's shadow leads the lru shadow (both as shares of references;

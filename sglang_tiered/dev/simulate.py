@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from sglang.srt.managers.schedule_batch import ReqKvInfo
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 
@@ -218,7 +218,7 @@ class CacheDriver:
             # aborted while waiting without ``release_kv_cache`` (``release_aborted_request``): the
             # cache forgets it (before, the tiered cache kept it "in flight" for good, so every
             # later request counted as overlapping and its policy stayed at lru: review, session 24)
-            cache.release_aborted_request(req)
+            cache.release_aborted_request(CacheRequestHandle(rid=req.rid, attempt_id=0))  # (SGLang's argument)
             return RequestOutcome(n, 0, spent, served=False)
         row = self.req_pool.alloc_row()
         req.kv.req_pool_idx = row

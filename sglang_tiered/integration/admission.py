@@ -20,6 +20,8 @@ from sglang_tiered.integration import tree_ops
 from sglang_tiered.integration.clock import bump_hits
 
 COUNTED_MAX = 65536  # requests between their first checkpoint and their release (aborted ones age out)
+# ``TieredRadixCache.in_flight``'s value for a request whose pages the policy has been shown
+SEEN = object()
 
 
 class AdmissionPlan(NamedTuple):
@@ -150,6 +152,8 @@ class Admission:
         and the tree shadows replay that). Records them as seen."""
         if total > counted or (first and tail):
             self.counted[req.rid] = total
+            if req.rid in self.cache.in_flight:
+                self.cache.in_flight[req.rid] = SEEN  # (its match is in what the policy is shown)
             return True
         return False
 

@@ -37,7 +37,7 @@ from sglang_tiered.core.keys import CacheKey, chain_page_hashes
 from sglang_tiered.core.policy import AdaptivePolicy, PolicyConfig
 from sglang_tiered.core.tenants import TenantCounters, TenantTable
 from sglang_tiered.integration import build, tree_ops
-from sglang_tiered.integration.admission import COUNTED_MAX as IN_FLIGHT_MAX, Admission, no_store
+from sglang_tiered.integration.admission import COUNTED_MAX as IN_FLIGHT_MAX, SEEN, Admission, no_store
 from sglang_tiered.integration.clock import LogicalClock
 from sglang_tiered.integration.evict import Eviction
 from sglang_tiered.integration.index_hints import IndexHints, tree_pages
@@ -89,7 +89,9 @@ class TieredRadixCache(RadixCache):
         self.hashes = PageHashes(self.cache_key, params.page_size)
         self.clock = LogicalClock(self.policy)
         self.admission = Admission(self)
-        self.in_flight: dict = {}  # rids matched and not yet released (bounded: IN_FLIGHT_MAX)
+        # rids matched and not yet released (bounded: IN_FLIGHT_MAX), each with the key SGLang
+        # matched it by until the policy is shown its pages (``SEEN``; ``_replay_unseen_match``)
+        self.in_flight: dict = {}
         self.eviction = Eviction(self)
         self.invalidation = Invalidation(self)
         self.index = IndexHints()  # fleet hint index (sglang_tiered.fleet.publisher)
@@ -169,11 +171,6 @@ class TieredRadixCache(RadixCache):
         leaves the device; the tree itself keys pages by their tokens and tenant namespace."""
         return self.policy.reads_pages or self.t1 is not None or self.index.listener is not None
 
-    def _prompt_pages(self, req) -> list:
-        """The page hashes of ``req``'s prompt, from its tree namespace's seed."""
-        return self._token_pages(getattr(req, "origin_input_ids", None) or [],
-                                 getattr(req, "extra_key", None), getattr(req, "cache_salt", None))  # fmt: skip
-
     def _token_pages(self, tokens, extra_key, cache_salt) -> list:
         """The page hashes of ``tokens`` (their full pages; under EAGLE each page with the token
         after it, as checkpoint hashes them) in the namespace (``extra_key``, ``cache_salt``)."""
@@ -233,6 +230,7 @@ class TieredRadixCache(RadixCache):
         else:
             self.index.clear()
         super().reset()
+        self.policy.device_flushed()  # SGLang's own tree under any order is empty now too
         self.eviction.reset()
         self.root_node.tiered_hashes = []
         self.root_node.tiered_end = 0
@@ -355,6 +353,8 @@ class TieredRadixCache(RadixCache):
                 del self.in_flight[next(iter(self.in_flight))]
             self.in_flight[req.rid] = None
         result = super().match_prefix(params)
+        if req is not None and self.in_flight.get(req.rid, SEEN) is not SEEN:
+            self.in_flight[req.rid] = params.key  # what SGLang's match touched (its limit included)
         self.clock.stamp(result.last_device_node, self.root_node)
         result = self.invalidation.cut_match(result)
         if self.t1 is not None and params.req is not None:
@@ -430,17 +430,31 @@ class TieredRadixCache(RadixCache):
         -> ``finish(handle, ABORT)``) without ``release_kv_cache``, so ``on_release`` never sees
         it: its probe and admission state go here (a later request may reuse the rid)."""
         super().release_aborted_request(handle)
-        rid = getattr(handle, "rid", None)
-        if rid in self.in_flight and rid not in self.admission.counted and self.policy.replays_matches:
-            self.policy.match_only(self._prompt_pages(handle))  # matched, never stored
+        rid = getattr(handle, "rid", None)  # (SGLang's ``CacheRequestHandle``: rid, attempt_id)
+        self._replay_unseen_match(rid)
         self.admission.forget(rid)
-        self.in_flight.pop(rid, None)
         if self.t1 is not None:
             self.t1.forget(rid)
 
+    def _replay_unseen_match(self, rid) -> None:
+        """SGLang lets go of ``rid`` (released or aborted). If its pages never reached the policy
+        (aborted while it waited; turned away as too long for the pool; refused whole at
+        checkpoint: the no-store hint, a stale epoch, an invalidated path; released before any
+        checkpoint, as a forward whose output SGLang discards), its match still touched its
+        cached path in SGLang's lru, so the tree shadows replay that touch (``match_only``) from
+        the key SGLang matched it by. Before session 36 only the first case was replayed, from
+        the request's prompt, and on a real server not even that (SGLang passes a
+        ``CacheRequestHandle``, which has no prompt; the simulator passed the request): each of
+        these cost the strict default 1.2 to 3.7 points to lru (a helper's audit;
+        tests/test_review36.py). A no-store request's pages are not inserted in the shadows: the
+        real cache never stores them, so lru's yardstick is the tree the real cache sees."""
+        key = self.in_flight.pop(rid, None)
+        if key is not None and key is not SEEN and self.policy.replays_matches:
+            self.policy.match_only(self._token_pages(key.raw_token_ids(), key.extra_key, key.cache_salt))
+
     def on_release(self, req, *, checkpointed: bool) -> None:
+        self._replay_unseen_match(req.rid)
         self.admission.forget(req.rid)
-        self.in_flight.pop(req.rid, None)
         if self.t1 is not None:
             self.t1.forget(req.rid)
         # A request retracted at decode (out of memory) or preempted is released unfinished and
