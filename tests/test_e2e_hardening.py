@@ -782,13 +782,36 @@ def test_a_prompt_with_no_tokens_is_400_with_a_tokenizer_without_bos(tiny_model_
         assert status == 200, got[:300]
 
 
+def _judge(want: dict, results, differ: list, ties: list) -> None:
+    """Each (token ids, (status, output)) against the no-cache server's output (tie-aware):
+    appends to ``differ`` and ``ties``."""
+    from sglang_tiered.dev.greedy import compare
+
+    for ids, (status, out) in results:
+        assert status == 200, out
+        verdict, why = compare(want[tuple(ids)], out)
+        if verdict == "tie":
+            ties.append(why)
+        elif verdict == "differ":
+            differ.append((len(ids), out["meta_info"]["cached_tokens"], why))
+
+
+def _final_stats(server) -> dict:
+    """The server's /cache/stats (per-tenant counts conserved); no Traceback in its log."""
+    status, stats = server.request("GET", "/cache/stats")
+    assert status == 200, stats
+    _check_conservation(stats)
+    assert "Traceback" not in server.log_path.read_text()
+    return stats
+
+
 def test_priority_preemption_serves_what_recomputation_gives(reference32, tiny_model_path, tmp_path):
     """SGLang's priority scheduling (session 29): with two running slots, a higher-priority request
     preempts a running one, which is released unfinished (no checkpoint) and prefilled again
     later, here in chunks of 48 tokens, with T1 on and the debug invariants after every cache
     operation. Every output equals the no-cache server's (tie-aware), and the cache counts the
     re-admissions (``requeued_requests``), so the preemption path really ran."""
-    from sglang_tiered.dev.greedy import LOGPROBS, compare
+    from sglang_tiered.dev.greedy import LOGPROBS
     from sglang_tiered.dev.server import Server, ServerSpec
 
     rng = random.Random(29)
@@ -805,7 +828,7 @@ def test_priority_preemption_serves_what_recomputation_gives(reference32, tiny_m
                       extra_args=["--enable-priority-scheduling", "--max-running-requests", "2",
                                   "--priority-scheduling-preemption-threshold", "0", "--chunked-prefill-size", "48"],
                       env={"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_DEBUG": "1", "SGLANG_TIERED_TENANT_HEADER": HEADER})  # fmt: skip
-    differ, ties = [], 0
+    differ, ties = [], []
     with Server(spec, tmp_path / "priority.log") as server:
         def one(item):
             prio, ids, mn, tenant = item
@@ -815,17 +838,10 @@ def test_priority_preemption_serves_what_recomputation_gives(reference32, tiny_m
 
         for r in rounds:
             with ThreadPoolExecutor(4) as pool:
-                for (_, ids, _, _), (status, out) in pool.map(one, r):
-                    assert status == 200, out
-                    verdict, why = compare(want[tuple(ids)], out)
-                    ties += verdict == "tie"
-                    if verdict == "differ":
-                        differ.append((len(ids), out["meta_info"]["cached_tokens"], why))
-        status, stats = server.request("GET", "/cache/stats")
-        _check_conservation(stats)
-        assert "Traceback" not in server.log_path.read_text()
+                _judge(want, [(ids, res) for (_, ids, _, _), res in pool.map(one, r)], differ, ties)
+        stats = _final_stats(server)
     assert not differ, differ[:5]
-    assert ties <= 2, ties
+    assert len(ties) <= 2, ties
     assert stats["totals"]["requeued_requests"] > 0, stats["totals"]  # preemptions happened
 
 
@@ -861,7 +877,7 @@ def test_a_server_running_one_request_at_a_time_serves_what_recomputation_gives(
     evict, a device pool of 2,048 tokens, the debug invariants after every cache operation:
     every output equals the no-cache server's (tie-aware), and the stats show the serial
     policy (not lru's order forced), no overlap, and the refreshes replayed."""
-    from sglang_tiered.dev.greedy import LOGPROBS, compare
+    from sglang_tiered.dev.greedy import LOGPROBS
     from sglang_tiered.dev.server import Server, ServerSpec
 
     rng = random.Random(36)
@@ -874,21 +890,14 @@ def test_a_server_running_one_request_at_a_time_serves_what_recomputation_gives(
     spec = ServerSpec(model_path=tiny_model_path, page_size=PAGE, max_total_tokens=2048, dtype="float32",
                       extra_args=["--max-running-requests", "1"],
                       env={"SGLANG_TIERED_DEBUG": "1", "SGLANG_TIERED_TENANT_HEADER": HEADER})  # fmt: skip
-    differ, ties = [], 0
+    differ, ties = [], []
     with Server(spec, tmp_path / "serial.log") as server:
         with ThreadPoolExecutor(8) as pool:
             outs = list(pool.map(lambda it: _gen(server, it[0], tenant=it[1], extra=LOGPROBS), items))
-        for (ids, _), (status, out) in zip(items, outs):
-            assert status == 200, out
-            verdict, why = compare(want[tuple(ids)], out)
-            ties += verdict == "tie"
-            if verdict == "differ":
-                differ.append((len(ids), out["meta_info"]["cached_tokens"], why))
-        status, stats = server.request("GET", "/cache/stats")
-        _check_conservation(stats)
-        assert "Traceback" not in server.log_path.read_text()
+        _judge(want, [(ids, res) for (ids, _), res in zip(items, outs)], differ, ties)
+        stats = _final_stats(server)
     assert not differ, differ[:5]
-    assert ties <= 2, ties
+    assert len(ties) <= 2, ties
     assert stats["totals"]["cached_tokens"] > 0
     pol = stats["policy"][0]
     assert pol["max_in_flight"] == 1 and pol["burst_lru"] is False and pol["strict_guarantee"] is True, pol

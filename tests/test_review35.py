@@ -145,17 +145,20 @@ def test_bodies_sglang_refuses_as_not_json_are_not_rewritten_into_json(tenant):
     assert json.loads(out)["text"] == body["text"]
 
 
-def _touch_trace(rounds: int = 20, cap_pages: int = 30, prefix_pages: int = 10, seed: int = 2):
+def _touch_trace(rounds: int = 20, cap_pages: int = 30, prefix_pages: int = 10, seed: int = 2,
+                 tail_pages: int | None = None, marked: bool = False):  # fmt: skip
     """A helper's reproducer (session 35): a hot prefix of ``prefix_pages`` pages hit once a round,
     a cache's worth of 2-page one-shot prompts a round, one prompt a round longer than the whole
     cache that starts with the hot prefix (turned away unserved: only its match touches the
-    prefix), and a pair reused once."""
+    prefix), and a pair reused once. ``tail_pages``: that prompt's pages after the prefix (default:
+    one more than the cache); ``marked``: (tokens, is that prompt) pairs, not requests."""
     import random
     from array import array
 
     from sglang_tiered.dev.workloads import Request
 
     rng, ctr = random.Random(seed), [0]
+    tail = cap_pages + 1 if tail_pages is None else tail_pages
 
     def fresh(n):
         ctr[0] += 1
@@ -163,14 +166,14 @@ def _touch_trace(rounds: int = 20, cap_pages: int = 30, prefix_pages: int = 10, 
 
     hot, reqs = fresh(prefix_pages * 16), []
     for _ in range(rounds):
-        reqs.append(hot + fresh(16))
+        reqs.append((hot + fresh(16), False))
         for k in range(cap_pages // 2):
-            reqs.append(fresh(32))
+            reqs.append((fresh(32), False))
             if k == cap_pages // 4:
-                reqs.append(hot + fresh((cap_pages + 1) * 16))
+                reqs.append((hot + fresh(tail * 16), True))
         x = fresh(48)
-        reqs += [x, x + fresh(8)]
-    return [Request(array("q", t)) for t in reqs]
+        reqs += [(x, False), (x + fresh(8), False)]
+    return reqs if marked else [Request(array("q", t)) for t, _ in reqs]
 
 
 def test_a_prompt_turned_away_still_touches_lrus_yardstick():

@@ -122,24 +122,9 @@ def test_lrus_tree_shadow_is_sglangs_lru_under_refreshes(ps):
 CAP = 30 * 16
 
 
-def _audit_trace(rounds: int, tail_pages: int = 1, seed: int = 2, cap_pages: int = 30, prefix_pages: int = 10):
+def _audit_trace(rounds: int, tail_pages: int = 1):
     """(tokens, special) per request; ``special``: the once-a-round request under test."""
-    rng, ctr = random.Random(seed), [0]
-
-    def fresh(n):
-        ctr[0] += 1
-        return [16 + (ctr[0] * 7919 + i * 31 + rng.randrange(1900)) % 1984 for i in range(n)]
-
-    hot, reqs = fresh(prefix_pages * 16), []
-    for _ in range(rounds):
-        reqs.append((hot + fresh(16), False))
-        for k in range(cap_pages // 2):
-            reqs.append((fresh(32), False))
-            if k == cap_pages // 4:
-                reqs.append((hot + fresh(tail_pages * 16), True))
-        x = fresh(48)
-        reqs += [(x, False), (x + fresh(8), False)]
-    return reqs
+    return _touch_trace(rounds=rounds, tail_pages=tail_pages, marked=True)
 
 
 def _pair():

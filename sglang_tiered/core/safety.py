@@ -197,9 +197,10 @@ class SafetyDuel:
         return self._guard and self._lru_tree
 
     def match_only(self, pages: list) -> None:
-        """A request was matched and then never stored (turned away as too long for the pool, or
-        aborted while it waited), or a waiting request's cached prefix was refreshed
-        (``touch_prefix``, session 36): SGLang's match touched its cached path, which a later
+        """A request was matched and let go of before its pages reached the policy (turned away
+        as too long for the pool, aborted while it waited, refused whole at checkpoint, released
+        before any checkpoint), or a waiting request's cached prefix was refreshed
+        (``touch_prefix``; session 36): SGLang's match touched its cached path, which a later
         eviction orders by. The tree shadows replay that touch (those ``_safety_tree`` steps now), so lru's
         yardstick stays SGLang's lru. Before, they missed it: on serial replays with prompts
         longer than the cache, lru's shadow evicted a hot prefix SGLang's lru kept, the books

@@ -171,12 +171,12 @@ class TieredRadixCache(RadixCache):
         leaves the device; the tree itself keys pages by their tokens and tenant namespace."""
         return self.policy.reads_pages or self.t1 is not None or self.index.listener is not None
 
-    def _token_pages(self, tokens, extra_key, cache_salt) -> list:
-        """The page hashes of ``tokens`` (their full pages; under EAGLE each page with the token
-        after it, as checkpoint hashes them) in the namespace (``extra_key``, ``cache_salt``)."""
-        ps, eagle = self.page_size, int(self.is_eagle)
+    def _key_pages(self, key) -> list:
+        """The page hashes of a ``RadixKey``'s tokens (its limit honoured; the full pages; under
+        EAGLE each page with the token after it, as checkpoint hashes them) in its namespace."""
+        tokens, ps, eagle = key.raw_token_ids(), self.page_size, int(self.is_eagle)
         aligned = ((len(tokens) - eagle) // ps) * ps
-        seed = self.hashes.seed(extra_key, cache_salt)
+        seed = self.hashes.seed(key.extra_key, key.cache_salt)
         return chain_page_hashes(seed, tokens[: aligned + eagle], ps, eagle) if aligned > 0 else []
 
     def path_hashes(self, node) -> list:
@@ -383,7 +383,7 @@ class TieredRadixCache(RadixCache):
         _, node = self._match_prefix_helper(self.root_node, key)
         self.clock.stamp(node, self.root_node)
         if self.policy.replays_matches:
-            self.policy.match_only(self._token_pages(key.raw_token_ids(), key.extra_key, key.cache_salt))
+            self.policy.match_only(self._key_pages(key))
 
     def init_load_back(self, params):
         """Promote the T1 pages probed for this request into new device pages, all or nothing.
@@ -450,7 +450,7 @@ class TieredRadixCache(RadixCache):
         real cache never stores them, so lru's yardstick is the tree the real cache sees."""
         key = self.in_flight.pop(rid, None)
         if key is not None and key is not SEEN and self.policy.replays_matches:
-            self.policy.match_only(self._token_pages(key.raw_token_ids(), key.extra_key, key.cache_salt))
+            self.policy.match_only(self._key_pages(key))
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         self._replay_unseen_match(req.rid)
