@@ -11,6 +11,7 @@ import pytest
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from sglang_tiered.core.keys import chain_page_hashes
+from sglang_tiered.core.shadows import TreeShadow
 from sglang.srt.mem_cache.base_prefix_cache import (CacheRequestHandle, CacheRequestOutcome, EvictParams,
                                                     MatchPrefixParams)  # fmt: skip
 
@@ -219,3 +220,60 @@ def test_a_request_released_before_any_checkpoint_reaches_lrus_shadow(rounds):
         a, b = stock.run(array("q", t)), cache.driver.run(array("q", t))
         hs, ht, tot = hs + a.cached_len, ht + b.cached_len, tot + a.prompt_len
     _check_margin(hs, ht, tot, cache)
+
+
+# ---------------------------------------------------------------- the match's limit (session 36)
+def _limit_trace(n: int = 400, seed: int = 0):
+    """(tokens, max_prefix_len) per request: exact repeats of page-aligned documents (SGLang
+    matches at most ``len - 1`` tokens, so the last page is recomputed), documents with suffixes,
+    one-shot prompts, and a fifth of the requests asking for prompt logprobs from a random
+    position (``logprob_start_len`` caps the match there too)."""
+    rng = random.Random(seed)
+    tok = lambda k: [rng.randrange(1, 2000) for _ in range(k)]  # noqa: E731
+    docs = [tok(16 * rng.randrange(2, 8)) for _ in range(12)]
+    out = []
+    for _ in range(n):
+        x = rng.random()
+        toks = rng.choice(docs) if x < 0.5 else rng.choice(docs) + tok(rng.randrange(1, 40)) if x < 0.8 else tok(
+            rng.randrange(16, 120))  # fmt: skip
+        out.append((toks, rng.randrange(0, len(toks)) if rng.random() < 0.2 else len(toks) - 1))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["lru", "slru", "lfu"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_tree_shadow_stops_where_sglangs_match_stops(policy, seed):
+    """SGLang's match reaches at most ``len - 1`` tokens (fewer for prompt logprobs), so a fully
+    cached page-aligned prompt recomputes its last page and allocates for it; its insert then
+    walks on over the pages already cached past the limit. ``TreeShadow.run(limit=...)`` hits what
+    SGLang's RadixCache hits, request for request (before, the shadow hit every cached page: a
+    helper's audit found lru's yardstick at 0.80 where lru itself got 0.375)."""
+    reqs, cap = _limit_trace(seed=seed), 40
+    params, alloc, pool = make_params(cap * 16, 16, 1 << 12, eviction_policy=policy)
+    drv, sh = CacheDriver(RadixCache(params), alloc, pool), TreeShadow(cap, policy)
+    seed_h = __import__("hashlib").blake2b(b"", digest_size=16).digest()
+    capped = 0
+    for toks, lim in reqs:
+        pages = chain_page_hashes(seed_h, toks, 16)
+        want = drv.run(array("q", toks), max_prefix_len=lim).cached_len // 16
+        assert sh.run(pages, tail=int(len(toks) % 16 > 0), limit=lim // 16) == want
+        capped += lim // 16 < len(pages)
+        sh.check()
+    assert capped > 100
+
+
+def test_the_strict_default_reads_sglangs_limit_off_the_match():
+    """The cache reads each request's limit off the key SGLang matched it by and hands it to the
+    shadows: with SGLang's limits on every request, lru's yardstick is SGLang's lru (bias 0)."""
+    reqs, cap = _limit_trace(n=1200, seed=3), 40
+    params, alloc, pool = make_params(cap * 16, 16, 1 << 12, eviction_policy="lru")
+    stock = CacheDriver(RadixCache(params), alloc, pool)
+    cache = TieredRadixCache.create_simulated(cap * 16, 16, debug_checks=True)
+    hs = ht = tot = 0
+    for toks, lim in reqs:
+        a = stock.run(array("q", toks), max_prefix_len=lim)
+        b = cache.driver.run(array("q", toks), max_prefix_len=lim)
+        hs, ht, tot = hs + a.cached_len, ht + b.cached_len, tot + a.prompt_len
+    snap = cache.policy.snapshot()
+    assert (ht - hs) / tot * 100 >= -0.2
+    assert snap["lru_model_bias"] == 0.0, snap["lru_model_bias"]

@@ -167,11 +167,11 @@ class SafetyDuel:
         """A request started with no other in flight (the cache tells: match_prefix)."""
         self._overlapping = False
 
-    def _safety_tree(self, pages: list, start: int, tail: int, real: int, n: int) -> None:
+    def _safety_tree(self, pages: list, start: int, tail: int, real: int, n: int, limit: int | None = None) -> None:
         """The duel's per-request step with the tree shadows (every order's, or lru's alone):
         ``pages`` the request's page hashes from its first, ``pages[start:]`` (``n`` of them) this
-        step's references."""
-        hits = {o: t.run(pages, tail, start) for o, t in self._stepped_trees()}
+        step's references; ``limit`` the most pages SGLang's match could reach."""
+        hits = {o: t.run(pages, tail, start, limit) for o, t in self._stepped_trees()}
         if self._overlapping:  # lru's shadow alone (see ``_overlapping``)
             hits["slru"] = hits["lfu"] = 0.0
         elif not self._tree:  # lru's tree alone: slru and lfu are the page models, hits scaled to pages

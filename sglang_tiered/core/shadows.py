@@ -440,13 +440,17 @@ class TreeShadow:
                 leaves.add(p)
                 self._push(p)
 
-    def run(self, pages: list, tail: int = 0, start: int = 0) -> int:
+    def run(self, pages: list, tail: int = 0, start: int = 0, limit: int | None = None) -> int:
         """One request: ``pages`` its full pages' hashes from its first page, ``tail`` 1 when a
         partial last page also needs a slot, ``start`` its pages counted before (an earlier
-        chunk of the same request: not reuse). Returns the pages of ``pages[start:]`` it hit."""
+        chunk of the same request: not reuse), ``limit`` the most pages its match may reach
+        (SGLang matches at most ``len - 1`` tokens, fewer for prompt logprobs: a fully cached
+        page-aligned prompt recomputes its last page; None: all). Returns the pages of
+        ``pages[start:]`` it hit."""
         self.clock += 1
         path: list = []
-        matched = self._walk(pages, self.clock, path)
+        capped = limit is not None and limit < len(pages)
+        matched = self._walk(pages[:limit] if capped else pages, self.clock, path)
         last = path[-1] if path else self.root
         self._set_lock(last, 1)
         need = len(pages) - matched + tail
@@ -471,10 +475,17 @@ class TreeShadow:
                 end += len(node.key)
                 if end > start:
                     node.hits += 1
-            if matched < len(pages):
+            if capped:  # the insert walks on past the match's limit (``_insert_helper``)
+                last, end = self._insert_walk(last, pages, matched, end, start, t)
+                matched_all = end
+            else:
+                matched_all = matched
+            if matched_all < len(pages):
                 self.seq += 1
-                leaf = _Node(pages[matched:], last, t, 1 if len(pages) > start else 0, self.seq)
-                last.children[pages[matched]] = leaf
+                leaf = _Node(pages[matched_all:], last, t, 1 if len(pages) > start else 0, self.seq)
+                if last in self.leaves:  # (an unlocked node the insert walked to: no longer a leaf)
+                    self.leaves.discard(last)
+                last.children[pages[matched_all]] = leaf
                 self.used += len(leaf.key)
                 if self.track is not None:
                     self.track.l_add(leaf.key)
@@ -482,8 +493,36 @@ class TreeShadow:
                     self.full = True
                 self.leaves.add(leaf)  # (``last`` is locked or the root: no evictable leaf to drop)
                 self._push(leaf)
-        self._set_lock(last, -1)
+        self._set_lock(path[-1] if path else self.root, -1)
         return max(0, matched - start)
+
+    def _insert_walk(self, node: _Node, pages: list, i: int, end: int, start: int, t: int) -> tuple:
+        """SGLang's insert past a limited match: from ``node`` (``pages[:i]``'s last, ``end`` its
+        pages), walk the nodes that already hold ``pages[i:]``, touching them at ``t``, splitting a
+        partly matched one and counting a hit on each that ends beyond ``start``. Returns the
+        last node reached and the pages matched to its end."""
+        n = len(pages)
+        while i < n:
+            child = node.children.get(pages[i])
+            if child is None:
+                break
+            key = child.key
+            k, m = 1, min(len(key), n - i)
+            while k < m and key[k] == pages[i + k]:
+                k += 1
+            child.last = t  # (SGLang touches, then splits: both parts keep the touch)
+            if k < len(key):
+                if child in self.leaves:
+                    self._push(child)  # the lower part's priority moved
+                child = self._split(child, k)
+            i += k
+            end += k
+            if end > start:
+                child.hits += 1
+            if child in self.leaves:
+                self._push(child)  # its priority moved (after its hit: slru and lfu read it)
+            node = child
+        return node, i
 
     def touch(self, pages: list) -> None:
         """SGLang's match of a request that is then never inserted (turned away: too long for the

@@ -158,18 +158,22 @@ class CacheDriver:
         self._n = 0
         self.host_loaded_tokens = 0
 
-    def run(self, token_ids, *, tenant=None, no_store=False, extra_key=None, during=None) -> RequestOutcome:
+    def run(self, token_ids, *, tenant=None, no_store=False, extra_key=None, during=None,
+            max_prefix_len=None) -> RequestOutcome:  # fmt: skip
         """One request, start to end. ``during``: called where the forward pass runs (after the
         request's KV is computed, before its checkpoint), e.g. a weight update or an invalidation
-        that arrives while the request is in flight."""
-        f = self.begin(token_ids, tenant=tenant, no_store=no_store, extra_key=extra_key)
+        that arrives while the request is in flight. ``max_prefix_len``: the most tokens the
+        match may reach (SGLang's ``Req._compute_max_prefix_len``: ``len - 1``, fewer for prompt
+        logprobs; None, the replays' default: all)."""
+        f = self.begin(token_ids, tenant=tenant, no_store=no_store, extra_key=extra_key, max_prefix_len=max_prefix_len)
         if isinstance(f, RequestOutcome):
             return f
         if during is not None:
             during()
         return self.end(f)
 
-    def begin(self, token_ids, *, tenant=None, no_store=False, extra_key=None) -> "InFlight | RequestOutcome":
+    def begin(self, token_ids, *, tenant=None, no_store=False, extra_key=None,
+              max_prefix_len=None) -> "InFlight | RequestOutcome":  # fmt: skip
         """A request's admission, as ``PrefillAdder`` does it: match (and load back from T1), lock,
         allocate its uncached tokens with eviction, then its forward pass. Returns the request in
         flight, or an unserved ``RequestOutcome`` when its tokens cannot fit even after eviction
@@ -179,7 +183,7 @@ class CacheDriver:
         req = SimReq(f"sim-{self._n}", token_ids, cache_salt=tenant, extra_key=extra_key, no_store=no_store)
         n = len(req.origin_input_ids)
         t0 = time.perf_counter()
-        key = RadixKey(req.origin_input_ids, req.extra_key, cache_salt=req.cache_salt)
+        key = RadixKey(req.origin_input_ids, req.extra_key, cache_salt=req.cache_salt, limit=max_prefix_len)
         m = cache.match_prefix(MatchPrefixParams(key=key, req=req))
         prefix_len = m.device_prefix_len
         req.last_node = m.last_device_node

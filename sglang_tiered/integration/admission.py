@@ -130,8 +130,15 @@ class Admission:
         cache, policy = self.cache, self.cache.policy
         if first and new:
             policy.on_miss(new[0])  # ghost hit? (adapts the eviction order)
+        # the key SGLang matched it by (first checkpoint only: later chunks are not matched again)
+        key = cache.in_flight.get(req.rid) if first else None
         if self._unseen(req, first, counted, len(hashes), tail):
-            policy.observe(hashes[counted:], max(0, len(base) - counted), whole=hashes, start=counted, tail=tail)
+            # SGLang's match reaches at most len - 1 tokens (fewer for prompt logprobs): the tree
+            # shadows' walk stops there too, or lru's yardstick hit what SGLang's lru recomputes
+            # (a helper's audit, session 36: with prompt logprobs it showed 0.80 where lru got 0.375)
+            limit = None if key is None or key is SEEN else len(key) // cache.page_size
+            policy.observe(hashes[counted:], max(0, len(base) - counted), whole=hashes, start=counted, tail=tail,
+                           limit=limit)  # fmt: skip
         victim_freq = cache.eviction.victim_frequency() if (new and policy.filtering) else None
         n_admit = policy.admit_pages(new, victim_freq)
         cache.tenant(req.cache_salt).rejected_pages += len(new) - n_admit
