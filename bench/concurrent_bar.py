@@ -42,9 +42,7 @@ def replay(kind: str, reqs, cap: int, batch: int, chunk: int, policy_config=None
     Tiered is told it may run ``batch`` requests at once, as SGLang's request pool tells a server
     (the strict default is then lru's order itself); ``told_serial``: told 1, the cache a server
     with --max-running-requests 1 has, run concurrently anyway (the serial guard's defence)."""
-    from sglang.srt.mem_cache.radix_cache import RadixCache
-
-    from sglang_tiered.dev.simulate import CacheDriver, make_params, replay_concurrent
+    from sglang_tiered.dev.simulate import replay_concurrent
     from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
 
     page = trace_replay.PAGE
@@ -52,8 +50,7 @@ def replay(kind: str, reqs, cap: int, batch: int, chunk: int, policy_config=None
         driver = TieredRadixCache.create_simulated(cap, page, policy_config=policy_config,
                                                    max_in_flight=1 if told_serial else batch).driver  # fmt: skip
     else:
-        params, alloc, pool = make_params(cap, page, 1 << 17, eviction_policy=kind)
-        driver = CacheDriver(RadixCache(params), alloc, pool)
+        driver = trace_replay.sglang_driver(cap, kind)
     t0 = time.perf_counter()
     outs = replay_concurrent(driver, [(r.tokens, r.tenant) for r in reqs], batch=batch, chunk=chunk)
     return {

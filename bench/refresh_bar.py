@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bookkeeping import capacity_tokens, load  # noqa: E402
+from trace_replay import PAGE, sglang_driver  # noqa: E402
 
 
 def replay(cache_driver, reqs, queue: int, interval: int) -> tuple[int, int]:
@@ -42,16 +43,12 @@ def replay(cache_driver, reqs, queue: int, interval: int) -> tuple[int, int]:
 
 
 def cell(name: str, frac: float, queue: int, interval: int) -> dict:
-    from sglang.srt.mem_cache.radix_cache import RadixCache
-
-    from sglang_tiered.dev.simulate import CacheDriver, make_params
     from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
 
     reqs = load(name)[0]
     cap = capacity_tokens(name, frac)
-    params, alloc, pool = make_params(cap, 16, 1 << 17, eviction_policy="lru")
-    lru_hit, tot = replay(CacheDriver(RadixCache(params), alloc, pool), reqs, queue, interval)
-    cache = TieredRadixCache.create_simulated(cap, 16)
+    lru_hit, tot = replay(sglang_driver(cap, "lru"), reqs, queue, interval)
+    cache = TieredRadixCache.create_simulated(cap, PAGE)
     hit, tot2 = replay(cache.driver, reqs, queue, interval)
     assert tot == tot2
     snap = cache.policy.snapshot()

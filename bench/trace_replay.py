@@ -93,13 +93,18 @@ def belady_hits(pages, capacity_pages: int) -> int:
     return hits
 
 
-def replay_sglang(reqs, capacity_tokens: int, policy: str):
+def sglang_driver(capacity_tokens: int, policy: str):
+    """A ``CacheDriver`` over SGLang's own ``RadixCache`` with eviction policy ``policy``."""
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     from sglang_tiered.dev.simulate import CacheDriver, make_params
 
     params, alloc, pool = make_params(capacity_tokens, PAGE, 1 << 17, eviction_policy=policy)
-    return _replay(CacheDriver(RadixCache(params), alloc, pool), reqs)
+    return CacheDriver(RadixCache(params), alloc, pool)
+
+
+def replay_sglang(reqs, capacity_tokens: int, policy: str):
+    return _replay(sglang_driver(capacity_tokens, policy), reqs)
 
 
 def replay_tiered(reqs, capacity_tokens: int, policy_config=None):

@@ -380,14 +380,15 @@ class TreeShadow:
         node.parent = top
         return top
 
-    def _walk(self, pages: list, t: int, path: list) -> int:
-        """Match ``pages`` from the root, touching the path at clock ``t`` and splitting a partly
-        matched node; the path's nodes (root excluded) are appended to ``path``. Returns the
-        matched pages. (A leaf on the path is not re-filed in the heap: ``run`` locks the path
-        next, and unlocking re-files whatever is a leaf then.)"""
-        node = self.root
+    def _walk(self, pages: list, t: int, path: list, node: _Node | None = None, i: int = 0) -> int:
+        """Match ``pages`` from the root (or from ``node``, which holds ``pages[:i]``), touching the
+        path at clock ``t`` and splitting a partly matched node; the path's nodes (root or
+        ``node`` excluded) are appended to ``path``. Returns the matched pages. (A leaf on the path
+        is not re-filed in the heap: the caller does, or locks the path and unlocking re-files
+        whatever is a leaf then.)"""
+        node = self.root if node is None else node
         node.last = t
-        i, n = 0, len(pages)
+        n = len(pages)
         while i < n:
             child = node.children.get(pages[i])
             if child is None:
@@ -475,17 +476,22 @@ class TreeShadow:
                 end += len(node.key)
                 if end > start:
                     node.hits += 1
-            if capped:  # the insert walks on past the match's limit (``_insert_helper``)
-                last, end = self._insert_walk(last, pages, matched, end, start, t)
-                matched_all = end
-            else:
-                matched_all = matched
-            if matched_all < len(pages):
+            tip, inserted = last, matched
+            if capped:  # SGLang's insert walks on over what is cached past the match's limit
+                more: list = []
+                inserted = self._walk(pages, t, more, last, matched)
+                for node in more:  # (unlocked: touched and counted as the path's, then re-filed)
+                    end += len(node.key)
+                    if end > start:
+                        node.hits += 1
+                    if node in self.leaves:
+                        self._push(node)
+                tip = more[-1] if more else last
+            if inserted < len(pages):
                 self.seq += 1
-                leaf = _Node(pages[matched_all:], last, t, 1 if len(pages) > start else 0, self.seq)
-                if last in self.leaves:  # (an unlocked node the insert walked to: no longer a leaf)
-                    self.leaves.discard(last)
-                last.children[pages[matched_all]] = leaf
+                leaf = _Node(pages[inserted:], tip, t, 1 if len(pages) > start else 0, self.seq)
+                self.leaves.discard(tip)  # (an unlocked node the insert walked to: no longer a leaf)
+                tip.children[pages[inserted]] = leaf
                 self.used += len(leaf.key)
                 if self.track is not None:
                     self.track.l_add(leaf.key)
@@ -493,36 +499,8 @@ class TreeShadow:
                     self.full = True
                 self.leaves.add(leaf)  # (``last`` is locked or the root: no evictable leaf to drop)
                 self._push(leaf)
-        self._set_lock(path[-1] if path else self.root, -1)
+        self._set_lock(last, -1)
         return max(0, matched - start)
-
-    def _insert_walk(self, node: _Node, pages: list, i: int, end: int, start: int, t: int) -> tuple:
-        """SGLang's insert past a limited match: from ``node`` (``pages[:i]``'s last, ``end`` its
-        pages), walk the nodes that already hold ``pages[i:]``, touching them at ``t``, splitting a
-        partly matched one and counting a hit on each that ends beyond ``start``. Returns the
-        last node reached and the pages matched to its end."""
-        n = len(pages)
-        while i < n:
-            child = node.children.get(pages[i])
-            if child is None:
-                break
-            key = child.key
-            k, m = 1, min(len(key), n - i)
-            while k < m and key[k] == pages[i + k]:
-                k += 1
-            child.last = t  # (SGLang touches, then splits: both parts keep the touch)
-            if k < len(key):
-                if child in self.leaves:
-                    self._push(child)  # the lower part's priority moved
-                child = self._split(child, k)
-            i += k
-            end += k
-            if end > start:
-                child.hits += 1
-            if child in self.leaves:
-                self._push(child)  # its priority moved (after its hit: slru and lfu read it)
-            node = child
-        return node, i
 
     def touch(self, pages: list) -> None:
         """SGLang's match of a request that is then never inserted (turned away: too long for the

@@ -342,19 +342,20 @@ class TieredRadixCache(RadixCache):
         req = params.req
         if req is not None and getattr(req.kv, "req_pool_idx", None) is None:
             req.tiered_epoch = self.epoch  # (no KV of its own yet: what it computes is of this epoch)
-        if req is not None and req.rid not in self.in_flight:
-            # a request that starts while another is in flight: the policy's shadows model requests
-            # one at a time (PolicyConfig.guard_serial)
-            if self.in_flight:
-                self.policy.note_overlap(len(self.in_flight) + 1)
-            else:
-                self.policy.note_serial()
-            if len(self.in_flight) >= IN_FLIGHT_MAX:  # never released (aborted): forget the oldest
-                del self.in_flight[next(iter(self.in_flight))]
-            self.in_flight[req.rid] = None
+        if req is not None:
+            held = self.in_flight.get(req.rid)
+            if held is None:
+                # a request that starts while another is in flight: the policy's shadows model
+                # requests one at a time (PolicyConfig.guard_serial)
+                if self.in_flight:
+                    self.policy.note_overlap(len(self.in_flight) + 1)
+                else:
+                    self.policy.note_serial()
+                if len(self.in_flight) >= IN_FLIGHT_MAX:  # never released (aborted): forget the oldest
+                    del self.in_flight[next(iter(self.in_flight))]
+            if held is not SEEN:  # what SGLang's match touches (its limit included; the same object
+                self.in_flight[req.rid] = params.key  # the match below turns into bigrams under EAGLE)
         result = super().match_prefix(params)
-        if req is not None and self.in_flight.get(req.rid, SEEN) is not SEEN:
-            self.in_flight[req.rid] = params.key  # what SGLang's match touched (its limit included)
         self.clock.stamp(result.last_device_node, self.root_node)
         result = self.invalidation.cut_match(result)
         if self.t1 is not None and params.req is not None:
