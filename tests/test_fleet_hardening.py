@@ -275,16 +275,12 @@ def test_publisher_dropped_removal_withdraws_its_claims():
         down.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return sk.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _served_router(worker_url: str):
     """``sglang-tiered route``'s own serve() in a subprocess on 127.0.0.1: yields its base URL."""
-    port = _free_port()
+    from sglang_tiered.dev.server import free_port
+
+    port = free_port()
     code = ("import sys; from sglang_tiered.fleet.router import serve; "
             "serve([sys.argv[1]], port=int(sys.argv[2]), load_poll_s=0, model_path='')")  # fmt: skip
     p = subprocess.Popen([sys.executable, "-c", code, worker_url, str(port)], cwd=ROOT)

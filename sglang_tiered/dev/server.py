@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -18,10 +19,45 @@ import urllib.request
 from dataclasses import dataclass, field
 
 
+# Ports we hand out lie under the kernel's ephemeral range and under SGLang's own pick for its
+# torch.distributed port (22000-29999, ``get_free_port_below_ephemeral``). A port from bind(0)
+# lies in the ephemeral range, where any process's outgoing connection or gloo listener can take
+# it in the seconds before an SGLang server binds it (after its model loads): CI saw a TP=2
+# server lose its HTTP port that way (stop 45).
+PORT_LOW, PORT_HIGH = 12000, 21999
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    for host in ("127.0.0.1", "0.0.0.0"):
+        with socket.socket() as sk:
+            try:
+                sk.bind((host, port))
+            except OSError:
+                return False
+    return True
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port that no kernel-chosen (ephemeral) port can take before its user binds it,
+    and that this process has not handed out before."""
+    high = min(PORT_HIGH, _ephemeral_low() - 1)
+    if high - PORT_LOW >= 256:
+        for port in random.sample(range(PORT_LOW, high + 1), 128):
+            if port not in _handed_out and _bindable(port):
+                _handed_out.add(port)
+                return port
+    with socket.socket() as sk:  # (a machine whose ephemeral range starts low)
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
 
 
 class RedisMissing(RuntimeError):
@@ -149,6 +185,10 @@ class ServerStartError(RuntimeError):
     pass
 
 
+class PortTaken(ServerStartError):
+    """Another process bound the server's port before it did."""
+
+
 @dataclass
 class ServerSpec:
     model_path: str
@@ -194,6 +234,7 @@ class Server:
     """A running ``sglang.launch_server`` child with its log in a file."""
 
     def __init__(self, spec: ServerSpec, log_path: pathlib.Path):
+        self._own_port = not spec.port  # (ours to change when another process took it)
         if not spec.port:
             spec.port = free_port()
         self.spec = spec
@@ -205,6 +246,16 @@ class Server:
         return f"http://{self.spec.host}:{self.spec.port}"
 
     def start(self, timeout_s: float = 240.0) -> "Server":
+        for attempt in range(3):
+            try:
+                return self._start(timeout_s)
+            except PortTaken:
+                if not self._own_port or attempt == 2:
+                    raise
+                self.spec.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout_s: float) -> "Server":
         # SGLang binds its port only after the model loaded: whatever answers there before is
         # another process, which wait_ready would take for this server (review, session 23)
         with socket.socket(socket.AF_INET6 if ":" in self.spec.host else socket.AF_INET) as sk:
@@ -212,7 +263,7 @@ class Server:
             try:
                 sk.bind((self.spec.host, self.spec.port))
             except OSError as exc:
-                raise ServerStartError(f"port {self.spec.port} on {self.spec.host} is in use ({exc.strerror})") from None
+                raise PortTaken(f"port {self.spec.port} on {self.spec.host} is in use ({exc.strerror})") from None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = cpu_env(self.spec.env)
         if self.spec.tp > 1:
@@ -262,11 +313,22 @@ class Server:
                         return
             except (urllib.error.URLError, OSError):
                 pass
+            if self._bind_failed():  # (uvicorn logs it, then hangs in shutdown: do not wait it out)
+                self.stop()
+                raise PortTaken(f"the server could not bind {self.url}; log {self.log_path} ends:\n{self.log_tail()}")
             time.sleep(0.5)
         self.stop()
         raise ServerStartError(
             f"server not ready after {timeout_s:.0f}s; log {self.log_path} ends:\n{self.log_tail()}"
         )
+
+    def _bind_failed(self) -> bool:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
+                return b"error while attempting to bind on address" in f.read()
+        except OSError:
+            return False
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
