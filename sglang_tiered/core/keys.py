@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 import sys
 from array import array
 from dataclasses import asdict, dataclass, replace
@@ -82,11 +83,13 @@ _OPTIONAL_FIELDS = ("quantization", "model_dtype", "revision", "model_overrides"
 
 
 def _token_bytes(tokens) -> bytes:
-    arr = tokens if isinstance(tokens, array) and tokens.typecode == "q" else array("q", tokens)
-    if _BIG_ENDIAN:
-        arr = array("q", arr)
-        arr.byteswap()
-    return arr.tobytes()
+    """The tokens as little-endian int64s (struct.pack: twice as fast as ``array("q", list)``)."""
+    if isinstance(tokens, array) and tokens.typecode == "q":
+        if _BIG_ENDIAN:
+            tokens = array("q", tokens)
+            tokens.byteswap()
+        return tokens.tobytes()
+    return struct.pack(f"<{len(tokens)}q", *tokens)
 
 
 _PAGE_HASH = hashlib.blake2b(digest_size=DIGEST_SIZE)  # copied per page: no parameter parsing
