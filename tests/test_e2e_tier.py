@@ -75,6 +75,14 @@ def test_warm_restart_across_tp_change_and_changed_weights(tiny_model_path, tmp_
         with Server(ServerSpec(model_path=str(changed), env=env, **common), tmp_path / "changed.log") as s3:
             cold = _gen(s3, prompts)
         assert all(o["meta_info"]["cached_tokens"] == 0 for o in cold)
+        # Same folder, --load-format dummy (random weights, not the files the digest reads): its
+        # identity is its own lifetime's, so the real weights' pages in T1 are not served to it
+        # (before, it was served all of them: a helper's audit, session 37)
+        dummy = dict(common, extra_args=common["extra_args"] + ["--load-format", "dummy"])
+        with Server(ServerSpec(model_path=tiny_model_path, env=env, **dummy), tmp_path / "dummy.log") as s4:
+            cold = _gen(s4, prompts)
+        assert all(o["meta_info"]["cached_tokens"] == 0 for o in cold)
+        assert "--load-format dummy does not load the model's files" in (tmp_path / "dummy.log").read_text()
     finally:
         from sglang_tiered.tier.host_pool import SHM_DIR
 

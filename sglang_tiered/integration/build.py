@@ -17,8 +17,7 @@ logger = logging.getLogger("sglang_tiered")
 def from_build_context(cls, ctx):
     """The cache SGLang's ``create_tree_cache`` builds for ``--radix-cache-backend tiered``."""
     from sglang_tiered.config import hashed_tenant_labels, load_config, policy_config
-    from sglang_tiered.config import lifetime_id
-    from sglang_tiered.integration.identity import cache_key_from_context
+    from sglang_tiered.integration.identity import cache_key_from_context, lifetime_tag
 
     cfg = load_config()
     key = cache_key_from_context(ctx, versions=cfg.identity_versions)
@@ -37,7 +36,7 @@ def from_build_context(cls, ctx):
     cache.weight_version = str(getattr(sa, "weight_version", "") or "")
     # after a weight update the identity names this server's lifetime (on_weights_updated): the
     # same on every TP rank (one launcher), unique per start, and apart for engines of one process
-    cache.lifetime_tag = f"{lifetime_id()}:{getattr(sa, 'port', '')}:{getattr(sa, 'nccl_port', '')}"
+    cache.lifetime_tag = lifetime_tag(sa)
     cache.invalidation.versions = {
         "model_id": key.model_id,
         "weights_digest": key.weights_digest,

@@ -121,12 +121,45 @@ def software_of() -> str:
     return f"sglang={version('sglang')};torch={torch.__version__};sglang-tiered={version('sglang-tiered')}"
 
 
+# --load-format values that load the weight files weights_digest hashes (the model folder's, or
+# the GGUF file given as the model): "auto" leaves the identity as it was, the others are named in
+# it (a folder may hold .bin and .safetensors files that differ). Any other format does not load
+# those bytes as they are: dummy (random weights), remote / remote_instance / rdma (copied from
+# elsewhere, which may have been updated since), sharded_state, bitsandbytes, jax, private, ...
+# Its weights have no digest here, so its identity is this server's lifetime: pages are shared
+# within it, never with another server (T2) or a restart (named T1). Before, a server on dummy
+# weights and one on the folder's weights shared one identity and were served each other's KV
+# through T2 and a named T1 (a helper's audit, session 37).
+FILE_LOAD_FORMATS = frozenset({"auto", "pt", "safetensors", "npcache", "fastsafetensors", "gguf", "mistral"})
+
+
+def lifetime_tag(sa) -> str:
+    """This server's lifetime: the same on every TP rank (one launcher), unique per start, and
+    apart for engines of one process (their ports)."""
+    from sglang_tiered.config import lifetime_id
+
+    return f"{lifetime_id()}:{getattr(sa, 'port', '')}:{getattr(sa, 'nccl_port', '')}"
+
+
+def loaded_weights_digest(sa) -> str:
+    """``weights_digest`` of what ``--load-format`` loads (``FILE_LOAD_FORMATS``)."""
+    digest = weights_digest(getattr(sa, "model_path", "") or "")
+    fmt = str(getattr(getattr(sa, "load_format", None), "value", getattr(sa, "load_format", None)) or "auto")
+    if fmt == "auto":
+        return digest
+    if fmt in FILE_LOAD_FORMATS:
+        return f"{digest}+load:{fmt}"
+    logger.warning("sglang-tiered: --load-format %s does not load the model's files as they are: the cache "
+                   "identity is this server's own (no T2 pages shared, no named-T1 pages kept across restarts)", fmt)  # fmt: skip
+    return f"{digest}+load:{fmt}:{lifetime_tag(sa)}"
+
+
 def cache_key_from_context(ctx, *, versions: bool = True) -> CacheKey:
     sa = ctx.server_args
     mc = ctx.model_config
     hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
     model_path = getattr(sa, "model_path", "") or ""
-    digest = weights_digest(model_path)
+    digest = loaded_weights_digest(sa)
     kv_dtype = str(getattr(sa, "kv_cache_dtype", "auto"))
     if kv_dtype == "auto":
         kv_dtype = f"auto:{getattr(mc, 'dtype', '')}"
