@@ -64,7 +64,9 @@ def holders_from_replies(page_replies: Sequence[dict], alive: dict[str, bool], t
 # KEYS = n heartbeat keys, then page keys in prompt order; ARGV = n, now (unix s), ttl (s), then the
 # n server ids (same order as the heartbeats). Returns {server id, matched pages, ...} for every
 # live server holding at least the first page (a server counts for a page when its field is no
-# older than the TTL). Same rule as holders_from_replies + routing.longest_match.
+# older than the TTL). Same rule as holders_from_replies + routing.longest_match. A page key that is
+# not a hash (WRONGTYPE) ends the match there: before session 37 it failed the script, which the
+# router took for Redis down, so one bad key cost every tenant the index for a second at a time.
 LOOKUP_LUA = """
 local n = tonumber(ARGV[1])
 local now = tonumber(ARGV[2])
@@ -75,7 +77,8 @@ for i = 1, n do
 end
 local matched = {}
 for j = n + 1, #KEYS do
-  local h = redis.call('HGETALL', KEYS[j])
+  local h = redis.pcall('HGETALL', KEYS[j])
+  if h.err then h = {} end
   local nxt = {}
   local any = false
   for k = 1, #h, 2 do

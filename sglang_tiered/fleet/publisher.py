@@ -66,12 +66,12 @@ class IndexPublisher:
         # routers read the cache identity from the index to compute the same page hashes, and the
         # startup LoRA adapters' ids (SGLang adds a request's adapter id to its namespace)
         self.adapters = dict(adapters or {})
+        self.ttl_s = float(ttl_s)
         self.key_json = ""
         if cache_key is not None:
             self.set_key(cache_key)
         self.url = url
         self.server_id = server_id
-        self.ttl_s = float(ttl_s)
         self.socket_timeout_s = socket_timeout_s
         self._q: queue.Queue = queue.Queue(maxsize=QUEUE_MAX)
         self._pages_lock = threading.Lock()
@@ -102,6 +102,7 @@ class IndexPublisher:
         doc = asdict(cache_key)
         if self.adapters:
             doc["adapters"] = self.adapters
+        doc["index_ttl_s"] = self.ttl_s  # (routers judge this server's claims by it)
         self.key_json = json.dumps(doc, sort_keys=True)
 
     @classmethod

@@ -82,6 +82,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
+from sglang_tiered.config import MAX_INDEX_TTL_S
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes, client_extra_key
 from sglang_tiered.core.tenants import MAX_LABEL_CHARS, name_hash, tenant_label
 from sglang_tiered.fleet.index import LOOKUP_LUA, LookupConnection, alive_key, ckey_key, matched_from_lookup, page_key
@@ -123,6 +124,13 @@ FLEET_WIDE = frozenset(("/flush_cache", "/cache/invalidate", "/abort_request", "
 # SGLang's sessions (``/open_session``, then requests with ``session_params.id``) live in the one
 # server that opened them: the router remembers which (this many, the oldest forgotten first)
 SESSIONS_KEPT = 65536
+# A worker's answers that another worker may well serve (SGLang: 503 with its queue full, 500 for
+# a fault of its own): before any byte reaches the client, the request goes once to another
+# worker (as smg retries them); ``health_misses`` of them in a row take the worker out of the
+# routing set for ERROR_COOLDOWN_S (its tenants go elsewhere meanwhile). Before session 37 a
+# worker answering 500 kept its tenants for good and showed no failures (a helper's audit).
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+ERROR_COOLDOWN_S = 5.0
 # A compressed request body is decoded to at most this many bytes (413 past it; ``max_body_mb``
 # when lower): a 1 MiB gzip upload that decodes to 1.1 GiB held the event loop for 12-16 s and
 # took the router to 2.1 GiB (review, session 32). SGLang itself does not decode request bodies.
@@ -310,6 +318,10 @@ class WorkerState:
     poll_sent_at: float = 0.0  # when the last accepted report was asked for
     done_since_poll: int = 0  # this router's requests sent before that and finished since
     done_tokens_since_poll: int = 0  # ... and their uncached prompt tokens
+    errors_in_row: int = 0  # RETRY_STATUSES answers in a row
+    first_miss_at: float = 0.0  # when the health checks began to miss (``missed`` went from 0 to 1)
+    answered_at: float = 0.0  # when the worker last answered a proxied request (its status line)
+    waiting: dict = field(default_factory=dict)  # handler tasks waiting for its answer (-> None)
 
     def load(self, max_age_s: float) -> tuple[float, float]:
         """(requests in flight, uncached prompt tokens queued): this router's counts, raised to
@@ -353,6 +365,9 @@ class RouterStats:
     retries: int = 0  # proxied requests sent again: on a new connection, or to another worker
     disconnects: int = 0  # proxied requests whose worker connection closed before any answer
     health_downs: int = 0  # workers taken out of the routing set by health checks
+    error_downs: int = 0  # ... by RETRY_STATUSES answers in a row
+    error_answers: int = 0  # RETRY_STATUSES answers of workers (each one tried again elsewhere where it could be)
+    abandoned: int = 0  # requests waiting on a worker that stopped answering altogether, sent elsewhere
     load_polls: int = 0
     load_poll_errors: int = 0
     failed: int = 0
@@ -411,6 +426,11 @@ class Router:
         self._memory_seeds: dict = {}
         self._ckey_task = None
         self._ckey_warned_at = -1e9
+        self._ckey_unreadable_warned_at = -1e9
+        # each worker's claim lifetime (its SGLANG_TIERED_INDEX_TTL_S, published with its key): it
+        # refreshes its claims every half of it, and a router judging them by its own shorter TTL
+        # ignored live claims half the time (a helper's audit, session 37)
+        self.claim_ttl: dict[str, float] = {}
         self._redis = None
         self._redis_down_until = 0.0
         self._slow_lookups = 0  # timeouts in a row
@@ -431,6 +451,11 @@ class Router:
             raise ValueError(f"parse_limit_mb must be >= 0, got {parse_limit_mb}")
         self.parse_limit = int(parse_limit_mb * (1 << 20))
         self.sessions: OrderedDict = OrderedDict()  # SGLang session id -> the worker that opened it
+        self._turn = 0  # (``_least_busy``'s rotation)
+        self._tokenizer_failed: Optional[str] = None  # the last path no tokenizer loaded from
+        self._tokenizer_backoff_s = 5.0
+        self._tokenizer_retry_at = 0.0
+        self._abandoned: set = set()  # handler tasks _abandon cancelled (not their clients)
 
     # ------------------------------------------------------------------ setup
     async def start(self):
@@ -521,7 +546,8 @@ class Router:
         (unless given), from the workers. Called at start and then by the health loop until both
         are known: a router started before its workers used to route every prompt as 0 tokens
         for good (review, session 19)."""
-        if self.tokenizer is None and self.model_path != "":  # ("": no tokenizer, by request)
+        # ("": no tokenizer, by request; a path that failed is tried again less and less often)
+        if self.tokenizer is None and self.model_path != "" and time.monotonic() >= self._tokenizer_retry_at:
             path = self.model_path or await self._model_path_from_workers()
             if path:
                 try:
@@ -533,7 +559,15 @@ class Router:
                 except Exception as exc:  # noqa: BLE001 - a path this host lacks: route without tokens
                     if self.model_path:  # given by the operator: say so loudly, once
                         raise
-                    logger.warning("router: no tokenizer at %s (%s); routing by affinity and load", path, exc)
+                    # said once per path, and tried again after 10 s, 20 s, ... 5 min (before: every
+                    # health round, a warning and a blocking load each second: a helper's audit,
+                    # session 37; the workers' model may be a hub id, or a path this host lacks)
+                    if path != self._tokenizer_failed:
+                        self._tokenizer_failed = path
+                        self._tokenizer_backoff_s = 5.0
+                        logger.warning("router: no tokenizer at %s (%s); routing by affinity and load", path, exc)
+                    self._tokenizer_backoff_s = min(300.0, 2 * self._tokenizer_backoff_s)
+                    self._tokenizer_retry_at = time.monotonic() + self._tokenizer_backoff_s
                     self.model_path = None
         if not self.page_size_given:
             ps = await self._page_size_from_workers()
@@ -561,13 +595,27 @@ class Router:
                 # A worker leaves the routing set after `health_misses` failed checks in a row (a
                 # loaded CPU server can answer /health late; one slow answer must not move its
                 # tenants), or at once when a proxied request cannot connect (handle()).
+                if not ok and ws.missed == 0:
+                    ws.first_miss_at = time.monotonic()
                 ws.missed = 0 if ok else ws.missed + 1
                 if ok and time.monotonic() >= ws.down_until:
                     ws.healthy = True
                 elif ws.missed >= self.health_misses and ws.healthy:
                     ws.healthy = False
                     self.stats.health_downs += 1
+                    if ws.answered_at < ws.first_miss_at:
+                        self._abandon(ws)
             await asyncio.sleep(self.health_interval_s)
+
+    def _abandon(self, ws: "WorkerState") -> None:
+        """``ws`` answers nothing at all (no health check, no proxied request since the checks
+        began to miss: stopped, frozen, cut off with its connections open): the requests still
+        waiting for its answer, which no client has seen a byte of, go to another worker
+        (``handle``). Before session 37 they waited for ever: the proxy has no read timeout (a
+        generation may take long), and nothing looked at them (a helper's audit)."""
+        for task in list(ws.waiting):
+            if task.cancel():
+                self._abandoned.add(task)
 
     async def poll_loads(self) -> None:
         """One round of ``GET /v1/loads?include=core`` on every worker (concurrently)."""
@@ -644,20 +692,32 @@ class Router:
             return
         workers = list(self.workers)
         raws = await self._redis.mget([ckey_key(w) for w in workers])
+        unreadable = []
         for w, raw in zip(workers, raws):
             if raw:
                 try:
                     doc = json.loads(raw)
                     adapters = doc.pop("adapters", None) or {}
+                    ttl = doc.pop("index_ttl_s", None)  # the server's claims live this long
                     if not all(v is None or isinstance(v, str) for v in doc.values()):
                         # (a list there made CacheKey unhashable: every request then failed with a
                         # 500 in matched(); review, session 23)
                         raise TypeError("a CacheKey field that is not text")
                     self.cache_keys[w] = CacheKey(**doc)
                     self.adapters[w] = {k: v for k, v in adapters.items() if isinstance(k, str) and isinstance(v, str)}
-                except (TypeError, ValueError, AttributeError):  # another version's key: its pages are not ours to match
+                    ok_ttl = isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and 0 < ttl <= MAX_INDEX_TTL_S
+                    self.claim_ttl[w] = float(ttl) if ok_ttl else self.index_ttl_s
+                except (TypeError, ValueError, AttributeError, RecursionError) as exc:
+                    # another version's key (or a corrupt value): its pages are not ours to match.
+                    # RecursionError (a deeply nested value) escaped here and left every later
+                    # worker's key unread (a helper's audit, session 37); and this was silent
                     self.cache_keys.pop(w, None)
                     self.adapters.pop(w, None)
+                    unreadable.append(f"{w} ({type(exc).__name__})")
+        if unreadable and time.monotonic() >= self._ckey_unreadable_warned_at + 60.0:
+            self._ckey_unreadable_warned_at = time.monotonic()
+            logger.warning("router: cannot read the cache keys %s publish (another sglang-tiered version?): "
+                           "their pages are not looked up in the index", ", ".join(unreadable))  # fmt: skip
         if self.cache_keys:
             self.cache_key = Counter(self.cache_keys.values()).most_common(1)[0][0]
             ids: dict = {}
@@ -753,7 +813,8 @@ class Router:
 
         async def lookup():
             keys = [alive_key(w) for w in workers] + [page_key(h) for h in hashes]
-            args = [len(workers), time.time(), self.index_ttl_s, *workers]
+            ttl = max([self.index_ttl_s] + [self.claim_ttl.get(w, 0.0) for w in workers])
+            args = [len(workers), time.time(), ttl, *workers]
             if self._lookup_conn is not None:
                 return await self._lookup_conn.evalsha(keys, args)
             return await self._lookup(keys=keys, args=args)
@@ -923,9 +984,20 @@ class Router:
             ws.inflight_tokens += pending
             started_at = time.monotonic()
             resp = None
+            task = asyncio.current_task()
+            ws.waiting[task] = None
             try:
                 async with conn.request(request.method, ws.url + request.path_qs, data=raw,
                                         headers=headers) as up:  # fmt: skip
+                    del ws.waiting[task]
+                    ws.answered_at = time.monotonic()
+                    if up.status in RETRY_STATUSES:
+                        self._error_answer(ws, up.status)
+                        if attempt < 2 and not no_other():
+                            logger.info("router: %s answered %d; retrying on another worker", ws.url, up.status)
+                            continue  # (leaving the `async with` drops the answer's connection)
+                    else:
+                        ws.errors_in_row = 0
                     resp = response_for(up, ws.url)
                     if self._is_admin(request):  # (with an admin key, worker URLs are for its holders)
                         resp.headers["x-sglang-tiered-worker"] = ws.url
@@ -937,6 +1009,14 @@ class Router:
                     await self._to_client(resp.write_eof())
                     return resp
             except asyncio.CancelledError:
+                if task in self._abandoned:  # (_abandon: the worker answers nothing; not the client)
+                    self._abandoned.discard(task)
+                    task.uncancel()
+                    ws.failures += 1
+                    self.stats.abandoned += 1
+                    logger.warning("router: %s stopped answering; %s", ws.url,
+                                   "giving up" if attempt == 2 or no_other() else "retrying")  # fmt: skip
+                    continue
                 # the client left (serve() cancels the handler then): leaving the `async with`
                 # closes the upstream connection, so the worker sees the disconnect and aborts
                 # the request instead of generating to the end for nobody
@@ -960,9 +1040,24 @@ class Router:
                 last = attempt == 2 or (not again and no_other())
                 logger.warning("router: %s failed (%s); %s", ws.url, exc, "giving up" if last else "retrying")
             finally:
+                ws.waiting.pop(task, None)
                 ws.finished(started_at, pending)
         self.stats.failed += 1
         return web.json_response({"error": {"message": "no worker could serve the request"}}, status=502)
+
+    def _error_answer(self, ws: "WorkerState", status: int) -> None:
+        """``ws`` answered one of RETRY_STATUSES: counted; ``health_misses`` in a row take it out
+        of the routing set for ERROR_COOLDOWN_S (the health loop brings it back after that)."""
+        ws.failures += 1
+        ws.errors_in_row += 1
+        self.stats.error_answers += 1
+        if ws.errors_in_row >= self.health_misses and ws.healthy:
+            ws.healthy = False
+            ws.down_until = time.monotonic() + ERROR_COOLDOWN_S
+            ws.errors_in_row = 0
+            self.stats.error_downs += 1
+            logger.warning("router: %s answered %d %d times in a row; out of the routing set for %g s",
+                           ws.url, status, self.health_misses, ERROR_COOLDOWN_S)  # fmt: skip
 
     def _session_of(self, body) -> Optional[str]:
         """The worker that holds the request's SGLang session (``session_params.id``, opened
@@ -1033,6 +1128,9 @@ class Router:
             "retries": s.retries,
             "disconnects": s.disconnects,
             "health_downs": s.health_downs,
+            "error_downs": s.error_downs,
+            "error_answers": s.error_answers,
+            "abandoned": s.abandoned,
             "load_polls": s.load_polls,
             "load_poll_errors": s.load_poll_errors,
             "failed": s.failed,
@@ -1088,6 +1186,10 @@ class Router:
             ("client_gone", "Requests whose client left before the response ended", s.client_gone),
             ("unparsed_bodies", "Bodies over the parse limit, routed by tenant header and load alone", s.unparsed_bodies),
             ("health_downs", "Workers taken out of the routing set by health checks", s.health_downs),
+            ("error_downs", "Workers taken out of the routing set by error answers in a row", s.error_downs),
+            ("error_answers", "Worker answers 429/500/502/503/504 (tried once more elsewhere where possible)",
+             s.error_answers),
+            ("abandoned", "Requests waiting on a worker that stopped answering, sent to another", s.abandoned),
             ("load_polls", "/v1/loads polls", s.load_polls),
             ("load_poll_errors", "/v1/loads polls that failed", s.load_poll_errors),
         ):
@@ -1168,13 +1270,44 @@ class Router:
             status = min(refused) if refused else max(st for _, st, _ in res)
             return web.json_response({self._worker_name(request, u): {"status": st, "body": b} for u, st, b in res},
                                      status=status)  # fmt: skip
-        ws = min(live, key=lambda w: w.inflight)
-        sid = None
+        ws = self._least_busy(live)
+        sid = pinned = None
         if request.path == "/close_session":
             doc = _parse_body(raw)
             sid = doc.get("session_id") if isinstance(doc, dict) else None
             if isinstance(sid, str) and sid in self.sessions:
-                ws = self.workers[self.sessions[sid]]
+                ws = pinned = self.workers[self.sessions[sid]]
+        for attempt in range(2):
+            cur = ws
+            cur.inflight += 1  # (before session 37 only handle() counted: every route here went to worker 0)
+            try:
+                return await self._pass_to(request, ws, raw, headers, sid)
+            except WorkerUnreachable as exc:
+                # nothing reached it: out of the routing set now (as handle() does), and one other
+                # worker tries (a session's close has no other)
+                ws.failures += 1
+                ws.healthy = False
+                ws.down_until = time.monotonic() + 2.0
+                others = [w for w in live if w is not ws and w.healthy]
+                if pinned is not None or not others or attempt == 1:
+                    return web.json_response({"error": {"message": f"worker {self._worker_name(request, ws.url)}: "
+                                                                   f"{type(exc.__cause__).__name__}"}}, status=502)  # fmt: skip
+                self.stats.retries += 1
+                ws = self._least_busy(others)
+            finally:
+                cur.inflight -= 1
+        raise AssertionError("unreachable")
+
+    def _least_busy(self, live: list) -> "WorkerState":
+        """The worker with the fewest of this router's requests in flight; ties go round in turn
+        (one request at a time, every worker ties at 0)."""
+        self._turn = (self._turn + 1) % len(live)
+        return min(live[self._turn :] + live[: self._turn], key=lambda w: w.inflight)
+
+    async def _pass_to(self, request, ws, raw, headers, sid):
+        """``passthrough``'s request to ``ws``; ``WorkerUnreachable`` when no connection could be made."""
+        from aiohttp import web
+
         resp = None
         try:
             async with self._proxy.request(request.method, ws.url + request.path_qs, data=raw,
@@ -1210,6 +1343,9 @@ class Router:
                 # body cut off by a dying worker reached the client as a whole one: review, session 29)
                 self.stats.failed += 1
                 raise
+            if unreachable(exc):
+                raise WorkerUnreachable() from exc
+            ws.failures += 1
             return web.json_response({"error": {"message": f"worker {self._worker_name(request, ws.url)}: "
                                                            f"{type(exc).__name__}"}}, status=502)  # fmt: skip
 
@@ -1418,6 +1554,10 @@ def serve(workers, redis_url=None, *, host="127.0.0.1", port=30100, **kw) -> Non
     web.run_app(router.app(), host=host, port=port, print=None, access_log=None, shutdown_timeout=2.0,
                 handler_cancellation=True, loop=event_loop(), backlog=LISTEN_BACKLOG,
                 max_line_size=MAX_HEADER_LINE, max_field_size=MAX_HEADER_LINE, max_headers=MAX_HEADERS)  # fmt: skip
+
+
+class WorkerUnreachable(Exception):
+    """No connection could be made to a worker (``unreachable``; the cause is chained)."""
 
 
 def unreachable(exc: BaseException) -> bool:
