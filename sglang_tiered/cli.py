@@ -70,10 +70,12 @@ def _worker_url(v: str) -> str:
 
 
 def _header_name(v: str) -> str:
-    from sglang_tiered.config import HEADER_NAME
+    from sglang_tiered.config import HEADER_NAME, RESERVED_HEADERS
 
     if not HEADER_NAME.fullmatch(v):  # (as SGLANG_TIERED_TENANT_HEADER on the servers)
         raise argparse.ArgumentTypeError(f"{v!r}: a header name is 1-64 letters, digits and '-'")
+    if v.lower() in RESERVED_HEADERS:
+        raise argparse.ArgumentTypeError(f"{v!r}: a standard HTTP header, not a tenant's name")
     return v
 
 

@@ -81,7 +81,28 @@ def _str(x: Any) -> str:
     return "" if x is None else x if isinstance(x, str) else str(x)
 
 
+def _as_message(message: Any) -> Any:
+    """A message object (the OpenAI SDK's ``ChatCompletionMessage``, a pydantic model: what a chat
+    loop appends to its history from ``resp.choices[0].message``) as a mapping; anything else as
+    it is. Before session 37 such an object counted as its ``repr`` and as a user turn (a
+    helper's audit: 2,115 context tokens for 128 characters, 64 turns)."""
+    if isinstance(message, (str, Mapping)) or message is None:
+        return message
+    dump = getattr(message, "model_dump", None)
+    if callable(dump):
+        try:
+            out = dump()
+            if isinstance(out, Mapping):
+                return out
+        except Exception:  # noqa: BLE001 - not a pydantic model after all
+            pass
+    if hasattr(message, "content") or hasattr(message, "role"):
+        return {"role": getattr(message, "role", None), "content": getattr(message, "content", None)}
+    return message
+
+
 def _text_of(message: Any) -> str:
+    message = _as_message(message)
     if isinstance(message, str):
         return message
     if isinstance(message, Mapping):
@@ -98,6 +119,7 @@ def _text_of(message: Any) -> str:
 
 def _prior_turns(history: Sequence[Any]) -> int:
     """Prior turns = user messages in the history (or messages, if they carry no roles)."""
+    history = [_as_message(m) for m in history]
     roles = [m.get("role") for m in history if isinstance(m, Mapping)]
     if roles and any(r is not None for r in roles):
         return sum(1 for r in roles if r == "user")
@@ -116,6 +138,16 @@ class KVCacheLayeringPolicy:
     ):
         if enabled is not None and not isinstance(enabled, bool):
             raise ValueError(f"enabled must be True, False or None, got {enabled!r}")  # ("false" was on)
+        # as the environment knobs are checked (a NaN threshold turned its signal off in silence,
+        # a string one raised only in decide(): a helper's audit, session 37)
+        for name, v, positive in (("min_prefix_tokens", min_prefix_tokens, False),
+                                  ("min_context_tokens", min_context_tokens, False),
+                                  ("min_history_turns", min_history_turns, False),
+                                  ("chars_per_token", chars_per_token, True)):  # fmt: skip
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (positive and v == 0):
+                raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'} or None, got {v!r}")
         self._enabled = enabled
         self._min_prefix = min_prefix_tokens
         self._min_context = min_context_tokens

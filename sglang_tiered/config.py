@@ -104,6 +104,11 @@ OTHER_NAMES = {
 }
 PREFIX = "SGLANG_TIERED_"
 HEADER_NAME = re.compile(r"[A-Za-z0-9-]{1,64}")  # a tenant header's name (the servers' and the router's)
+RESERVED_HEADERS = frozenset((
+    "authorization", "proxy-authorization", "cookie", "set-cookie", "host", "content-length", "content-type",
+    "content-encoding", "transfer-encoding", "connection", "keep-alive", "upgrade", "te", "trailer", "expect",
+    "x-api-key", "api-key", "accept", "accept-encoding", "user-agent", "origin", "referer",
+))  # fmt: skip
 
 
 class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -192,6 +197,10 @@ class TieredConfig(msgspec.Struct, frozen=True, kw_only=True):
             _bad("host_name", self.host_name, "a name ending in .json, .lock or .init is another T1's file")
         if self.tenant_header is not None and not HEADER_NAME.fullmatch(self.tenant_header):
             _bad("tenant_header", self.tenant_header, "not a valid header name")
+        if self.tenant_header is not None and self.tenant_header.lower() in RESERVED_HEADERS:
+            # its values would be tenant names in stats and metrics (an API key, a cookie), or it
+            # means something else to every hop (a helper's audit, session 37)
+            _bad("tenant_header", self.tenant_header, "a standard HTTP header, not a tenant's name")
         if self.tenant_labels not in (None, "hashed", "raw"):
             _bad("tenant_labels", self.tenant_labels, "expected hashed or raw")
         if not isinstance(self.identity_versions, bool):
@@ -438,6 +447,14 @@ def check_server_args(cfg: TieredConfig, server_args, bigram_keys: bool = False)
     if cfg.tenant_header is not None and arg("tokenizer_worker_num") > 1:
         _bad("tenant_header", cfg.tenant_header, "--tokenizer-worker-num > 1 serves HTTP from worker processes "
              "without the tenant-header middleware (tenant isolation would be off)")  # fmt: skip
+    # requests that reach the scheduler past the HTTP middleware: SGLang's native gRPC server (no
+    # cache_salt field: every caller in one namespace, token ids unchecked), and the legacy SMG
+    # gRPC mode (no HTTP server at all); a helper's audit, session 37
+    grpc = getattr(server_args, "grpc_port", None) or os.environ.get("SGLANG_GRPC_PORT")
+    if cfg.tenant_header is not None and (grpc or getattr(server_args, "smg_grpc_mode", False)
+                                          or getattr(server_args, "grpc_mode", False)):  # fmt: skip
+        _bad("tenant_header", cfg.tenant_header, "SGLang's gRPC server (--grpc-port, SGLANG_GRPC_PORT, "
+             "--smg-grpc-mode) serves requests without the tenant-header middleware (tenant isolation would be off)")
 
 
 def hashed_tenant_labels(cfg: TieredConfig) -> bool:

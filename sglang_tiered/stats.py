@@ -205,9 +205,13 @@ def _label_of(tenant: str, hashed: bool, labels) -> str:
     return tenant_label(tenant)
 
 
-def aggregate(rank_stats: list[dict], tenant: Optional[str] = None, hashed: bool = False) -> CacheStats:
+def aggregate(rank_stats: list[dict], tenant: Optional[str] = None, hashed: bool = False,
+              confined: bool = False) -> CacheStats:  # fmt: skip
     """The ranks' stats summed; ``tenant``: only that tenant's row (``hashed``: tenants are
-    labelled by their salt's digest, ``config.hashed_tenant_labels``)."""
+    labelled by their salt's digest, ``config.hashed_tenant_labels``). ``confined``: the view of a
+    tenant's own call (``http.caller_tenant``): totals are its row's, and the server-wide sections
+    (tiers, policy, index, T2) are left out; before session 37 its totals summed every tenant's
+    traffic (a helper's audit)."""
     tenants: dict[str, dict] = {}
     tiers: dict[str, dict] = {}
     policies = []
@@ -244,12 +248,18 @@ def aggregate(rank_stats: list[dict], tenant: Optional[str] = None, hashed: bool
             policies.append(PolicyReport(**{k: rs["policy"][k] for k in PolicyReport.__struct_fields__
                                            if k in rs["policy"]}))  # fmt: skip
     finished = {name: _finish(c) for name, c in sorted(tenants.items())}
+    shown = tenants
     if tenant is not None:
-        finished = {tenant: finished.get(_label_of(tenant, hashed, finished), TenantStats())}
+        label = _label_of(tenant, hashed, finished)
+        finished = {tenant: finished.get(label, TenantStats())}
+        if confined:
+            shown = {label: tenants[label]} if label in tenants else {}
     total: dict = {}
-    for c in tenants.values():
+    for c in shown.values():
         for k in _COUNTERS:
             total[k] = total.get(k, 0) + c.get(k, 0)
+    if confined:
+        tiers, policies, index, t2 = {}, [], None, T2TierStats()
     return CacheStats(
         ranks=len(rank_stats),
         page_size=page_size,

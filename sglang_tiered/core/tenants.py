@@ -24,8 +24,10 @@ MAX_LABEL_CHARS = 64
 def tenant_label(tenant: str) -> str:
     """The tenant's name in stats and metrics, bounded in length: past ``MAX_LABEL_CHARS``
     characters (or with characters outside printable ASCII) it becomes a prefix plus a hash of
-    the whole name, so 256 tenants of 100 KB names cost kilobytes, not megabytes."""
-    if len(tenant) <= MAX_LABEL_CHARS and tenant.isascii() and tenant.isprintable():
+    the whole name, so 256 tenants of 100 KB names cost kilobytes, not megabytes. A name with a
+    ``~`` is always hashed: every made label has one, and a tenant named like another's made
+    label shared its stats row (a helper's audit, session 37)."""
+    if len(tenant) <= MAX_LABEL_CHARS and tenant.isascii() and tenant.isprintable() and "~" not in tenant:
         return tenant
     digest = hashlib.blake2b(tenant.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
     head = "".join(c if c.isascii() and c.isprintable() else "?" for c in tenant[:32])
@@ -109,8 +111,8 @@ class TenantTable:
         return c
 
     def get(self, tenant: str) -> TenantCounters:
-        """The counters of the tenant labelled ``tenant`` (a label, or a name shown as itself)."""
-        tenant = tenant_label(tenant)
+        """The counters of the tenant labelled ``tenant`` (a label ``label`` made: labelled again,
+        a made label, which has a ``~``, would be hashed once more)."""
         c = self.by_name.get(tenant)
         if c is None:
             if len(self.by_name) >= self.max_tenants and tenant != OTHER:

@@ -42,6 +42,9 @@ class InvalidateRequest(msgspec.Struct, forbid_unknown_fields=True):
     generation: Optional[int] = None
 
 
+GENERATION_AHEAD_NS = 300 * 10**9  # a tenant's call may name a T2 generation this far ahead of the clock
+
+
 def _error(status: int, message: str):
     from fastapi.responses import ORJSONResponse
 
@@ -80,6 +83,22 @@ def parse_invalidate(body: bytes) -> InvalidateRequest:
 
 SCOPED = ("with SGLANG_TIERED_TENANT_HEADER set and no --admin-api-key, a call carrying the tenant header "
           "acts on that tenant only on /cache/stats and /cache/invalidate")
+
+
+def confined_invalidation_refused(req: InvalidateRequest, own: Optional[str]) -> Optional[tuple[int, str]]:
+    """Why a tenant's own call (``own``: ``caller_tenant``) may not make invalidation ``req``, as
+    (status, message); None when it may (or the call is the operator's)."""
+    if own is None:
+        return None
+    if req.tenant != own or req.model_version is not None or req.all:
+        return 403, SCOPED
+    if req.generation is not None and req.generation > time.time_ns() + GENERATION_AHEAD_NS:
+        # T2 raises the next invalidation of everything above the highest tenant generation: a
+        # tenant's call far ahead of the clocks set this server's apart from its peers' for every
+        # tenant (a helper's audit, session 37). The router sends its own clock's.
+        return 400, (f"'generation' is more than {GENERATION_AHEAD_NS // 10**9} s ahead of this server's clock "
+                     "(a time in ns; the router sends its own)")  # fmt: skip
+    return None
 
 
 def caller_tenant(request, admin_api_key) -> Optional[str]:
@@ -122,12 +141,6 @@ def add_routes(app) -> None:
     from sglang.srt.managers.io_struct import SetInternalStateReq
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
-    def admin_key() -> Optional[str]:
-        try:
-            return get_global_state().tokenizer_manager.server_args.admin_api_key
-        except Exception:  # noqa: BLE001 - not served (unit tests): no admin key
-            return None
-
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def cache_stats(request: Request):
         tenant = request.query_params.get("tenant")
@@ -145,7 +158,8 @@ def add_routes(app) -> None:
         if not ranks:
             return _error(503, "the tiered cache backend is not active (--radix-cache-backend tiered?)")
         hashed = hashed_tenant_labels(load_config())
-        return Response(msgspec.json.encode(aggregate(ranks, tenant, hashed)), media_type="application/json")
+        return Response(msgspec.json.encode(aggregate(ranks, tenant, hashed, confined=own is not None)),
+                        media_type="application/json")  # fmt: skip
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def cache_invalidate(request: Request):
@@ -156,8 +170,9 @@ def add_routes(app) -> None:
             return _error(exc.status, str(exc))
         except ValueError as exc:
             return _error(400, str(exc))
-        if own is not None and (req.tenant != own or req.model_version is not None or req.all):
-            return _error(403, SCOPED)
+        refused = confined_invalidation_refused(req, own)
+        if refused is not None:
+            return _error(*refused)
         nonce = next(_nonce)
         if req.generation is None:  # one for every data-parallel rank (each would take its own clock)
             req.generation = time.time_ns()
@@ -218,6 +233,90 @@ class BadRequest(ValueError):
         self.status = status
 
 
+def route_path(scope) -> str:
+    """The path routes are matched by: Starlette's ``get_route_path``, the request's path less
+    ``--fastapi-root-path`` (uvicorn hands the app both joined). Matched by the raw path, every
+    request under a root path passed the middleware unchecked: a client's own ``cache_salt``
+    picked its tenant, and a bad token id killed the scheduler (a helper's audit, session 37)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root) :] if path[len(root)] == "/" else path
+
+
+# SGLang's /server_info returns every rank's get_internal_state reply, which carries our per-rank
+# stats (every tenant's name and counters: /cache/stats keeps them behind the admin key and
+# confines a tenant's call to its own); they are taken out of the answer (a helper's audit,
+# session 37: anyone with the user key, or with only --admin-api-key set no key at all, read them)
+INFO_PATHS = frozenset(("/server_info", "/get_server_info"))
+STATS_CAP = 64 << 20  # (an answer past this is passed on as it is: not ours)
+SCOPED_STATE = ("with SGLANG_TIERED_TENANT_HEADER set and no --admin-api-key, a call carrying the tenant header "
+                "cannot change the server's internal state (it carries cache invalidations)")  # fmt: skip
+
+
+def _without_cache_stats(send):
+    """``send`` for a /server_info answer: the body collected, ``STATE_KEY`` taken out of each of
+    its ``internal_states``, then sent with its length corrected. Anything else goes as it was."""
+    held: list = []
+    size = 0
+
+    async def wrapped(msg):
+        nonlocal size
+        if msg["type"] == "http.response.start" and not held:
+            held.append(msg)
+            return None
+        if msg["type"] != "http.response.body" or not held:
+            return await send(msg)
+        held.append(msg)
+        size += len(msg.get("body", b""))
+        if msg.get("more_body", False) and size <= STATS_CAP:
+            return None
+        start, bodies = held[0], held[1:]
+        held.clear()
+        raw = b"".join(m.get("body", b"") for m in bodies)
+        new = _strip_cache_stats(raw) if not msg.get("more_body", False) else None
+        if new is None:
+            await send(start)
+            for m in bodies:
+                await send(m)
+            return None
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        await send({**start, "headers": headers + [(b"content-length", str(len(new)).encode())]})
+        return await send({"type": "http.response.body", "body": new, "more_body": False})
+
+    return wrapped
+
+
+def _strip_cache_stats(raw: bytes) -> Optional[bytes]:
+    """``raw`` (a /server_info JSON answer) without ``STATE_KEY`` in its internal states; None when
+    there is nothing to take out (or it is not such an answer)."""
+    if STATE_KEY.encode() not in raw:
+        return None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    states = doc.get("internal_states") if isinstance(doc, dict) else None
+    if not isinstance(states, list):
+        return None
+    for st in states:
+        if isinstance(st, dict):
+            st.pop(STATE_KEY, None)
+    return json.dumps(doc).encode()
+
+
+def admin_key() -> Optional[str]:
+    """SGLang's ``--admin-api-key`` (None when unset, or not served: unit tests)."""
+    try:
+        from sglang.srt.entrypoints.http_server import get_global_state
+
+        return get_global_state().tokenizer_manager.server_args.admin_api_key
+    except Exception:  # noqa: BLE001
+        return None
+
+
 class HintMiddleware:
     """Pure ASGI middleware: fold LMCache's no-store hint and a trusted tenant header into the
     request body fields SGLang carries to the scheduler.
@@ -237,10 +336,21 @@ class HintMiddleware:
         self.unsalted = unsalted_paths()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") in BODYLESS_METHODS:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
+        path = route_path(scope)
+        if path in INFO_PATHS:  # (GET: SGLang serves them on GET alone)
+            return await self.app(scope, receive, _without_cache_stats(send))
+        if scope.get("method") in BODYLESS_METHODS:
+            return await self.app(scope, receive, send)
         tenant_mode = self.tenant_header is not None
+        if tenant_mode and path == "/set_internal_state":
+            try:
+                confined = self._tenant(scope) is not None and not admin_key()
+            except BadRequest as exc:
+                return await _error(exc.status, str(exc))(scope, receive, send)
+            if confined:  # (it carries our invalidation keys: any tenant could drop every other's cache)
+                return await _error(403, SCOPED_STATE)(scope, receive, send)
         if tenant_mode and path in self.unsalted:
             return await _error(403, f"{path} cannot carry a tenant and is disabled while SGLANG_TIERED_TENANT_HEADER "
                                 "is set (tenants would share one cache namespace)")(scope, receive, send)  # fmt: skip
