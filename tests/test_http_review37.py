@@ -235,3 +235,32 @@ def test_server_info_answers_lose_the_cache_stats_and_nothing_else():
     plain = json.dumps({"internal_states": [{"x": 1}]}).encode()  # nothing of ours: passed as it came
     out = run([plain])
     assert out[1]["body"] == plain and b"content-length" not in dict(out[0]["headers"])
+
+
+def test_the_realtime_websocket_is_closed_in_tenant_mode():
+    """SGLang's /v1/realtime (a websocket to the scheduler, no ``cache_salt``) went past the
+    middleware, which looked at HTTP requests only: in tenant mode every tenant shared one
+    namespace there. It is now closed before it is accepted; other websockets, and every
+    websocket without a tenant header, pass."""
+    from sglang_tiered.integration.http import HintMiddleware
+
+    def run(mw, path):
+        reached, sent = [], []
+
+        async def app(scope, receive, send):
+            reached.append(scope["path"])
+
+        async def receive():
+            return {"type": "websocket.connect"}
+
+        async def send(msg):
+            sent.append(msg)
+
+        asyncio.run(HintMiddleware(app, tenant_header=mw)(
+            {"type": "websocket", "path": path, "root_path": "", "headers": []}, receive, send))
+        return reached, sent
+
+    reached, sent = run("x-tenant-id", "/v1/realtime")
+    assert not reached and sent[0]["type"] == "websocket.close" and sent[0]["code"] == 1008
+    assert run("x-tenant-id", "/other")[0] == ["/other"]
+    assert run(None, "/v1/realtime")[0] == ["/v1/realtime"]

@@ -211,6 +211,8 @@ UNSALTED_PATHS = (
     "/classify", "/v1/classify", "/v1/score", "/v1/rerank", "/v1/decisions", "/v1/systemone",
     "/v1/audio/transcriptions",
 )  # fmt: skip
+# SGLang's websocket routes that reach the scheduler (OpenAI Realtime transcription): no salt.
+WEBSOCKET_PATHS = frozenset(("/v1/realtime",))
 # Routes whose token ids reach the model's embedding: checked on every server (issue #10; review,
 # session 21: /v1/score's query, items and label_token_ids crash the scheduler the same way).
 # Vertex AI's predict route (SGLang reads AIP_PREDICT_ROUTE when it imports its HTTP server).
@@ -336,6 +338,12 @@ class HintMiddleware:
         self.unsalted = unsalted_paths()
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket" and self.tenant_header is not None and route_path(scope) in WEBSOCKET_PATHS:
+            # (it reaches the scheduler without a salt, as UNSALTED_PATHS do: a helper's audit,
+            # session 37) closed before it is accepted: the client sees a 403
+            await receive()  # (websocket.connect)
+            return await send({"type": "websocket.close", "code": 1008,
+                               "reason": "disabled while SGLANG_TIERED_TENANT_HEADER is set"})  # fmt: skip
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = route_path(scope)
