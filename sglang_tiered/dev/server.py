@@ -37,12 +37,11 @@ def _ephemeral_low() -> int:
 
 
 def _bindable(port: int) -> bool:
-    for host in ("127.0.0.1", "0.0.0.0"):
-        with socket.socket() as sk:
-            try:
-                sk.bind((host, port))
-            except OSError:
-                return False
+    with socket.socket() as sk:  # (loopback only: every server here binds 127.0.0.1)
+        try:
+            sk.bind(("127.0.0.1", port))
+        except OSError:
+            return False
     return True
 
 
