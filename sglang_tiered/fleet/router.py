@@ -431,6 +431,7 @@ class Router:
         # refreshes its claims every half of it, and a router judging them by its own shorter TTL
         # ignored live claims half the time (a helper's audit, session 37)
         self.claim_ttl: dict[str, float] = {}
+        self.lookup_ttl_s = index_ttl_s
         self._redis = None
         self._redis_down_until = 0.0
         self._slow_lookups = 0  # timeouts in a row
@@ -713,7 +714,10 @@ class Router:
                     # worker's key unread (a helper's audit, session 37); and this was silent
                     self.cache_keys.pop(w, None)
                     self.adapters.pop(w, None)
+                    self.claim_ttl.pop(w, None)
                     unreadable.append(f"{w} ({type(exc).__name__})")
+        # (read every KEY_REFRESH_S, not per lookup: the longest, so no live claim is ignored)
+        self.lookup_ttl_s = max([self.index_ttl_s, *self.claim_ttl.values()])
         if unreadable and time.monotonic() >= self._ckey_unreadable_warned_at + 60.0:
             self._ckey_unreadable_warned_at = time.monotonic()
             logger.warning("router: cannot read the cache keys %s publish (another sglang-tiered version?): "
@@ -813,8 +817,7 @@ class Router:
 
         async def lookup():
             keys = [alive_key(w) for w in workers] + [page_key(h) for h in hashes]
-            ttl = max([self.index_ttl_s] + [self.claim_ttl.get(w, 0.0) for w in workers])
-            args = [len(workers), time.time(), ttl, *workers]
+            args = [len(workers), time.time(), self.lookup_ttl_s, *workers]
             if self._lookup_conn is not None:
                 return await self._lookup_conn.evalsha(keys, args)
             return await self._lookup(keys=keys, args=args)
