@@ -131,6 +131,14 @@ SESSIONS_KEPT = 65536
 # worker answering 500 kept its tenants for good and showed no failures (a helper's audit).
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 ERROR_COOLDOWN_S = 5.0
+# An invalidation a worker did not take (down, unreachable, or a 5xx) is owed to it: the worker
+# leaves the routing set, and the health loop delivers what it owes, in order, before it routes
+# there again (before session 38 the broadcast answered 502 for it and forgot: a worker that came
+# back served the tenant's old pages from its device, its named T1 and its old T2 generation).
+# A newer invalidation of the same scope (same body but the generation, same headers) replaces an
+# older one (generations only move up); past OWED_MAX scopes per worker the oldest is dropped,
+# with a warning.
+OWED_MAX = 4096
 # A compressed request body is decoded to at most this many bytes (413 past it; ``max_body_mb``
 # when lower): a 1 MiB gzip upload that decodes to 1.1 GiB held the event loop for 12-16 s and
 # took the router to 2.1 GiB (review, session 32). SGLang itself does not decode request bodies.
@@ -322,6 +330,9 @@ class WorkerState:
     first_miss_at: float = 0.0  # when the health checks began to miss (``missed`` went from 0 to 1)
     answered_at: float = 0.0  # when the worker last answered a proxied request (its status line)
     waiting: dict = field(default_factory=dict)  # handler tasks waiting for its answer (-> None)
+    # invalidations it did not take: (body without the generation, headers) -> (body, that
+    # body without the generation, headers), oldest first (``Router._owe``)
+    owed: OrderedDict = field(default_factory=OrderedDict)
 
     def load(self, max_age_s: float) -> tuple[float, float]:
         """(requests in flight, uncached prompt tokens queued): this router's counts, raised to
@@ -368,6 +379,10 @@ class RouterStats:
     error_downs: int = 0  # ... by RETRY_STATUSES answers in a row
     error_answers: int = 0  # RETRY_STATUSES answers of workers (each one tried again elsewhere where it could be)
     abandoned: int = 0  # requests waiting on a worker that stopped answering altogether, sent elsewhere
+    owed_invalidations: int = 0  # invalidations a worker did not take, kept for it (``_owe``)
+    owed_delivered: int = 0  # ... delivered later, before it was routed to again
+    owed_refused: int = 0  # ... refused by it then (a 4xx: dropped, with a warning)
+    owed_dropped: int = 0  # ... dropped past OWED_MAX scopes per worker (with a warning)
     load_polls: int = 0
     load_poll_errors: int = 0
     failed: int = 0
@@ -599,7 +614,9 @@ class Router:
                 if not ok and ws.missed == 0:
                     ws.first_miss_at = time.monotonic()
                 ws.missed = 0 if ok else ws.missed + 1
-                if ok and time.monotonic() >= ws.down_until:
+                if ok and ws.owed:
+                    await self._pay(ws)  # (before it routes again; what it still owes keeps it out)
+                if ok and time.monotonic() >= ws.down_until and not ws.owed:
                     ws.healthy = True
                 elif ws.missed >= self.health_misses and ws.healthy:
                     ws.healthy = False
@@ -607,6 +624,58 @@ class Router:
                     if ws.answered_at < ws.first_miss_at:
                         self._abandon(ws)
             await asyncio.sleep(self.health_interval_s)
+
+    def _owe(self, ws: "WorkerState", raw: bytes, plain: bytes, headers: list) -> None:
+        """``ws`` did not take the invalidation ``raw`` (``plain``: without its generation, for a
+        server that refuses the field): kept for it, and it leaves the routing set until
+        ``_pay`` delivers it (``OWED_MAX``)."""
+        key = (plain, tuple(headers))
+        ws.owed.pop(key, None)  # (a newer one of the same scope replaces it: generations only move up)
+        ws.owed[key] = (raw, plain, headers)
+        self.stats.owed_invalidations += 1
+        if len(ws.owed) > OWED_MAX:
+            ws.owed.popitem(last=False)
+            self.stats.owed_dropped += 1
+            logger.warning("router: %s owes over %d invalidations; the oldest is dropped", ws.url, OWED_MAX)
+        ws.healthy = False
+
+    async def _pay(self, ws: "WorkerState") -> bool:
+        """Deliver what ``ws`` owes, oldest first; True when it owes nothing now. A 2xx or a 4xx
+        (never taken: dropped, with a warning) settles one; a 5xx or no answer stops until the
+        next health check."""
+        import aiohttp
+
+        while ws.owed:
+            key, (raw, plain, headers) = next(iter(ws.owed.items()))
+            try:
+                status, text = await self._invalidate_one(ws, raw, plain, headers, aiohttp.ClientTimeout(total=30))
+            except Exception:  # noqa: BLE001 - still owed: the next health check tries again
+                return False
+            if status >= 500:
+                return False
+            ws.owed.pop(key, None)
+            if status < 300:
+                self.stats.owed_delivered += 1
+            else:
+                self.stats.owed_refused += 1
+                logger.warning("router: %s refused an invalidation it was owed (%d: %s); dropped",
+                               ws.url, status, text[:200])  # fmt: skip
+        return True
+
+    async def _invalidate_one(self, ws: "WorkerState", raw: bytes, plain: bytes, headers: list,
+                              timeout=None) -> tuple[int, str]:  # fmt: skip
+        """POST ``raw`` to ``ws``'s /cache/invalidate (``plain`` again where a server from before
+        session 23 refuses the generation field): (status, body)."""
+
+        async def send(data):
+            kw = {} if timeout is None else {"timeout": timeout}
+            async with self._proxy.request("POST", ws.url + "/cache/invalidate", data=data, headers=headers, **kw) as up:
+                return up.status, (await up.read()).decode("utf-8", "replace")[:1000]
+
+        status, text = await send(raw)
+        if status == 400 and "generation" in text and raw != plain:
+            status, text = await send(plain)
+        return status, text
 
     def _abandon(self, ws: "WorkerState") -> None:
         """``ws`` answers nothing at all (no health check, no proxied request since the checks
@@ -849,8 +918,9 @@ class Router:
 
     async def choose(self, tokens, tenant, exclude=(), explain: Optional[dict] = None, label=None, extra_key=None):
         live = [w for w, s in self.workers.items() if s.healthy and w not in exclude]
-        if not live:
-            live = [w for w in self.workers if w not in exclude] or list(self.workers)
+        if not live:  # (none healthy: any, but one that owes an invalidation last of all)
+            live = ([w for w, s in self.workers.items() if w not in exclude and not s.owed]
+                    or [w for w in self.workers if w not in exclude] or list(self.workers))  # fmt: skip
         hashes = self.hashes_of(tokens, tenant, extra_key)
         matched = await self.matched(hashes, live, tokens, tenant, extra_key)
         if matched is None:
@@ -1134,6 +1204,10 @@ class Router:
             "error_downs": s.error_downs,
             "error_answers": s.error_answers,
             "abandoned": s.abandoned,
+            "owed_invalidations": s.owed_invalidations,
+            "owed_delivered": s.owed_delivered,
+            "owed_refused": s.owed_refused,
+            "owed_dropped": s.owed_dropped,
             "load_polls": s.load_polls,
             "load_poll_errors": s.load_poll_errors,
             "failed": s.failed,
@@ -1142,7 +1216,7 @@ class Router:
             "mean_route_ms": s.route_ms_total / n,
             "reasons": dict(s.reasons),
             "workers": {w: {"routed": x.routed, "inflight": x.inflight, "healthy": x.healthy,
-                            "failures": x.failures, "polled_reqs": x.polled_reqs}
+                            "failures": x.failures, "polled_reqs": x.polled_reqs, "owed": len(x.owed)}
                         for w, x in self.workers.items()},  # fmt: skip
         }
 
@@ -1193,6 +1267,10 @@ class Router:
             ("error_answers", "Worker answers 429/500/502/503/504 (tried once more elsewhere where possible)",
              s.error_answers),
             ("abandoned", "Requests waiting on a worker that stopped answering, sent to another", s.abandoned),
+            ("owed_invalidations", "Invalidations a worker did not take, kept for it", s.owed_invalidations),
+            ("owed_delivered", "Owed invalidations delivered before the worker was routed to again", s.owed_delivered),
+            ("owed_refused", "Owed invalidations the worker then refused (dropped)", s.owed_refused),
+            ("owed_dropped", "Owed invalidations dropped past the per-worker bound", s.owed_dropped),
             ("load_polls", "/v1/loads polls", s.load_polls),
             ("load_poll_errors", "/v1/loads polls that failed", s.load_poll_errors),
         ):
@@ -1207,6 +1285,8 @@ class Router:
                [((("worker", w),), x.inflight) for w, x in ws])  # fmt: skip
         metric("worker_healthy", "gauge", "1 while the worker is in the routing set",
                [((("worker", w),), 1 if x.healthy else 0) for w, x in ws])  # fmt: skip
+        metric("worker_owed_invalidations", "gauge", "Invalidations each worker owes (out of the routing set until taken)",
+               [((("worker", w),), len(x.owed)) for w, x in ws])  # fmt: skip
         metric("index_connected", "gauge", "1 while the index is in use",
                [((), 1 if self._redis is not None and self.cache_key is not None  # (keys read: it answered)
                       and time.monotonic() >= self._redis_down_until else 0)])  # fmt: skip
@@ -1234,7 +1314,8 @@ class Router:
             headers = self._upstream_headers(request)
         except ValueError as exc:
             return web.json_response({"error": {"message": str(exc)}}, status=400)
-        live = [w for w in self.workers.values() if w.healthy] or list(self.workers.values())
+        live = ([w for w in self.workers.values() if w.healthy] or [w for w in self.workers.values() if not w.owed]
+                or list(self.workers.values()))  # fmt: skip
         invalidate = request.path == "/cache/invalidate" and request.method == "POST"
         fleet_wide = request.path in FLEET_WIDE
         if invalidate:
@@ -1259,20 +1340,25 @@ class Router:
 
             async def one(ws):
                 try:
-                    res = await send(ws, raw)
-                    if invalidate and res[1] == 400 and "generation" in res[2] and raw != plain:
-                        res = await send(ws, plain)
-                    return res
+                    if invalidate:
+                        return (ws.url, *await self._invalidate_one(ws, raw, plain, headers))
+                    return await send(ws, raw)
                 except Exception as exc:  # noqa: BLE001
                     return ws.url, 502, f"{type(exc).__name__}: {exc}"[:1000]
 
-            res = await asyncio.gather(*(one(ws) for ws in self.workers.values()))
+            targets = list(self.workers.values())
+            res = await asyncio.gather(*(one(ws) for ws in targets))
             # a request one worker refuses (4xx) is refused by all: the client's fault, whatever
             # else a down worker says (before, a bad body with a worker down was a 502)
             refused = [st for _, st, _ in res if 400 <= st < 500]
             status = min(refused) if refused else max(st for _, st, _ in res)
-            return web.json_response({self._worker_name(request, u): {"status": st, "body": b} for u, st, b in res},
-                                     status=status)  # fmt: skip
+            doc = {self._worker_name(request, u): {"status": st, "body": b} for u, st, b in res}
+            if invalidate and not refused:
+                for ws, (u, st, _) in zip(targets, res):
+                    if st >= 500:  # it did not take it: kept for it, out of the routing set meanwhile
+                        self._owe(ws, raw, plain, headers)
+                        doc[self._worker_name(request, u)]["owed"] = True
+            return web.json_response(doc, status=status)
         ws = self._least_busy(live)
         sid = pinned = None
         if request.path == "/close_session":
