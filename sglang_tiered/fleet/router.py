@@ -333,6 +333,7 @@ class WorkerState:
     # invalidations it did not take: (body without the generation, headers) -> (body, that
     # body without the generation, headers), oldest first (``Router._owe``)
     owed: OrderedDict = field(default_factory=OrderedDict)
+    owed_warned_at: float = -1e9
 
     def load(self, max_age_s: float) -> tuple[float, float]:
         """(requests in flight, uncached prompt tokens queued): this router's counts, raised to
@@ -648,10 +649,15 @@ class Router:
         while ws.owed:
             key, (raw, plain, headers) = next(iter(ws.owed.items()))
             try:
-                status, text = await self._invalidate_one(ws, raw, plain, headers, aiohttp.ClientTimeout(total=30))
-            except Exception:  # noqa: BLE001 - still owed: the next health check tries again
-                return False
+                status, text = await self._invalidate_one(ws, raw, plain, headers, aiohttp.ClientTimeout(total=10))
+            except Exception as exc:  # noqa: BLE001 - still owed: the next health check tries again
+                status, text = 502, f"{type(exc).__name__}: {exc}"
             if status >= 500:
+                now = time.monotonic()
+                if now - ws.owed_warned_at >= 60.0:  # (the reason it stays out of the routing set)
+                    ws.owed_warned_at = now
+                    logger.warning("router: %s answers and owes %d invalidation(s), but did not take one (%d: %s); "
+                                   "out of the routing set until it does", ws.url, len(ws.owed), status, text[:200])  # fmt: skip
                 return False
             ws.owed.pop(key, None)
             if status < 300:
