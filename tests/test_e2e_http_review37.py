@@ -76,6 +76,20 @@ def test_a_tenant_cannot_invalidate_through_set_internal_state(scoped_server):
     assert _gen(scoped_server, "bob", BOB_PROMPT) > 0  # (before: answered 200, bob's cache gone)
 
 
+def test_a_tenant_cannot_use_sglangs_admin_routes(scoped_server):
+    """Session 38: with no --admin-api-key SGLang let the user key call its admin routes, so
+    any tenant flushed every tenant's cache or aborted every request."""
+    assert _gen(scoped_server, "bob", BOB_PROMPT) > 0
+    alice = {**USER, "x-tenant-id": "alice"}
+    for method, path, body in (("POST", "/flush_cache", None), ("GET", "/flush_cache", None),
+                               ("POST", "/abort_request", {"abort_all": True})):  # fmt: skip
+        status, out = scoped_server.request(method, path, body, headers=alice)
+        assert status == 403, (path, status, out)
+    assert _gen(scoped_server, "bob", BOB_PROMPT) > 0  # (before: flushed)
+    status, out = scoped_server.request("POST", "/flush_cache", headers=USER)  # the operator (no header)
+    assert status == 200, out
+
+
 def test_under_a_root_path_the_header_names_the_tenant_and_ids_are_checked(scoped_server):
     _gen(scoped_server, "carol", "hello " * 40, cache_salt="dave")  # the body's salt: not the tenant
     status, body = scoped_server.request("GET", "/cache/stats", headers=USER)

@@ -256,6 +256,49 @@ INFO_PATHS = frozenset(("/server_info", "/get_server_info"))
 STATS_CAP = 64 << 20  # (an answer past this is passed on as it is: not ours)
 SCOPED_STATE = ("with SGLANG_TIERED_TENANT_HEADER set and no --admin-api-key, a call carrying the tenant header "
                 "cannot change the server's internal state (it carries cache invalidations)")  # fmt: skip
+SCOPED_ADMIN = ("is one of SGLang's admin routes: with SGLANG_TIERED_TENANT_HEADER set and no --admin-api-key, a "
+                "call carrying the tenant header (a tenant's, through the gateway) cannot use it; call it without "
+                "the header from behind the gateway, or set --admin-api-key")  # fmt: skip
+# our own admin routes confine a tenant's call to that tenant instead (``cache_stats``,
+# ``cache_invalidate``); /set_internal_state has its own message (SCOPED_STATE)
+OWN_ADMIN_PATHS = frozenset(("/cache/stats", "/cache/invalidate", "/set_internal_state"))
+
+
+@functools.lru_cache(maxsize=1)
+def sglang_admin_paths() -> frozenset:
+    """The paths of SGLang's own admin routes: those its ``@auth_level`` marks ADMIN_OPTIONAL or
+    ADMIN_FORCE (``/flush_cache``, ``/update_weights_from_disk``, ``/abort_request``,
+    ``/pause_generation``, ``/release_memory_occupation``, ``/load_lora_adapter``, ...; 37 in
+    0.5.23), read from SGLang's app, less ``OWN_ADMIN_PATHS``. SGLang lets the user key (or no
+    key) call them when no --admin-api-key is set; in tenant mode that key is every tenant's, so
+    any tenant flushed every other's cache, aborted their requests (``abort_all``) or swapped the
+    served weights (session 38)."""
+    try:
+        from sglang.srt.entrypoints.http_server import app
+        from sglang.srt.utils.auth import AuthLevel
+
+        admin = (AuthLevel.ADMIN_OPTIONAL, AuthLevel.ADMIN_FORCE)
+        paths = {r.path for r in app.routes if getattr(getattr(r, "endpoint", None), "_auth_level", None) in admin}
+    except Exception:  # noqa: BLE001 - (SGLang's app not importable: its 0.5.23 list)
+        logger.warning("sglang-tiered: SGLang's admin routes could not be read; using 0.5.23's", exc_info=True)
+        paths = set(SGLANG_ADMIN_PATHS_0523)
+    return frozenset(paths - OWN_ADMIN_PATHS)
+
+
+# SGLang 0.5.23's admin routes (``sglang_admin_paths`` reads them from its app; this is the
+# fallback, and tests/test_http_review38.py checks the two agree)
+SGLANG_ADMIN_PATHS_0523 = frozenset((
+    "/abort_request", "/add_external_corpus", "/begin_weight_update", "/configure_logging", "/continue_generation",
+    "/destroy_weights_update_group", "/dump_expert_distribution_record", "/end_weight_update", "/flush_cache",
+    "/freeze_gc", "/get_remote_instance_transfer_engine_info", "/get_weights_by_name", "/hicache/storage-backend",
+    "/hicache/storage-backend/clear", "/init_weights_send_group_for_remote_instance", "/init_weights_update_group",
+    "/list_external_corpora", "/load_lora_adapter", "/load_lora_adapter_from_tensors", "/pause_generation",
+    "/pd_role_switch", "/release_memory_occupation", "/remote_instance_transfer_engine_info",
+    "/remove_external_corpus", "/resume_memory_occupation", "/send_weights_to_remote_instance", "/set_trace_level",
+    "/slow_down", "/start_expert_distribution_record", "/start_profile", "/stop_expert_distribution_record",
+    "/stop_profile", "/unload_lora_adapter", "/update_weight_version", "/update_weights_from_disk",
+    "/update_weights_from_distributed", "/update_weights_from_ipc", "/update_weights_from_tensor", "/weights_checker",
+))  # fmt: skip
 
 
 def _without_cache_stats(send):
@@ -336,6 +379,7 @@ class HintMiddleware:
         self.app = app
         self.tenant_header = (tenant_header or "").lower().encode() or None
         self.unsalted = unsalted_paths()
+        self._admin_paths: frozenset | None = None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "websocket" and self.tenant_header is not None and route_path(scope) in WEBSOCKET_PATHS:
@@ -349,9 +393,17 @@ class HintMiddleware:
         path = route_path(scope)
         if path in INFO_PATHS:  # (GET: SGLang serves them on GET alone)
             return await self.app(scope, receive, _without_cache_stats(send))
+        tenant_mode = self.tenant_header is not None
+        if tenant_mode and path in self.admin_paths() and scope.get("method") != "OPTIONS":
+            # (GET too: /flush_cache, /release_memory_occupation, /slow_down ... act on GET)
+            try:
+                confined = self._tenant(scope) is not None and not admin_key()
+            except BadRequest as exc:
+                return await _error(exc.status, str(exc))(scope, receive, send)
+            if confined:
+                return await _error(403, f"{path} {SCOPED_ADMIN}")(scope, receive, send)
         if scope.get("method") in BODYLESS_METHODS:
             return await self.app(scope, receive, send)
-        tenant_mode = self.tenant_header is not None
         if tenant_mode and path == "/set_internal_state":
             try:
                 confined = self._tenant(scope) is not None and not admin_key()
@@ -404,6 +456,12 @@ class HintMiddleware:
 
     def _tenant(self, scope) -> str | None:
         return header_value(scope, self.tenant_header) or None
+
+    def admin_paths(self) -> frozenset:
+        """``sglang_admin_paths``, read when first needed (SGLang's routes are all added by then)."""
+        if self._admin_paths is None:
+            self._admin_paths = sglang_admin_paths()
+        return self._admin_paths
 
 
 def _is_multipart(scope) -> bool:

@@ -1,0 +1,92 @@
+"""SGLang's own admin routes in tenant mode (session 38).
+
+With a trusted tenant header and no ``--admin-api-key``, SGLang lets the user key (every tenant's,
+through the gateway) call its admin routes: any tenant flushed every tenant's cache
+(``/flush_cache``), aborted every request (``/abort_request`` with ``abort_all``), paused the
+server or swapped the served weights (``/update_weights_from_disk``). Our own control routes
+already confined a tenant's call to that tenant (session 21) and ``/set_internal_state`` was a 403
+(session 37); now every route SGLang marks as an admin route is a 403 to a call carrying the
+tenant header (the operator calls it without the header, from behind the gateway, or sets
+``--admin-api-key``). Live: tests/test_e2e_http_review37.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+
+def _app(tenant_header="x-tenant-id"):
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from sglang_tiered.integration.http import HintMiddleware
+
+    async def ok(request):
+        return JSONResponse({"done": request.url.path})
+
+    routes = [Route(p, ok, methods=["GET", "POST"]) for p in ("/flush_cache", "/abort_request",
+                                                              "/update_weights_from_disk", "/generate")]  # fmt: skip
+    return Starlette(routes=routes, middleware=[Middleware(HintMiddleware, tenant_header=tenant_header)])
+
+
+def _call(app, method: str, path: str, headers: dict, body: dict | None = None):
+    raw = json.dumps(body).encode() if body is not None else b""
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+        "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+        "server": ("127.0.0.1", 30000), "client": ("127.0.0.1", 5555),
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+        + [(k.encode(), v.encode()) for k, v in headers.items()],
+    }  # fmt: skip
+    sent = [{"type": "http.request", "body": raw, "more_body": False}]
+    out = {"status": None, "body": b""}
+
+    async def receive():
+        return sent.pop(0) if sent else {"type": "http.disconnect"}
+
+    async def send(msg):
+        if msg["type"] == "http.response.start":
+            out["status"] = msg["status"]
+        elif msg["type"] == "http.response.body":
+            out["body"] += msg.get("body", b"")
+
+    asyncio.run(app(scope, receive, send))
+    return out["status"], json.loads(out["body"] or b"null")
+
+
+@pytest.mark.parametrize("method,path,body", [("POST", "/flush_cache", None), ("GET", "/flush_cache", None),
+                                              ("POST", "/abort_request", {"abort_all": True}),
+                                              ("POST", "/update_weights_from_disk", {"model_path": "/elsewhere"})])  # fmt: skip
+def test_a_tenants_call_to_an_admin_route_is_refused(method, path, body):
+    status, out = _call(_app(), method, path, {"x-tenant-id": "alice"}, body)
+    assert status == 403 and "admin" in out["error"]["message"], (status, out)
+    # the operator (no header: from behind the gateway) is SGLang's to judge, as before
+    assert _call(_app(), method, path, {}, body) == (200, {"done": path})
+
+
+def test_with_an_admin_key_sglang_judges_the_call(monkeypatch):
+    """With --admin-api-key set SGLang's own check (the admin key) decides: passed on."""
+    from sglang_tiered.integration import http
+
+    monkeypatch.setattr(http, "admin_key", lambda: "secret")
+    assert _call(_app(), "POST", "/flush_cache", {"x-tenant-id": "alice"})[0] == 200
+
+
+def test_without_a_tenant_header_nothing_changes():
+    assert _call(_app(tenant_header=None), "POST", "/flush_cache", {"x-tenant-id": "alice"})[0] == 200
+    assert _call(_app(), "POST", "/generate", {"x-tenant-id": "alice"}, {"text": "hi"})[0] == 200
+
+
+def test_the_admin_routes_are_sglangs_own():
+    """Read from SGLang's app (every route its ``@auth_level`` marks admin), less our own; the
+    0.5.23 fallback list agrees (this fails when SGLang adds or drops one: update the list)."""
+    from sglang_tiered.integration.http import OWN_ADMIN_PATHS, SGLANG_ADMIN_PATHS_0523, sglang_admin_paths
+
+    got = sglang_admin_paths()
+    assert got == SGLANG_ADMIN_PATHS_0523, sorted(got ^ SGLANG_ADMIN_PATHS_0523)
+    assert {"/flush_cache", "/abort_request", "/update_weights_from_disk", "/pause_generation"} <= got
+    assert not got & OWN_ADMIN_PATHS and "/generate" not in got
