@@ -7,7 +7,8 @@ server or swapped the served weights (``/update_weights_from_disk``). Our own co
 already confined a tenant's call to that tenant (session 21) and ``/set_internal_state`` was a 403
 (session 37); now every route SGLang marks as an admin route is a 403 to a call carrying the
 tenant header (the operator calls it without the header, from behind the gateway, or sets
-``--admin-api-key``). Live: tests/test_e2e_http_review37.py."""
+``--admin-api-key``). Live: tests/test_e2e_http_review37.py. And /metrics, which SGLang serves to
+anyone and which names every tenant, is a 403 to a tenant's call."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _app(tenant_header="x-tenant-id"):
         return JSONResponse({"done": request.url.path})
 
     routes = [Route(p, ok, methods=["GET", "POST"]) for p in ("/flush_cache", "/abort_request",
-                                                              "/update_weights_from_disk", "/generate")]  # fmt: skip
+                                                              "/update_weights_from_disk", "/generate", "/metrics")]  # fmt: skip
     return Starlette(routes=routes, middleware=[Middleware(HintMiddleware, tenant_header=tenant_header)])
 
 
@@ -90,3 +91,18 @@ def test_the_admin_routes_are_sglangs_own():
     assert got == SGLANG_ADMIN_PATHS_0523, sorted(got ^ SGLANG_ADMIN_PATHS_0523)
     assert {"/flush_cache", "/abort_request", "/update_weights_from_disk", "/pause_generation"} <= got
     assert not got & OWN_ADMIN_PATHS and "/generate" not in got
+
+
+def test_a_tenants_call_cannot_read_the_metrics(monkeypatch):
+    """SGLang serves /metrics to anyone (its auth lets it through, keys or not), and our series
+    name every tenant and its traffic (in header mode the tenants' own names): a call carrying the
+    tenant header gets a 403, with or without an admin key; the operator's scrape is served."""
+    from sglang_tiered.integration import http
+
+    status, out = _call(_app(), "GET", "/metrics", {"x-tenant-id": "alice"})
+    assert status == 403 and "/metrics" in out["error"]["message"], (status, out)
+    assert _call(_app(), "GET", "/metrics", {})[0] == 200
+    assert _call(_app(tenant_header=None), "GET", "/metrics", {"x-tenant-id": "alice"})[0] == 200
+    assert _call(_app(), "GET", "/metrics", {"x-tenant-id": "a", "X-Tenant-Id": "b"})[0] == 400
+    monkeypatch.setattr(http, "admin_key", lambda: "secret")  # (SGLang checks no key on /metrics)
+    assert _call(_app(), "GET", "/metrics", {"x-tenant-id": "alice"})[0] == 403

@@ -259,6 +259,8 @@ SCOPED_STATE = ("with SGLANG_TIERED_TENANT_HEADER set and no --admin-api-key, a 
 SCOPED_ADMIN = ("is one of SGLang's admin routes: with SGLANG_TIERED_TENANT_HEADER set and no --admin-api-key, a "
                 "call carrying the tenant header (a tenant's, through the gateway) cannot use it; call it without "
                 "the header from behind the gateway, or set --admin-api-key")  # fmt: skip
+SCOPED_METRICS = ("/metrics names every tenant and its traffic: with SGLANG_TIERED_TENANT_HEADER set, a call "
+                  "carrying the tenant header cannot read it (scrape it without the header, from the operator's network)")  # fmt: skip
 # our own admin routes confine a tenant's call to that tenant instead (``cache_stats``,
 # ``cache_invalidate``); /set_internal_state has its own message (SCOPED_STATE)
 OWN_ADMIN_PATHS = frozenset(("/cache/stats", "/cache/invalidate", "/set_internal_state"))
@@ -394,6 +396,16 @@ class HintMiddleware:
         if path in INFO_PATHS:  # (GET: SGLang serves them on GET alone)
             return await self.app(scope, receive, _without_cache_stats(send))
         tenant_mode = self.tenant_header is not None
+        if tenant_mode and path.startswith("/metrics"):
+            # (SGLang serves /metrics to anyone, keys or not, auth.py: it names every tenant and
+            # its traffic in our series; session 38) a tenant's call gets a 403, the operator's
+            # scrape (no header) its metrics
+            try:
+                scoped = self._tenant(scope) is not None
+            except BadRequest as exc:
+                return await _error(exc.status, str(exc))(scope, receive, send)
+            if scoped:
+                return await _error(403, SCOPED_METRICS)(scope, receive, send)
         if tenant_mode and path in self.admin_paths() and scope.get("method") != "OPTIONS":
             # (GET too: /flush_cache, /release_memory_occupation, /slow_down ... act on GET)
             try:
