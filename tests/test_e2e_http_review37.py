@@ -100,3 +100,36 @@ def test_under_a_root_path_the_header_names_the_tenant_and_ids_are_checked(scope
     time.sleep(1)
     assert scoped_server.proc.poll() is None
     _gen(scoped_server, "carol", "still serving " * 10)  # (the scheduler lives)
+
+
+SECRET = [101, 202, 303, 404, 505, 606, 707, 808, 909, 1001, 1102, 1203, 1304, 1405, 1506, 1607, 1708, 1809]
+
+
+def test_a_tenant_cannot_continue_or_close_another_tenants_session(scoped_server):
+    """Session 38 (a helper's audit): SGLang keys sessions by id alone. Tenant B, naming tenant A's
+    session (by the id A chose or the one the server handed A), continued it: B's prompt was A's
+    prompt + A's output + B's tokens, and B read A's prompt back through prompt logprobs. Now a
+    tenant's ids are scoped to it; A still continues its own session by either id."""
+    a, b = {**USER, "x-tenant-id": "A"}, {**USER, "x-tenant-id": "B"}
+    s = scoped_server
+    status, sid = s.request("POST", "/open_session", {"capacity_of_str_len": 100000, "session_id": "chat-1"}, headers=a)
+    assert status == 200 and isinstance(sid, str), sid
+    status, out = s.request("POST", "/generate", {"input_ids": SECRET, "rid": "a-turn-1", "session_params": {"id": "chat-1"},
+                                                  "sampling_params": {"temperature": 0, "max_new_tokens": 2}}, headers=a)  # fmt: skip
+    assert status == 200, out
+
+    def seen_by(headers, name):
+        status, out = s.request("POST", "/generate", {"input_ids": [7, 8], "session_params": {"id": name, "rid": "a-turn-1"},
+                                                      "return_logprob": True, "logprob_start_len": 0,
+                                                      "sampling_params": {"temperature": 0, "max_new_tokens": 1}},
+                                headers=headers)  # fmt: skip
+        return {t[1] for t in out["meta_info"]["input_token_logprobs"]} if status == 200 else set()
+
+    for name in ("chat-1", sid):
+        assert not set(SECRET) <= seen_by(b, name), name  # (before: B's prompt began with A's)
+    for method in ("POST", "GET"):  # (SGLang serves the route on GET with a body too)
+        for name in ("chat-1", sid):
+            s.request(method, "/close_session", {"session_id": name}, headers=b)
+    for name in ("chat-1", sid):  # A's session is still A's (B's closes named other ids)
+        assert set(SECRET) <= seen_by(a, name), name
+    assert s.request("POST", "/close_session", {"session_id": "chat-1"}, headers=a)[0] == 200

@@ -34,6 +34,16 @@ def tenant_label(tenant: str) -> str:
     return f"{head}~{digest}"
 
 
+def scoped_session_id(tenant: str, sid: str) -> str:
+    """An SGLang session id in ``tenant``'s namespace (tenant-header mode; SGLang keys sessions by
+    id alone, so a tenant naming another's id continued it and read its history: a helper's audit,
+    session 38). An id the tenant was handed back (already under its prefix) is kept; any other,
+    another tenant's scoped id included, goes under its own prefix, a digest of its name. The
+    servers' middleware and the router scope alike."""
+    prefix = "t" + hashlib.blake2b(tenant.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest() + "~"
+    return sid if sid.startswith(prefix) else prefix + sid
+
+
 SALT_PREFIX = "salt~"
 
 

@@ -84,7 +84,7 @@ from typing import Optional
 
 from sglang_tiered.config import MAX_INDEX_TTL_S
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes, client_extra_key
-from sglang_tiered.core.tenants import MAX_LABEL_CHARS, name_hash, tenant_label
+from sglang_tiered.core.tenants import MAX_LABEL_CHARS, name_hash, scoped_session_id, tenant_label
 from sglang_tiered.fleet.index import LOOKUP_LUA, LookupConnection, alive_key, ckey_key, matched_from_lookup, page_key
 from sglang_tiered.fleet.routing import AffinityCachePolicy, Decision, FleetView, RouteRequest, token_affinity_key
 
@@ -1012,7 +1012,7 @@ class Router:
         tried: list[str] = []
         d = ws = None
         again = False
-        session = self._session_of(body)
+        session = self._session_of(body, tenant)
 
         def no_other() -> bool:
             """No other worker left to try: two tried, or the only one (a session's, or the
@@ -1138,13 +1138,21 @@ class Router:
             logger.warning("router: %s answered %d %d times in a row; out of the routing set for %g s",
                            ws.url, status, self.health_misses, ERROR_COOLDOWN_S)  # fmt: skip
 
-    def _session_of(self, body) -> Optional[str]:
+    def _session_key(self, sid, tenant: Optional[str]):
+        """A session id as the servers know it: with a tenant header, scoped to the caller's
+        tenant as their middleware scopes it (``scoped_session_id``), so a tenant's own id finds
+        its session and another tenant's names none of it."""
+        if not isinstance(sid, str) or not sid:
+            return None
+        return scoped_session_id(tenant, sid) if self.tenant_header and tenant else sid
+
+    def _session_of(self, body, tenant: Optional[str] = None) -> Optional[str]:
         """The worker that holds the request's SGLang session (``session_params.id``, opened
         through this router), or None: routed as any request (a session the router did not see
         opened, e.g. opened on a worker directly, is the worker's to refuse)."""
         params = body.get("session_params") if isinstance(body, dict) else None
-        sid = params.get("id") if isinstance(params, dict) else None
-        if not isinstance(sid, str) or sid not in self.sessions:
+        sid = self._session_key(params.get("id") if isinstance(params, dict) else None, tenant)
+        if sid is None or sid not in self.sessions:
             return None
         self.sessions.move_to_end(sid)
         return self.sessions[sid]
@@ -1369,8 +1377,12 @@ class Router:
         sid = pinned = None
         if request.path == "/close_session":
             doc = _parse_body(raw)
-            sid = doc.get("session_id") if isinstance(doc, dict) else None
-            if isinstance(sid, str) and sid in self.sessions:
+            try:
+                tenant = self._tenant(request, None)
+            except ValueError as exc:
+                return web.json_response({"error": {"message": str(exc)}}, status=400)
+            sid = self._session_key(doc.get("session_id") if isinstance(doc, dict) else None, tenant)
+            if sid is not None and sid in self.sessions:
                 ws = pinned = self.workers[self.sessions[sid]]
         for attempt in range(2):
             cur = ws

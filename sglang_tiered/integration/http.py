@@ -24,6 +24,7 @@ from typing import Optional
 
 from sglang_tiered.config import hashed_tenant_labels, load_config, sglang_route_names, vertex_route
 from sglang_tiered.core.keys import client_extra_key
+from sglang_tiered.core.tenants import scoped_session_id
 from sglang_tiered.integration.protocol import STATE_KEY, invalidation_args
 from sglang_tiered.stats import aggregate
 
@@ -213,6 +214,44 @@ UNSALTED_PATHS = (
 )  # fmt: skip
 # SGLang's websocket routes that reach the scheduler (OpenAI Realtime transcription): no salt.
 WEBSOCKET_PATHS = frozenset(("/v1/realtime",))
+# SGLang's session routes (served on GET too, with a JSON body): a session's history is a prompt
+# and its output, which SGLang keys by the session id alone. In tenant mode each tenant's ids are
+# scoped to it (``scoped_session_id``), so one tenant cannot continue, read or close another's.
+SESSION_PATHS = frozenset(("/open_session", "/close_session"))
+
+
+
+def _scope_session_fields(body: dict, tenant: str) -> None:
+    """A request's ``session_params.id`` (a dict, or a batch's list of them) and ``session_id``,
+    scoped to ``tenant``; other shapes are left for SGLang to refuse."""
+    sps = body.get("session_params")
+    for sp in sps if isinstance(sps, list) else [sps]:
+        if isinstance(sp, dict) and isinstance(sp.get("id"), str) and sp["id"]:
+            sp["id"] = scoped_session_id(tenant, sp["id"])
+    if isinstance(body.get("session_id"), str) and body["session_id"]:
+        body["session_id"] = scoped_session_id(tenant, body["session_id"])
+
+
+def rewrite_session_route(raw: bytes, path: str, tenant: str) -> bytes:
+    """``/open_session`` / ``/close_session`` body of a tenant's call, its id scoped (an open
+    without an id gets a fresh one: SGLang's own would be unscoped)."""
+    import uuid
+
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
+        raise BadRequest("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    sid = body.get("session_id")
+    if sid is None and path == "/open_session":
+        sid = uuid.uuid4().hex
+    if not isinstance(sid, str) or not sid:
+        raise BadRequest("session_id must be a non-empty string")
+    body["session_id"] = scoped_session_id(tenant, sid)
+    return json.dumps(body).encode()
+
+
 # Routes whose token ids reach the model's embedding: checked on every server (issue #10; review,
 # session 21: /v1/score's query, items and label_token_ids crash the scheduler the same way).
 # Vertex AI's predict route (SGLang reads AIP_PREDICT_ROUTE when it imports its HTTP server).
@@ -414,6 +453,8 @@ class HintMiddleware:
                 return await _error(exc.status, str(exc))(scope, receive, send)
             if confined:
                 return await _error(403, f"{path} {SCOPED_ADMIN}")(scope, receive, send)
+        if tenant_mode and path in SESSION_PATHS:  # (GET too: SGLang serves them on GET with a body)
+            return await self._session_route(scope, receive, send, path)
         if scope.get("method") in BODYLESS_METHODS:
             return await self.app(scope, receive, send)
         if tenant_mode and path == "/set_internal_state":
@@ -451,6 +492,7 @@ class HintMiddleware:
                 _check_json_shape(raw)
                 new = raw
             elif (tenant_mode or path in ID_PATHS or b"kv_transfer_params" in raw or b"\\u" in raw
+                  or (path in SALT_PATHS and b"extra_key" in raw)  # (the fence: every salted route)
                   or b"logprobs" in raw or b"logit_bias" in raw or b'"n"' in raw or b"best_of" in raw
                   or b"stop_regex" in raw or b"pattern" in raw
                   or _odd_shape(raw)):  # fmt: skip
@@ -474,6 +516,32 @@ class HintMiddleware:
         if self._admin_paths is None:
             self._admin_paths = sglang_admin_paths()
         return self._admin_paths
+
+    async def _session_route(self, scope, receive, send, path):
+        """``SESSION_PATHS`` in tenant mode, on any method: a tenant's call acts on its own
+        sessions only; a call without the header (the operator's) passes as it is."""
+        try:
+            tenant = self._tenant(scope)
+        except BadRequest as exc:
+            return await _error(exc.status, str(exc))(scope, receive, send)
+        if tenant is None:
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # (the client left mid-body: nothing runs)
+            chunks.append(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        try:
+            new = rewrite_session_route(b"".join(chunks), path, tenant)
+        except BadRequest as exc:
+            return await _error(exc.status, str(exc))(scope, receive, send)
+        scope = dict(scope)
+        scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-length"] + [
+            (b"content-length", str(len(new)).encode())
+        ]
+        return await self.app(scope, _replay(new, receive), send)
 
 
 def _is_multipart(scope) -> bool:
@@ -1066,6 +1134,12 @@ def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool | 
         _check_per_prompt_lists(body)
         _check_internal_fields(body)
     changed = path in SALT_PATHS and _fence_extra_key(body)
+    params = body.get("parameters") if path == VERTEX_PATH else None
+    if isinstance(params, dict):
+        # Vertex builds GenerateReqInput(**instances, **parameters): its parameters are /generate's
+        # fields, the client's extra_key and lora_id among them
+        _check_internal_fields(params)
+        changed = _fence_extra_key(params) or changed
     if "kv_transfer_params" in body:
         kv = body.pop("kv_transfer_params")
         changed = True
@@ -1084,6 +1158,7 @@ def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool | 
         # The trusted header is the only source of the tenant: a client's own salt never passes.
         if tenant:
             body["cache_salt"] = tenant
+            _scope_session_fields(body, tenant)  # (its sessions only)
         else:
             body.pop("cache_salt", None)
         changed = True
