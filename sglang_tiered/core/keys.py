@@ -48,6 +48,10 @@ class CacheKey:
     model_overrides: Optional[str] = None  # digest of --json-model-override-args (review, session 18)
     lora: Optional[str] = None  # digests of the --lora-paths adapters' files (review, session 18)
     software: Optional[str] = None  # versions of the code that computes the KV (review, session 22)
+    # where tenants come from, when not the client's own cache_salt ("header:<name>": a trusted
+    # gateway's header): a server without the header shares one T2 with it, and any of its
+    # clients named a header tenant as its salt and read that tenant's pages (a helper's hunt)
+    tenants: Optional[str] = None
 
     def _identity(self) -> dict:
         """The fields that are hashed: every original field, and the optional ones that are set."""
@@ -79,7 +83,7 @@ class CacheKey:
         return hashlib.blake2b(b"sglang-tiered/v2|" + blob.encode(), digest_size=DIGEST_SIZE).digest()
 
 
-_OPTIONAL_FIELDS = ("quantization", "model_dtype", "revision", "model_overrides", "lora", "software")
+_OPTIONAL_FIELDS = ("quantization", "model_dtype", "revision", "model_overrides", "lora", "software", "tenants")
 
 
 def _token_bytes(tokens) -> bytes:

@@ -78,6 +78,10 @@ class StoreQueue:
         # _hi is drained by the worker, _lo only by a full queue's drops: past this length its
         # finished jobs (pages, hashes, a CUDA event each) are compacted away
         self._lo_limit = 64
+        # _hi keeps a dropped or cancelled job until the worker pops its way down to it, which a
+        # queue that never empties (writes slower than offers: when value-drop acts) never does;
+        # past this length it is compacted too
+        self._hi_limit = 64
         self._page_job: dict = {}  # device page -> its pending job
         self._seq = itertools.count()
         self.stats = StoreQueueStats()
@@ -128,6 +132,8 @@ class StoreQueue:
             heapq.heappush(self._lo, (value, -job.seq, job))
             if len(self._lo) > self._lo_limit:
                 self._compact_lo()
+            if len(self._hi) > self._hi_limit:
+                self._compact_hi()
             self._cv.notify_all()
             return True
 
@@ -273,12 +279,19 @@ class StoreQueue:
         heapq.heapify(self._lo)
         self._lo_limit = 2 * len(self._lo) + 64
 
+    def _compact_hi(self) -> None:
+        """Keep only the queued jobs' entries in ``_hi`` (as ``_compact_lo``)."""
+        self._hi = [e for e in self._hi if e[2].state == QUEUED and e[2].pages]
+        heapq.heapify(self._hi)
+        self._hi_limit = 2 * len(self._hi) + 64
+
     def _unlink(self, job: StoreJob, state: int) -> None:
         for p in job.pages:
             if self._page_job.get(p) is job:
                 del self._page_job[p]
         self.stats.queued_pages -= len(job.pages)
         job.state = state
+        job.ctx = None  # never written now: its payload (T2: the copied-out pages) goes at once
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
@@ -294,3 +307,4 @@ class StoreQueue:
             assert all(j.state != QUEUED or j.pages == [] or any(e[2] is j for e in self._hi) for j in pending), \
                 "queued job not reachable by the worker"
             assert len(self._lo) <= self._lo_limit, "finished jobs kept in the drop heap"
+            assert len(self._hi) <= self._hi_limit, "finished jobs kept in the write heap"

@@ -20,7 +20,7 @@ def from_build_context(cls, ctx):
     from sglang_tiered.integration.identity import cache_key_from_context, lifetime_tag
 
     cfg = load_config()
-    key = cache_key_from_context(ctx, versions=cfg.identity_versions)
+    key = cache_key_from_context(ctx, versions=cfg.identity_versions, tenant_header=cfg.tenant_header)
     cache = cls(ctx.params, cache_key=key, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size, debug_checks=cfg.debug,
                 policy_config=policy_config(cfg))
     # stats and metrics name a tenant by its salt's digest unless a trusted header names it

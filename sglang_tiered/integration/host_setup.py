@@ -39,8 +39,12 @@ def measure_copy_gbps(device: torch.device, nbytes: int = 64 << 20, reps: int = 
 
 
 def measure_flops(device: torch.device, dtype: torch.dtype, n: int = 512, reps: int = 3) -> float:
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    # a generator of its own: the default one is SGLang's sampling RNG, seeded by --random-seed
+    # before the cache is built (drawing from it shifted every sampled token of the server)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
     (a @ b).sum().item()
     best = float("inf")
     for _ in range(reps):

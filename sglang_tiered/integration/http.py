@@ -117,7 +117,9 @@ def caller_tenant(request, admin_api_key) -> Optional[str]:
     if not header or admin_api_key:
         return None
     value = header_value(request.scope, header.lower().encode())  # as the middleware reads it
-    return None if value is None else tenant_of(value or None)
+    if value == "":  # (as 'default' itself: its scope would be the untagged requests' namespace)
+        raise BadRequest(f"the tenant header {header} is empty")
+    return None if value is None else tenant_of(value)
 
 
 def header_value(scope, name: bytes) -> Optional[str]:
@@ -129,9 +131,17 @@ def header_value(scope, name: bytes) -> Optional[str]:
     if not values:
         return None
     try:
-        return values[0].decode("utf-8").strip()
+        value = values[0].decode("utf-8").strip()
     except UnicodeDecodeError:
         raise BadRequest(f"the tenant header {name.decode()} is not valid UTF-8") from None
+    from sglang_tiered.core.tenants import DEFAULT, OTHER
+
+    if value in (DEFAULT, OTHER):
+        # 'default' is the untagged requests' namespace (T1's and T2's tenant tag, the stats row,
+        # what {"tenant": "default"} invalidates); '__other__' the row of the tenants past the
+        # stats table's bound: a tenant so named read their counters and dropped their cache
+        raise BadRequest(f"the tenant header {name.decode()} may not be {value!r} (a reserved tenant name)")
+    return value
 
 
 def add_routes(app) -> None:

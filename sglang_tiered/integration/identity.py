@@ -154,7 +154,7 @@ def loaded_weights_digest(sa) -> str:
     return f"{digest}+load:{fmt}:{lifetime_tag(sa)}"
 
 
-def cache_key_from_context(ctx, *, versions: bool = True) -> CacheKey:
+def cache_key_from_context(ctx, *, versions: bool = True, tenant_header: str | None = None) -> CacheKey:
     sa = ctx.server_args
     mc = ctx.model_config
     hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
@@ -185,6 +185,7 @@ def cache_key_from_context(ctx, *, versions: bool = True) -> CacheKey:
         model_overrides=overrides_of(sa),
         lora=lora_of(sa),
         software=software_of() if versions else None,
+        tenants=f"header:{tenant_header.lower()}" if tenant_header else None,
     )
     logger.info("sglang-tiered: cache identity %s", key)
     return key

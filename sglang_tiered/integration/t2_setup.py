@@ -33,7 +33,9 @@ def measure_t2_gbps(t2: T2Tier, pages: int | None = None) -> tuple[float, float]
     tag = f"{KEY_ROOT}/probe/{os.getpid()}-{time.monotonic_ns()}"
     keys = [f"{tag}/{i}" for i in range(n)]
     w, r = t2._write, t2._read[0]
-    w.buf[:n].random_(0, 255)
+    gen = torch.Generator()  # not the default one: SGLang's sampling RNG, seeded by --random-seed
+    gen.manual_seed(0)
+    w.buf[:n].random_(0, 255, generator=gen)
     t0 = time.perf_counter()
     res = t2.client.put(keys, [w.ptr + i * ob for i in range(n)], [ob] * n)
     tw = time.perf_counter() - t0

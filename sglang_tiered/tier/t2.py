@@ -590,7 +590,32 @@ class T2Tier:
     def _retry_remove(self, pattern: str, scope) -> None:
         with self._retry_lock:
             self._retries.pop(scope, None)
+        if scope[0] == "gen":
+            # made now, not at the invalidation: a later one may have moved the tenant (or every
+            # tenant) to a newer generation, whose objects the fleet is writing and reading; the
+            # pattern of then removed them all (a helper's hunt)
+            pattern = self._stale_generations(scope[1])
+            if pattern is None:
+                return
         self._remove_async(pattern)
+
+    def _stale_generations(self, tenant: int | None) -> str | None:
+        """The pattern of the objects of ``tenant`` (None: every tenant) under a generation older
+        than its current one, as things stand now (None: cannot say; space only, skipped)."""
+        if tenant is not None:
+            return self._old_generations(tenant, self.generation(tenant))
+        for _ in range(3):
+            try:  # (the scheduler thread may be adding a tenant's invalidation)
+                moved = list(self._invalidated)
+                break
+            except RuntimeError:
+                continue
+        else:
+            return None
+        if len(moved) > 256:  # their pages keep their own retries; a pattern this long is not worth it
+            return None
+        skip = "".join(f"(?!{t & _MASK:016x}/)" for t in moved)
+        return f"^{KEY_ROOT}/{KEY_FORMAT}/{self.model_tag}/{skip}[0-9a-f]{{16}}/(?!{self._invalidated_all:x}/)"
 
     def _remove_async(self, pattern: str) -> None:
         """Remove the objects matching ``pattern``, on the removal thread (never waited for)."""
