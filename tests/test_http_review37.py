@@ -27,13 +27,13 @@ def _tenant_app():
     return Starlette(routes=routes, middleware=[Middleware(HintMiddleware, tenant_header="x-tenant-id")])
 
 
-def _call(app, path: str, body: dict, headers: dict, root_path: str = ""):
+def _call(app, path: str, body: dict | None, headers: dict, root_path: str = "", method: str = "POST"):
     """One request as uvicorn 0.54 hands it to the app (h11_impl.py:206 / httptools_impl.py:261:
     ``scope["path"] = root_path + path`` and ``scope["root_path"] = root_path``, root_path being
     SGLang's ``--fastapi-root-path``, http_server.py:2953/2996/3056)."""
-    raw = json.dumps(body).encode()
+    raw = json.dumps(body).encode() if body is not None else b""
     scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
         "path": root_path + path, "raw_path": (root_path + path).encode(), "root_path": root_path,
         "query_string": b"", "server": ("127.0.0.1", 30000), "client": ("127.0.0.1", 5555),
         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]

@@ -12,9 +12,6 @@ anyone and which names every tenant, is a 403 to a tenant's call."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-
 import pytest
 
 
@@ -35,28 +32,9 @@ def _app(tenant_header="x-tenant-id"):
 
 
 def _call(app, method: str, path: str, headers: dict, body: dict | None = None):
-    raw = json.dumps(body).encode() if body is not None else b""
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-        "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
-        "server": ("127.0.0.1", 30000), "client": ("127.0.0.1", 5555),
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-        + [(k.encode(), v.encode()) for k, v in headers.items()],
-    }  # fmt: skip
-    sent = [{"type": "http.request", "body": raw, "more_body": False}]
-    out = {"status": None, "body": b""}
+    from tests.test_http_review37 import _call as call
 
-    async def receive():
-        return sent.pop(0) if sent else {"type": "http.disconnect"}
-
-    async def send(msg):
-        if msg["type"] == "http.response.start":
-            out["status"] = msg["status"]
-        elif msg["type"] == "http.response.body":
-            out["body"] += msg.get("body", b"")
-
-    asyncio.run(app(scope, receive, send))
-    return out["status"], json.loads(out["body"] or b"null")
+    return call(app, path, body, headers, method=method)
 
 
 @pytest.mark.parametrize("method,path,body", [("POST", "/flush_cache", None), ("GET", "/flush_cache", None),

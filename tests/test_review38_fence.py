@@ -25,7 +25,9 @@ from sglang_tiered.integration.http import HintMiddleware
 ADAPTER_ID = "0123456789abcdef" * 2  # shape of SGLang's lora_id (uuid .hex)
 
 
-def _through_middleware(path: str, body: dict, tenant_header=None) -> dict:
+def _through(path: str, body: dict, tenant: str | None = None, method: str = "POST", tenant_header=None) -> dict:
+    """The body the route behind the real middleware receives (None: the middleware answered),
+    for a call carrying ``tenant`` in ``x-tenant-id`` (the tenant header when ``tenant`` is set)."""
     seen = {}
 
     async def app(scope, receive, send):
@@ -38,17 +40,18 @@ def _through_middleware(path: str, body: dict, tenant_header=None) -> dict:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
-    mw = HintMiddleware(app, tenant_header=tenant_header)
+    mw = HintMiddleware(app, tenant_header=tenant_header or ("x-tenant-id" if tenant is not None else None))
     raw = json.dumps(body).encode()
-    scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "query_string": b"",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
-    sent = []
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    if tenant is not None:
+        headers.append((b"x-tenant-id", tenant.encode()))
+    scope = {"type": "http", "method": method, "path": path, "root_path": "", "query_string": b"", "headers": headers}
 
     async def receive():
         return {"type": "http.request", "body": raw, "more_body": False}
 
     async def send(msg):
-        sent.append(msg)
+        pass
 
     asyncio.run(mw(scope, receive, send))
     return json.loads(seen["body"]) if "body" in seen else None
@@ -62,53 +65,22 @@ def _through_middleware(path: str, body: dict, tenant_header=None) -> dict:
     ("/invocations", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "extra_key": ADAPTER_ID}),
 ])
 def test_client_extra_key_is_fenced_on_every_salted_route(path, body):
-    out = _through_middleware(path, body)
+    out = _through(path, body)
     assert out["extra_key"] == f"client:{ADAPTER_ID}:", (path, out["extra_key"])
 
 
 def test_client_extra_key_is_fenced_in_vertex_parameters():
     from sglang_tiered.integration.http import VERTEX_PATH
 
-    out = _through_middleware(VERTEX_PATH, {"instances": [{"text": "hi"}], "parameters": {"extra_key": ADAPTER_ID}})
+    out = _through(VERTEX_PATH, {"instances": [{"text": "hi"}], "parameters": {"extra_key": ADAPTER_ID}})
     assert out["parameters"]["extra_key"] == f"client:{ADAPTER_ID}:", out
 
 
 def test_vertex_parameters_cannot_name_a_lora_id():
     from sglang_tiered.integration.http import VERTEX_PATH
 
-    out = _through_middleware(VERTEX_PATH, {"instances": [{"text": "hi"}], "parameters": {"lora_id": ADAPTER_ID}})
+    out = _through(VERTEX_PATH, {"instances": [{"text": "hi"}], "parameters": {"lora_id": ADAPTER_ID}})
     assert out is None or "lora_id" not in (out.get("parameters") or {}), out
-
-
-def _through(path: str, body: dict, tenant: str | None, method: str = "POST"):
-    seen = {}
-
-    async def app(scope, receive, send):
-        chunks, more = [], True
-        while more:
-            msg = await receive()
-            chunks.append(msg.get("body", b""))
-            more = msg.get("more_body", False)
-        seen["body"] = b"".join(chunks)
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
-
-    mw = HintMiddleware(app, tenant_header="x-tenant-id")
-    raw = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-    if tenant is not None:
-        headers.append((b"x-tenant-id", tenant.encode()))
-    scope = {"type": "http", "method": method, "path": path, "root_path": "", "query_string": b"", "headers": headers}
-    sent = []
-
-    async def receive():
-        return {"type": "http.request", "body": raw, "more_body": False}
-
-    async def send(msg):
-        sent.append(msg)
-
-    asyncio.run(mw(scope, receive, send))
-    return json.loads(seen["body"]) if "body" in seen else None
 
 
 def test_tenants_session_ids_are_their_own():
