@@ -622,6 +622,10 @@ _SERVER_KILLERS = (
     ("/generate", {"input_ids": [[5]], "text": ["a", "b"]}),
     ("/v1/completions", {"model": "default", "prompt": [[5], []], "max_tokens": 1}),
     ("/vertex_generate", {"instances": [{"input_ids": [999999]}]}),
+    # session 38: Vertex's parameters are /generate's fields (GenerateReqInput(**inputs, **parameters))
+    ("/vertex_generate", {"instances": [{"image_data": None}], "parameters": {"input_ids": [999999]}}),
+    ("/vertex_generate", {"instances": [{"text": "a"}], "parameters": {"return_logprob": True, "top_logprobs_num": 100000}}),
+    ("/vertex_generate", {"instances": [{"text": "v"}], "parameters": {"sampling_params": {"logit_bias": {"500": 1e39}, "top_k": 5}}}),
     ("/generate", {"text": "a", "return_logprob": True, "top_logprobs_num": 100000}),  # a top-k past the vocabulary
     ("/v1/completions", {"model": "default", "prompt": "a", "max_tokens": 1, "logprobs": 100000}),
     ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "a"}], "max_tokens": 1,

@@ -169,3 +169,26 @@ def test_the_router_finds_a_tenants_session_by_its_own_id_only():
                 await runner.cleanup()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("params", [
+    {"input_ids": [1, 10**6]},  # (the first instance has no text or ids: parameters give the prompt)
+    {"top_logprobs_num": 10**6, "return_logprob": True},
+    {"sampling_params": {"n": 10**6}},
+    {"sampling_params": {"max_new_tokens": 1, "logit_bias": {"1": 1e300}}},
+    {"lora_id": ADAPTER_ID},
+    {"positional_embed_overrides": {}},
+])  # fmt: skip
+def test_vertex_parameters_get_every_generate_check(monkeypatch, params):
+    """Vertex's route builds ``GenerateReqInput(**inputs, image_data=..., **parameters)``: its
+    ``parameters`` are any ``/generate`` field, and each of these kills stock SGLang 0.5.23's
+    scheduler on ``/generate`` (sessions 26-27), where the middleware refuses them; through Vertex
+    only the instances' ids were checked (found in the review of the audit's fix, session 38)."""
+    from sglang_tiered.integration import http
+
+    monkeypatch.setattr(http, "_vocab", [128])
+    body = {"instances": [{"image_data": None}], "parameters": params}
+    with pytest.raises(http.BadRequest):
+        http.rewrite_body(json.dumps(body).encode(), http.VERTEX_PATH, None, False)
+    ok = {"instances": [{"text": "hi"}], "parameters": {"sampling_params": {"max_new_tokens": 1}}}
+    assert json.loads(http.rewrite_body(json.dumps(ok).encode(), http.VERTEX_PATH, None, False)) == ok

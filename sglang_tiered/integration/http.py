@@ -230,7 +230,6 @@ WEBSOCKET_PATHS = frozenset(("/v1/realtime",))
 SESSION_PATHS = frozenset(("/open_session", "/close_session"))
 
 
-
 def _scope_session_fields(body: dict, tenant: str) -> None:
     """A request's ``session_params.id`` (a dict, or a batch's list of them) and ``session_id``,
     scoped to ``tenant``; other shapes are left for SGLang to refuse."""
@@ -734,6 +733,42 @@ def _check_vertex_ids(body: dict) -> None:
             _check_token_ids(inst.get("input_ids"), f"instances[{i}].input_ids")
 
 
+def vertex_as_generate(body: dict) -> Optional[dict]:
+    """The ``/generate`` request Vertex's route builds from ``body`` (http_server.py
+    ``vertex_generate``: the first of text / input_ids / input_embeds the first instance has,
+    taken from every instance, their image data, then ``**parameters``), or None for a body
+    SGLang's own model refuses. Its ``parameters`` are any ``/generate`` field, so every check
+    ``/generate`` gets applies to it (session 38: only the instances' ids were checked, and
+    ``parameters`` carried ids, a top-k, ``n``, a grammar or a ``lora_id`` past them)."""
+    instances, params = body.get("instances"), body.get("parameters")
+    if not isinstance(instances, list) or not instances or not all(isinstance(i, dict) for i in instances):
+        return None
+    if params is not None and not isinstance(params, dict):
+        return None
+    req: dict = {}
+    for key in ("text", "input_ids", "input_embeds"):
+        if instances[0].get(key):
+            req[key] = [inst.get(key) for inst in instances]
+            break
+    images = [inst.get("image_data") for inst in instances if inst.get("image_data") is not None]
+    req["image_data"] = images or None
+    req.update(params or {})
+    return req
+
+
+def _check_as_generate(body: dict) -> None:
+    """Every check ``rewrite_body`` makes of a ``/generate`` body."""
+    _check_generate_shape(body)
+    _check_text_and_ids(body)
+    _check_token_ids(body.get("input_ids"), "input_ids")
+    _check_top_k(body, "/generate")
+    _check_sampling_values(body, "/generate")
+    _check_grammar_specs(body, "/generate")
+    _check_rid(body)
+    _check_per_prompt_lists(body)
+    _check_internal_fields(body)
+
+
 def _check_token_ids(value, what: str) -> None:
     """Token ids outside the model's vocabulary reach the embedding and crash the scheduler in stock
     SGLang 0.5.23 (IndexError in vocab_parallel_embedding.py:481, found by the HTTP fuzz test): one
@@ -1126,29 +1161,26 @@ def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool | 
     if not isinstance(body, dict):  # (stock SGLang answers a 500 on its JSON routes)
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     if path == "/generate":
-        _check_generate_shape(body)
-        _check_text_and_ids(body)
-        _check_token_ids(body.get("input_ids"), "input_ids")
+        _check_as_generate(body)
     elif path == "/v1/completions":
         _check_model_ids(body.get("prompt"), "prompt", "CompletionRequest", "prompt", nonempty=True)
     elif path == VERTEX_PATH:
         _check_vertex_ids(body)
+        as_generate = vertex_as_generate(body)
+        if as_generate is not None:
+            _check_as_generate(as_generate)
     elif path == "/v1/score":
         for field in ("query", "items", "label_token_ids"):
             _check_model_ids(body.get(field), field, "ScoringRequest", field)
-    _check_top_k(body, path)
-    _check_sampling_values(body, path)
-    _check_grammar_specs(body, path)
-    if path == "/generate":
-        _check_rid(body)
-        _check_per_prompt_lists(body)
-        _check_internal_fields(body)
+    if path != "/generate":
+        _check_top_k(body, path)
+        _check_sampling_values(body, path)
+        _check_grammar_specs(body, path)
     changed = path in SALT_PATHS and _fence_extra_key(body)
     params = body.get("parameters") if path == VERTEX_PATH else None
     if isinstance(params, dict):
         # Vertex builds GenerateReqInput(**instances, **parameters): its parameters are /generate's
-        # fields, the client's extra_key and lora_id among them
-        _check_internal_fields(params)
+        # fields, the client's extra_key among them
         changed = _fence_extra_key(params) or changed
     if "kv_transfer_params" in body:
         kv = body.pop("kv_transfer_params")
