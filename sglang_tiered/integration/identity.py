@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import pathlib
 
 from sglang_tiered.core.keys import CacheKey, rope_config_hash
@@ -96,12 +97,44 @@ def startup_adapters(sa) -> dict:
     return out
 
 
+def local_weights(path: str, revision=None, download_dir=None) -> str | None:
+    """The local folder or file SGLang loads for ``path``: ``path`` itself when it exists, else
+    the Hugging Face cache's snapshot of that repository at ``revision`` (looked up offline: the
+    scheduler has downloaded it by the time the cache is built); None when neither is found."""
+    if not path:
+        return None
+    if os.path.exists(path):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id=path, revision=revision, cache_dir=download_dir, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not a repository id, not in the cache, no huggingface_hub
+        return None
+
+
+def files_digest(sa, path: str, revision=None, what: str = "model") -> str:
+    """``weights_digest`` of the files SGLang loads for ``path`` (a folder, a file, or a hub name
+    resolved to its local snapshot). A path that resolves to no local files gets this server's
+    lifetime: its pages are never shared with another server or kept across a restart. Before
+    session 38 a hub name was identified by its name alone, so a model (or adapter) updated on the
+    hub under the same name shared its identity with the old one, and a named T1 kept across the
+    restart, or a peer's T2, served the old weights' KV (a helper's audit)."""
+    local = local_weights(path, revision, getattr(sa, "download_dir", None))
+    if local is not None:
+        return weights_digest(local)
+    logger.warning("sglang-tiered: the %s %s resolves to no local files (not a folder, a file or a cached hub "
+                   "snapshot): the cache identity is this server's own (no T2 pages shared, no named-T1 pages "
+                   "kept across restarts)", what, path)  # fmt: skip
+    return f"{weights_digest(path)}+unresolved:{lifetime_tag(sa)}"
+
+
 def lora_of(sa) -> str | None:
     """Digest of every startup adapter's files (None without ``--lora-paths``)."""
     items = _lora_items(getattr(sa, "lora_paths", None))
     if not items:
         return None
-    parts = sorted(f"{name}={weights_digest(path)}" for name, path in items)
+    parts = sorted(f"{name}={files_digest(sa, path, what='LoRA adapter')}" for name, path in items)
     return "blake2b:" + hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
 
 
@@ -143,7 +176,7 @@ def lifetime_tag(sa) -> str:
 
 def loaded_weights_digest(sa) -> str:
     """``weights_digest`` of what ``--load-format`` loads (``FILE_LOAD_FORMATS``)."""
-    digest = weights_digest(getattr(sa, "model_path", "") or "")
+    digest = files_digest(sa, getattr(sa, "model_path", "") or "", getattr(sa, "revision", None))
     fmt = str(getattr(getattr(sa, "load_format", None), "value", getattr(sa, "load_format", None)) or "auto")
     if fmt == "auto":
         return digest
