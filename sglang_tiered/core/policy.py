@@ -427,6 +427,12 @@ class PolicyConfig:
     # cell below lru's bar, fewer wins (README, "The strict guarantee"); False: the priced check
     # after each request only (the budget mode: more wins, up to 0.26 points below lru)
     guard_div_cap: bool = True
+    # ... and it stays on after the real cache returns to lru, until it holds lru's pages again
+    # (the divergence stops being counted): the pages it holds that lru does not need not be
+    # older than lru's (after an episode the two trees' node boundaries differ, and SGLang stamps
+    # both halves of a node it splits), so with the budget spent they go first. False: off while
+    # lru is followed (before session 38: a helper's built trace ended 0.36 points below lru)
+    guard_cap_converging: bool = True
     # Follow the leader (opt-in, ``SGLANG_TIERED_GUARANTEE=leader``): no bound against lru. After
     # every request the real cache follows, exactly, whichever of SGLang's orders (lru, slru, lfu)
     # its shadow has hit most, each shadow's hits decayed by this factor per request; it switches

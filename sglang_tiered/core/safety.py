@@ -425,7 +425,9 @@ class SafetyDuel:
         room is the budget left less the pages already diverged. None: no cap now (lru
         followed, no tree shadows, or the cap off)."""
         dv = self._div
-        if dv is None or not dv.counting or self.following == "lru" or not self.cfg.guard_div_cap:
+        if dv is None or not dv.counting or not self.cfg.guard_div_cap:
+            return None
+        if self.following == "lru" and not self.cfg.guard_cap_converging:
             return None
         return self._budget() / self._peak - dv.only_l
 
