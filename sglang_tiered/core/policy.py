@@ -481,6 +481,7 @@ class PolicyStats:
     cap_admitted: int = 0  # pages admitted that admission would have refused, to stay within the cap
     cap_over_pages: int = 0  # pages of lru's evicted beyond the cap (nothing else was evictable)
     cap_over_kept: int = 0  # ... that lru's tree still held after its own step (the bound's O)
+    unconverged_checks: int = 0  # the real cache held lru's pages cut into other nodes (``_converged``)
     leader_switches: int = 0  # follow the leader: times the real cache switched to another order
     overlapped_requests: int = 0  # requests that started while another was in flight (guard_serial)
     overlap_cut_pages: int = 0  # switch-back price charged for episodes an overlap cut short

@@ -101,6 +101,11 @@ class SafetyDuel:
         # must cover it: the switch back is paid for before it is needed. On once the real
         # cache reports its pages (``track_real_pages``).
         self._div: Divergence | None = None
+        # the real cache's node boundaries (``track_real_pages``: a callable, or None), and the
+        # backoff of their comparison with lru's tree once the two hold the same pages
+        # (``_converged``)
+        self._real_bounds = None
+        self._bounds_wait = self._bounds_left = 0
         # pages evicted over the cap since the lru tree's last step (``over_cap``): those lru's
         # tree still holds after its own step for the request are the bound's overshoot
         self._over: list = []
@@ -306,8 +311,8 @@ class SafetyDuel:
                 self._trial_step(hits, n)
                 fol = self.following
             dv = self._div
-            if fol == "lru" and dv is not None and dv.counting and not dv.only_l and not dv.only_r:
-                dv.stop()  # the real cache holds exactly lru's pages again
+            if fol == "lru" and dv is not None and dv.counting and not dv.only_l and not dv.only_r and self._converged():
+                dv.stop()  # the real cache is lru's tree again: its pages and its nodes
             if self._settle > 0:
                 self._settle -= max(0, n - hits[fol])  # the followed order's shadow misses
             else:
@@ -461,13 +466,38 @@ class SafetyDuel:
         The divergence cap can act only then."""
         return self._lru_tree and self.cfg.guard_return_priced and self._leader is None
 
-    def track_real_pages(self, real_pages=None) -> None:
+    def _converged(self) -> bool:
+        """The real cache holds lru's pages again: are its node boundaries lru's too? SGLang
+        stamps both halves of a node it splits, so the same pages cut into other nodes age
+        differently (a helper's built trace, session 38: the real cache's [S Y] against lru's
+        [S] -> [Y]; a request partly matching S stamped the unused Y in the real cache alone,
+        which then kept Y and dropped pages lru reused: 0.28 points below lru, with the cap off
+        once the pages agreed). Until the boundaries agree the divergence stays counted, and
+        the cap on (``guard_cap_converging``). Compared whole (O(nodes)), at most once every
+        1, 2, 4, ... 1,024 requests while they differ."""
+        if self._real_bounds is None or not self.cfg.guard_cap_converging:
+            return True
+        if self._bounds_left > 0:
+            self._bounds_left -= 1
+            return False
+        if self._shadow.bounds() == self._real_bounds():
+            self._bounds_wait = 0
+            return True
+        self.stats.unconverged_checks += 1
+        self._bounds_wait = min(1024, max(1, 2 * self._bounds_wait))
+        self._bounds_left = self._bounds_wait
+        return False
+
+    def track_real_pages(self, real_pages=None, real_bounds=None) -> None:
         """From now on the real cache (empty now) reports every page it stores and removes, so
         a switch back to lru can be priced (``prices_divergence``). ``real_pages``: a callable
         returning the real cache's pages now; with it the two sides are read whole when an
-        episode away from lru starts and not kept while lru is followed (``Divergence``)."""
+        episode away from lru starts and not kept while lru is followed (``Divergence``).
+        ``real_bounds``: a callable returning the last page of each of its nodes
+        (``_converged``)."""
         if not self._adapt or not self.prices_divergence() or self._div is not None:
             return  # (a forced order never leaves itself: nothing to price, session 34)
+        self._real_bounds = real_bounds
         if real_pages is not None:
             dv = self._div = Divergence(self._shadow.pages, real_pages)
         else:

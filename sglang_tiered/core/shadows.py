@@ -543,6 +543,16 @@ class TreeShadow:
             stack.extend(n.children.values())
         return out
 
+    def bounds(self) -> set:
+        """The last page of every node: with the same pages, two trees whose node boundaries
+        (these sets) agree are the same tree."""
+        out, stack = set(), list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.add(n.key[-1])
+            stack.extend(n.children.values())
+        return out
+
     def check(self) -> None:
         seen, stack = 0, [self.root]
         live = {id(e[3]) for e in self.heap if e[3].stamp == e[2]}

@@ -96,7 +96,7 @@ class TieredRadixCache(RadixCache):
         self.invalidation = Invalidation(self)
         self.index = IndexHints()  # fleet hint index (sglang_tiered.fleet.publisher)
         self.index.policy = self.policy
-        self.policy.track_real_pages(self.device_pages)
+        self.policy.track_real_pages(self.device_pages, self.device_bounds)
         self.t1: Optional[Tier] = None  # the host tier (T1Tier), when on
         self.host_decision = "off"
         self.t2_decision = "off: SGLANG_TIERED_T2 unset"
@@ -111,6 +111,16 @@ class TieredRadixCache(RadixCache):
         """The page hashes of the device tree now (none before SGLang's ``reset`` built it)."""
         root = getattr(self, "root_node", None)
         return set() if root is None else tree_pages(root)
+
+    def device_bounds(self) -> set:
+        """The last page hash of every node of the device tree (a node not hashed: its id, which
+        matches no page, so the trees compare unequal)."""
+        out, stack = set(), list(getattr(self, "root_node", None) and self.root_node.children.values() or ())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            out.add(n.tiered_hashes[-1] if n.tiered_hashes else ("node", n.id))
+        return out
 
     # ------------------------------------------------------------------ construction
     @classmethod
