@@ -142,6 +142,8 @@ class PolicyReport(msgspec.Struct, kw_only=True):
     cap_admitted: int = 0  # pages admitted that admission would have refused, to stay within the cap
     cap_over_pages: int = 0  # pages of lru's evicted beyond the cap (nothing else was evictable)
     cap_over_kept: int = 0  # ... that SGLang lru's cache still held after the same request (the bound's O)
+    # back at lru's pages cut into other nodes: the cap stayed on until they were lru's nodes too
+    unconverged_checks: int = 0
     # follow the leader (SGLANG_TIERED_GUARANTEE=leader): no bound against lru
     follow_leader: bool = False
     leader_switches: int = 0  # times the real cache switched to the order whose shadow led

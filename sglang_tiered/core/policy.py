@@ -103,9 +103,16 @@ real cache's own hits on the same (sampled) pages are counted too. It then follo
   them all). Over the cap the real cache evicts least recently used first, lru's own order, so
   that the two drop the same pages where they can (session 19: in the adaptive order a 618-page
   leaf went for a 97-page request, family-096 at page size 1, 0.46 points below lru; now
-  ``O`` is 0 there, 8,971 raw). While lru is followed the cap is off:
-  the pages the real cache holds and lru does not were all dropped by lru, so they are older
-  than any page lru holds and go first (up to node granularity). That needs the real cache's
+  ``O`` is 0 there, 8,971 raw). Once lru is followed again and the real cache is lru's tree
+  again (its pages, cut into lru's nodes: ``_converged``) the cap is off: the real cache then is
+  SGLang's lru. Until then it stays on (``guard_cap_converging``, session 38): the pages the
+  real cache holds and lru does not need not be older than lru's, because the two trees' node
+  boundaries differ after an episode and SGLang stamps both halves of a node it splits (a
+  helper's attack: the real cache's [S Y] against lru's [S] -> [Y]; a request partly matching S
+  stamped the unused Y in the real cache alone, which then kept Y and dropped pages lru reused,
+  0.36 points below lru, and 0.28 with the cap already off because the pages agreed;
+  tests/test_review38_split.py). With the cap on they go first once the budget is spent, so
+  every page of lru's the real cache drops is still paid for or counted in ``O``. That needs the real cache's
   lru order to be its last uses: the adaptive order ages cold prompts' nodes and keeps a split
   node's old tick, and such a node the cap had kept (lru held it too) went before older pages
   after the switch, a loss no bound saw (session 24: 0.91 and 0.34 points below lru on review
@@ -708,6 +715,7 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
         assert self._refs >= 0.0 and -slack * self._refs - self._charged - 1e-6 <= self._margin \
             <= slack * self._refs + 1e-6, "budget books"
         assert self._switch_reserve >= 0.0 and self._switch_reserve == self._switch_reserve, "switch reserve"
+        assert 0 <= self._bounds_left <= self._bounds_wait <= 1024, "boundary comparison backoff"
         assert self._switch_mark is None or (len(self._switch_mark) == 2 and self._switch_mark[1] > 0), "switch mark"
         if self._budgeted and self._shadow.full and self.following != "lru" and self._leader is None:
             assert self._budget() >= 0.0, f"away from lru with the budget spent: {self._budget()}"
