@@ -32,6 +32,7 @@ from sglang_tiered.core.keys import chain_page_hashes
 from sglang_tiered.core.policy import PolicyConfig
 from sglang_tiered.dev.simulate import CacheDriver, make_params
 from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+from tests.test_review36 import _stock_pages
 
 PAGE = 16
 LO, HI = 16, 2000
@@ -47,18 +48,6 @@ class _Tokens:
 
     def fresh(self, n: int) -> list:
         return [self.rng.randrange(LO, HI) for _ in range(n)]
-
-
-def _pages(cache, seed) -> set:
-    """The chained page hashes a radix tree holds."""
-    out, stack = set(), [(cache.root_node, seed)]
-    while stack:
-        node, prev = stack.pop()
-        for c in node.children.values():
-            hs = chain_page_hashes(prev, c.key.raw_token_ids(), PAGE)
-            out.update(hs)
-            stack.append((c, hs[-1]))
-    return out
 
 
 def attack(cfg=None, seed=0, C=800, hot=12, hot_pages=4, scan_pages=16, p_hot=0.3, s_pages=30, y_pages=300,
@@ -100,7 +89,7 @@ def attack(cfg=None, seed=0, C=800, hot=12, hot_pages=4, scan_pages=16, p_hot=0.
 
     def holds(c, toks, last=False):
         hs = chain_page_hashes(seedh, toks, PAGE)
-        return (hs[-1] if last else hs[0]) in _pages(c, seedh)
+        return (hs[-1] if last else hs[0]) in _stock_pages(c, seedh, PAGE)
 
     S = []
     for _ in range(30):  # a cold S the adaptive order drops while lru keeps it
