@@ -492,12 +492,17 @@ def test_unsalted_routes_are_refused_in_tenant_mode(soak_server):
 
 def test_t1_keeps_namespaces_apart(soak_server):
     """Finding 4: salt "default" equalled no salt, salt "acme|x" equalled salt acme + extra key x,
-    in T1 only (0 tokens from the device tree, 304 from T1)."""
+    in T1 only (0 tokens from the device tree, 304 from T1). Since session 38 the tenant header
+    may not name "default" at all (this server's tenant is its header: a 400)."""
     rng = random.Random(44)
     ids = [rng.randrange(10, 2000) for _ in range(330)]
     pairs = [((None, None), ("default", None)), (("acme|x", None), ("acme", "x")), (("default|k", None), (None, "k"))]
     for (salt_a, ek_a), (salt_b, ek_b) in pairs:
         ids = ids[1:] + ids[:1]  # a fresh prompt per pair
+        if salt_b == "default":  # (session 38: the untagged requests' namespace, reserved in header mode)
+            status, out = _gen(soak_server, ids, tenant=salt_b)
+            assert status == 400 and b"reserved" in out, (status, out)
+            continue
         assert _gen(soak_server, ids, tenant=salt_a, extra={"extra_key": ek_a} if ek_a else None)[0] == 200
         assert soak_server.request("POST", "/flush_cache?timeout=30")[0] == 200  # device -> T1 (waits until idle)
         status, out = _gen(soak_server, ids, tenant=salt_b, extra={"extra_key": ek_b} if ek_b else None)
