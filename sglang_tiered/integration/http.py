@@ -429,7 +429,6 @@ class HintMiddleware:
         self.app = app
         self.tenant_header = (tenant_header or "").lower().encode() or None
         self.unsalted = unsalted_paths()
-        self._admin_paths: frozenset | None = None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "websocket" and self.tenant_header is not None and route_path(scope) in WEBSOCKET_PATHS:
@@ -444,54 +443,40 @@ class HintMiddleware:
         if path in INFO_PATHS:  # (GET: SGLang serves them on GET alone)
             return await self.app(scope, receive, _without_cache_stats(send))
         tenant_mode = self.tenant_header is not None
-        if tenant_mode and path.startswith("/metrics"):
-            # (SGLang serves /metrics to anyone, keys or not, auth.py: it names every tenant and
-            # its traffic in our series; session 38) a tenant's call gets a 403, the operator's
-            # scrape (no header) its metrics
+        if tenant_mode and scope.get("method") != "OPTIONS" and (
+                path.startswith("/metrics") or path in SESSION_PATHS or path == "/set_internal_state"
+                or path in sglang_admin_paths()):  # fmt: skip
             try:
-                scoped = self._tenant(scope) is not None
+                tenant = self._tenant(scope)
             except BadRequest as exc:
                 return await _error(exc.status, str(exc))(scope, receive, send)
-            if scoped:
-                return await _error(403, SCOPED_METRICS)(scope, receive, send)
-        if tenant_mode and path in self.admin_paths() and scope.get("method") != "OPTIONS":
-            # (GET too: /flush_cache, /release_memory_occupation, /slow_down ... act on GET)
-            try:
-                confined = self._tenant(scope) is not None and not admin_key()
-            except BadRequest as exc:
-                return await _error(exc.status, str(exc))(scope, receive, send)
-            if confined:
-                return await _error(403, f"{path} {SCOPED_ADMIN}")(scope, receive, send)
-        if tenant_mode and path in SESSION_PATHS:  # (GET too: SGLang serves them on GET with a body)
-            return await self._session_route(scope, receive, send, path)
+            if tenant is not None:  # (a tenant's call; the operator's, without the header, passes)
+                if path.startswith("/metrics"):
+                    # SGLang serves it to anyone, keys or not (auth.py), and our series name
+                    # every tenant and its traffic (session 38)
+                    return await _error(403, SCOPED_METRICS)(scope, receive, send)
+                if path in SESSION_PATHS:  # (any method: SGLang serves them on GET with a body)
+                    return await self._session_route(scope, receive, send, path, tenant)
+                if not admin_key():
+                    # /set_internal_state carries our invalidations (session 37); SGLang's admin
+                    # routes act on every tenant, GET too (session 38)
+                    return await _error(403, SCOPED_STATE if path == "/set_internal_state" else f"{path} {SCOPED_ADMIN}")(
+                        scope, receive, send)  # fmt: skip
         if scope.get("method") in BODYLESS_METHODS:
             return await self.app(scope, receive, send)
-        if tenant_mode and path == "/set_internal_state":
-            try:
-                confined = self._tenant(scope) is not None and not admin_key()
-            except BadRequest as exc:
-                return await _error(exc.status, str(exc))(scope, receive, send)
-            if confined:  # (it carries our invalidation keys: any tenant could drop every other's cache)
-                return await _error(403, SCOPED_STATE)(scope, receive, send)
         if tenant_mode and path in self.unsalted:
             return await _error(403, f"{path} cannot carry a tenant and is disabled while SGLANG_TIERED_TENANT_HEADER "
                                 "is set (tenants would share one cache namespace)")(scope, receive, send)  # fmt: skip
         shape_only = path not in SALT_PATHS and path not in ID_PATHS
         if shape_only and (path not in self.unsalted or _is_multipart(scope)):
             return await self.app(scope, receive, send)
-        chunks, more = [], True
-        while more:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                # the client went away mid-body: the app sees what it sees without us, an
-                # unfinished body and the disconnect (Starlette: ClientDisconnect, nothing runs).
-                # Handing it the part read as a whole body ran it unchecked and unsalted: a bad
-                # token id killed the scheduler, a body's own cache_salt picked the tenant
-                # (review, session 29)
-                return await self.app(scope, _replay(b"".join(chunks), receive, msg), send)
-            chunks.append(msg.get("body", b""))
-            more = msg.get("more_body", False)
-        raw = b"".join(chunks)
+        raw, gone = await _read_body(receive)
+        if gone is not None:
+            # the client went away mid-body: the app sees what it sees without us, an unfinished
+            # body and the disconnect (Starlette: ClientDisconnect, nothing runs). Handing it the
+            # part read as a whole body ran it unchecked and unsalted: a bad token id killed the
+            # scheduler, a body's own cache_salt picked the tenant (review, session 29)
+            return await self.app(scope, _replay(raw, receive, gone), send)
         try:
             tenant = self._tenant(scope) if tenant_mode else None
             # token ids are checked on every server (a bad id crashes stock SGLang's scheduler):
@@ -510,47 +495,42 @@ class HintMiddleware:
                 new = raw
         except BadRequest as exc:
             return await _error(exc.status, str(exc))(scope, receive, send)
-        if new is not raw:
-            scope = dict(scope)
-            scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-length"] + [
-                (b"content-length", str(len(new)).encode())
-            ]
-        return await self.app(scope, _replay(new, receive), send)
+        return await self.app(scope if new is raw else _with_length(scope, new), _replay(new, receive), send)
 
     def _tenant(self, scope) -> str | None:
         return header_value(scope, self.tenant_header) or None
 
-    def admin_paths(self) -> frozenset:
-        """``sglang_admin_paths``, read when first needed (SGLang's routes are all added by then)."""
-        if self._admin_paths is None:
-            self._admin_paths = sglang_admin_paths()
-        return self._admin_paths
+    async def _session_route(self, scope, receive, send, path, tenant: str):
+        """``SESSION_PATHS``, a tenant's call: it acts on its own sessions only."""
+        raw, gone = await _read_body(receive)
+        if gone is not None:  # (as ``__call__``: the app sees the unfinished body and the disconnect)
+            return await self.app(scope, _replay(raw, receive, gone), send)
+        try:
+            new = rewrite_session_route(raw, path, tenant)
+        except BadRequest as exc:
+            return await _error(exc.status, str(exc))(scope, receive, send)
+        return await self.app(_with_length(scope, new), _replay(new, receive), send)
 
-    async def _session_route(self, scope, receive, send, path):
-        """``SESSION_PATHS`` in tenant mode, on any method: a tenant's call acts on its own
-        sessions only; a call without the header (the operator's) passes as it is."""
-        try:
-            tenant = self._tenant(scope)
-        except BadRequest as exc:
-            return await _error(exc.status, str(exc))(scope, receive, send)
-        if tenant is None:
-            return await self.app(scope, receive, send)
-        chunks, more = [], True
-        while more:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return  # (the client left mid-body: nothing runs)
-            chunks.append(msg.get("body", b""))
-            more = msg.get("more_body", False)
-        try:
-            new = rewrite_session_route(b"".join(chunks), path, tenant)
-        except BadRequest as exc:
-            return await _error(exc.status, str(exc))(scope, receive, send)
-        scope = dict(scope)
-        scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-length"] + [
-            (b"content-length", str(len(new)).encode())
-        ]
-        return await self.app(scope, _replay(new, receive), send)
+
+async def _read_body(receive) -> tuple[bytes, Optional[dict]]:
+    """An ASGI request's body, and the message that ended it early (a disconnect) or None."""
+    chunks, more = [], True
+    while more:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return b"".join(chunks), msg
+        chunks.append(msg.get("body", b""))
+        more = msg.get("more_body", False)
+    return b"".join(chunks), None
+
+
+def _with_length(scope, body: bytes) -> dict:
+    """``scope`` with its content-length set to ``body``'s (a rewritten body)."""
+    scope = dict(scope)
+    scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-length"] + [
+        (b"content-length", str(len(body)).encode())
+    ]
+    return scope
 
 
 def _is_multipart(scope) -> bool:
