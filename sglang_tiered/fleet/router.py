@@ -626,6 +626,13 @@ class Router:
                         self._abandon(ws)
             await asyncio.sleep(self.health_interval_s)
 
+    def _routable(self, exclude=()) -> list:
+        """The workers a request may go to: the healthy ones not in ``exclude``; with none, any
+        not in it, one that owes an invalidation last of all (``_owe``); with none, every one."""
+        ws = [w for u, w in self.workers.items() if u not in exclude]
+        return ([w for w in ws if w.healthy] or [w for w in ws if not w.owed] or ws
+                or list(self.workers.values()))  # fmt: skip
+
     def _owe(self, ws: "WorkerState", raw: bytes, plain: bytes, headers: list) -> None:
         """``ws`` did not take the invalidation ``raw`` (``plain``: without its generation, for a
         server that refuses the field): kept for it, and it leaves the routing set until
@@ -673,15 +680,17 @@ class Router:
         """POST ``raw`` to ``ws``'s /cache/invalidate (``plain`` again where a server from before
         session 23 refuses the generation field): (status, body)."""
 
-        async def send(data):
-            kw = {} if timeout is None else {"timeout": timeout}
-            async with self._proxy.request("POST", ws.url + "/cache/invalidate", data=data, headers=headers, **kw) as up:
-                return up.status, (await up.read()).decode("utf-8", "replace")[:1000]
-
-        status, text = await send(raw)
+        status, text = await self._send(ws, "POST", "/cache/invalidate", raw, headers, timeout)
         if status == 400 and "generation" in text and raw != plain:
-            status, text = await send(plain)
+            status, text = await self._send(ws, "POST", "/cache/invalidate", plain, headers, timeout)
         return status, text
+
+    async def _send(self, ws: "WorkerState", method: str, path_qs: str, data: bytes, headers: list,
+                    timeout=None) -> tuple[int, str]:  # fmt: skip
+        """One call of a fleet-wide route to ``ws``: (status, the answer's first 1,000 characters)."""
+        kw = {} if timeout is None else {"timeout": timeout}
+        async with self._proxy.request(method, ws.url + path_qs, data=data, headers=headers, **kw) as up:
+            return up.status, (await up.read()).decode("utf-8", "replace")[:1000]
 
     def _abandon(self, ws: "WorkerState") -> None:
         """``ws`` answers nothing at all (no health check, no proxied request since the checks
@@ -923,10 +932,7 @@ class Router:
         self._redis_down_until = time.monotonic() + 1.0
 
     async def choose(self, tokens, tenant, exclude=(), explain: Optional[dict] = None, label=None, extra_key=None):
-        live = [w for w, s in self.workers.items() if s.healthy and w not in exclude]
-        if not live:  # (none healthy: any, but one that owes an invalidation last of all)
-            live = ([w for w, s in self.workers.items() if w not in exclude and not s.owed]
-                    or [w for w in self.workers if w not in exclude] or list(self.workers))  # fmt: skip
+        live = [w.url for w in self._routable(exclude)]
         hashes = self.hashes_of(tokens, tenant, extra_key)
         matched = await self.matched(hashes, live, tokens, tenant, extra_key)
         if matched is None:
@@ -1328,8 +1334,7 @@ class Router:
             headers = self._upstream_headers(request)
         except ValueError as exc:
             return web.json_response({"error": {"message": str(exc)}}, status=400)
-        live = ([w for w in self.workers.values() if w.healthy] or [w for w in self.workers.values() if not w.owed]
-                or list(self.workers.values()))  # fmt: skip
+        live = self._routable()
         invalidate = request.path == "/cache/invalidate" and request.method == "POST"
         fleet_wide = request.path in FLEET_WIDE
         if invalidate:
@@ -1347,16 +1352,11 @@ class Router:
                 doc["generation"] = time.time_ns()
                 raw = json.dumps(doc).encode()  # (content-length is not forwarded: aiohttp sets it)
         if fleet_wide:
-            async def send(ws, data):
-                async with self._proxy.request(request.method, ws.url + request.path_qs, data=data,
-                                               headers=headers) as up:  # fmt: skip
-                    return ws.url, up.status, (await up.read()).decode("utf-8", "replace")[:1000]
-
             async def one(ws):
                 try:
                     if invalidate:
                         return (ws.url, *await self._invalidate_one(ws, raw, plain, headers))
-                    return await send(ws, raw)
+                    return (ws.url, *await self._send(ws, request.method, request.path_qs, raw, headers))
                 except Exception as exc:  # noqa: BLE001
                     return ws.url, 502, f"{type(exc).__name__}: {exc}"[:1000]
 
