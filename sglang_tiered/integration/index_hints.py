@@ -20,6 +20,17 @@ def tree_pages(root) -> set:
     return held
 
 
+def tree_bounds(root) -> set:
+    """The last page hash of every node under ``root`` (a node not hashed: its id, which matches
+    no page, so two trees compare unequal): with the same pages, the same node boundaries."""
+    out, stack = set(), list(root.children.values())
+    while stack:
+        n = stack.pop()
+        stack.extend(n.children.values())
+        out.add(n.tiered_hashes[-1] if n.tiered_hashes else ("node", n.id))
+    return out
+
+
 class IndexHints:
     """I1 (with a listener): ``device`` == the page hashes of the device tree's nodes, so that a
     page T1 drops is reported gone only when the device does not hold it too (T1 keeps copies of

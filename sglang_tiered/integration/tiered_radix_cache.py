@@ -40,7 +40,7 @@ from sglang_tiered.integration import build, tree_ops
 from sglang_tiered.integration.admission import COUNTED_MAX as IN_FLIGHT_MAX, SEEN, Admission, no_store
 from sglang_tiered.integration.clock import LogicalClock
 from sglang_tiered.integration.evict import Eviction
-from sglang_tiered.integration.index_hints import IndexHints, tree_pages
+from sglang_tiered.integration.index_hints import IndexHints, tree_bounds, tree_pages
 from sglang_tiered.integration.invalidation import Invalidation
 from sglang_tiered.integration.invariants import check_cache
 from sglang_tiered.integration.page_hashes import PageHashes
@@ -113,14 +113,9 @@ class TieredRadixCache(RadixCache):
         return set() if root is None else tree_pages(root)
 
     def device_bounds(self) -> set:
-        """The last page hash of every node of the device tree (a node not hashed: its id, which
-        matches no page, so the trees compare unequal)."""
-        out, stack = set(), list(getattr(self, "root_node", None) and self.root_node.children.values() or ())
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            out.add(n.tiered_hashes[-1] if n.tiered_hashes else ("node", n.id))
-        return out
+        """The last page hash of every node of the device tree (``tree_bounds``)."""
+        root = getattr(self, "root_node", None)
+        return set() if root is None else tree_bounds(root)
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -267,11 +267,15 @@ class T2Tier:
         g = self.generation(tenant) if gen is None else gen
         return f"{KEY_ROOT}/{KEY_FORMAT}/{self.model_tag}/{tenant & _MASK:016x}/{g:x}/{h.hex()}"
 
-    def _old_generations(self, tenant: int | None, gen: int) -> str:
-        """The regex of this model's objects of ``tenant`` (None: every tenant) under any
-        generation but ``gen`` (the one just moved to: the fleet's new pages stay; review, session
-        23. Mooncake's regexes are ECMAScript: the lookahead works on a real master)."""
-        who = "[0-9a-f]{16}" if tenant is None else f"{tenant & _MASK:016x}"
+    def _old_generations(self, tenant: int | None, gen: int, spare=()) -> str:
+        """The regex of this model's objects of ``tenant`` (None: every tenant but those in
+        ``spare``) under any generation but ``gen`` (the one just moved to: the fleet's new pages
+        stay; review, session 23. Mooncake's regexes are ECMAScript: the lookahead works on a
+        real master)."""
+        if tenant is None:
+            who = "".join(f"(?!{t & _MASK:016x}/)" for t in spare) + "[0-9a-f]{16}"
+        else:
+            who = f"{tenant & _MASK:016x}"
         return f"^{KEY_ROOT}/{KEY_FORMAT}/{self.model_tag}/{who}/(?!{gen:x}/)"
 
     def _headers(self, hashes: list, tenant: int, written_ns: int = 0) -> torch.Tensor:
@@ -614,8 +618,7 @@ class T2Tier:
             return None
         if len(moved) > 256:  # their pages keep their own retries; a pattern this long is not worth it
             return None
-        skip = "".join(f"(?!{t & _MASK:016x}/)" for t in moved)
-        return f"^{KEY_ROOT}/{KEY_FORMAT}/{self.model_tag}/{skip}[0-9a-f]{{16}}/(?!{self._invalidated_all:x}/)"
+        return self._old_generations(None, self._invalidated_all, spare=moved)
 
     def _remove_async(self, pattern: str) -> None:
         """Remove the objects matching ``pattern``, on the removal thread (never waited for)."""
