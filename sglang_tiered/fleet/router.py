@@ -135,9 +135,9 @@ ERROR_COOLDOWN_S = 5.0
 # leaves the routing set, and the health loop delivers what it owes, in order, before it routes
 # there again (before session 38 the broadcast answered 502 for it and forgot: a worker that came
 # back served the tenant's old pages from its device, its named T1 and its old T2 generation).
-# A newer invalidation of the same scope (same body but the generation, same headers) replaces an
-# older one (generations only move up); past OWED_MAX scopes per worker the oldest is dropped,
-# with a warning.
+# A newer invalidation of the same scope (same body but the generation, same tenant header and
+# key: ``_owed_scope``) replaces an older one (generations only move up); past OWED_MAX scopes per
+# worker the oldest is dropped, with a warning.
 OWED_MAX = 4096
 # A compressed request body is decoded to at most this many bytes (413 past it; ``max_body_mb``
 # when lower): a 1 MiB gzip upload that decodes to 1.1 GiB held the event loop for 12-16 s and
@@ -467,7 +467,7 @@ class Router:
         if not parse_limit_mb >= 0:
             raise ValueError(f"parse_limit_mb must be >= 0, got {parse_limit_mb}")
         self.parse_limit = int(parse_limit_mb * (1 << 20))
-        self.sessions: OrderedDict = OrderedDict()  # SGLang session id -> the worker that opened it
+        self.sessions: OrderedDict = OrderedDict()  # session_memo(session id) -> the worker that opened it
         self._turn = 0  # (``_least_busy``'s rotation)
         self._tokenizer_failed: Optional[str] = None  # the last path no tokenizer loaded from
         self._tokenizer_backoff_s = 5.0
@@ -637,7 +637,7 @@ class Router:
         """``ws`` did not take the invalidation ``raw`` (``plain``: without its generation, for a
         server that refuses the field): kept for it, and it leaves the routing set until
         ``_pay`` delivers it (``OWED_MAX``)."""
-        key = (plain, tuple(headers))
+        key = self._owed_scope(plain, headers)
         ws.owed.pop(key, None)  # (a newer one of the same scope replaces it: generations only move up)
         ws.owed[key] = (raw, plain, headers)
         self.stats.owed_invalidations += 1
@@ -646,6 +646,20 @@ class Router:
             self.stats.owed_dropped += 1
             logger.warning("router: %s owes over %d invalidations; the oldest is dropped", ws.url, OWED_MAX)
         ws.healthy = False
+
+    def _owed_scope(self, plain: bytes, headers: list) -> tuple:
+        """What an owed invalidation acts on: its body without the generation, canonical (key
+        order, spacing), and the headers the workers judge it by (the tenant header, the key).
+        Keyed by every header, each call with its own ``x-request-id`` or trace header was a new
+        scope, so one tenant invalidating its own cache a few thousand times while a worker was
+        down pushed another tenant's owed invalidation past OWED_MAX (review, session 39)."""
+        try:
+            doc = json.loads(plain)
+            body = json.dumps(doc, sort_keys=True).encode() if isinstance(doc, dict) else plain
+        except (ValueError, RecursionError, TypeError):
+            body = plain
+        judged = ("authorization", self.tenant_header)
+        return body, tuple(sorted((k.lower(), v) for k, v in headers if k.lower() in judged))
 
     async def _pay(self, ws: "WorkerState") -> bool:
         """Deliver what ``ws`` owes, oldest first; True when it owes nothing now. A 2xx or a 4xx
@@ -1150,7 +1164,7 @@ class Router:
         its session and another tenant's names none of it."""
         if not isinstance(sid, str) or not sid:
             return None
-        return scoped_session_id(tenant, sid) if self.tenant_header and tenant else sid
+        return session_memo(scoped_session_id(tenant, sid) if self.tenant_header and tenant else sid)
 
     def _session_of(self, body, tenant: Optional[str] = None) -> Optional[str]:
         """The worker that holds the request's SGLang session (``session_params.id``, opened
@@ -1375,7 +1389,11 @@ class Router:
             return web.json_response(doc, status=status)
         ws = self._least_busy(live)
         sid = pinned = None
-        if request.path == "/close_session":
+        if request.path in ("/close_session", "/open_session"):
+            # an open naming a session this router maps goes where it lives too: that worker
+            # refuses it while it is open, as one server does. Sent to the least busy worker, it
+            # was opened there as well and the map moved to it: the first client's turns then ran
+            # in the second one's session, another tenant's in cache_salt mode (review, session 39)
             doc = _parse_body(raw)
             try:
                 tenant = self._tenant(request, None)
@@ -1426,6 +1444,7 @@ class Router:
                     answer = await up.read()
                     opened = _parse_body(answer)
                     if isinstance(opened, str) and opened:
+                        opened = session_memo(opened)
                         self.sessions[opened] = ws.url
                         self.sessions.move_to_end(opened)
                         while len(self.sessions) > SESSIONS_KEPT:
@@ -1434,7 +1453,7 @@ class Router:
                     await resp.write(answer)
                     await resp.write_eof()
                     return resp
-                if request.path == "/close_session" and up.status == 200 and isinstance(sid, str):
+                if request.path == "/close_session" and up.status == 200 and sid is not None:
                     self.sessions.pop(sid, None)
                 await resp.prepare(request)
                 async for chunk in up.content.iter_any():
@@ -1580,8 +1599,8 @@ _warned_headers: set = set()
 
 def forward_headers(headers, decoded: bool, tenant_header: Optional[str]) -> list:
     """The request's headers as they go to a worker: pairs (a header sent twice goes twice), less
-    the hop-by-hop ones (and those the ``Connection`` header names) and ``content-encoding`` when
-    aiohttp decoded the body. aiohttp keeps header bytes that are not UTF-8 as lone surrogates,
+    the hop-by-hop ones (and those the ``Connection`` header names, but the tenant header) and
+    ``content-encoding`` when aiohttp decoded the body. aiohttp keeps header bytes that are not UTF-8 as lone surrogates,
     which the upstream request cannot encode: the tenant header and ``authorization`` must then be
     refused (``ValueError``: a 400), any other such header is dropped with a warning (review,
     session 21: python-requests sends ``X-End-User: José`` as latin-1, which SGLang serves)."""
@@ -1589,7 +1608,12 @@ def forward_headers(headers, decoded: bool, tenant_header: Optional[str]) -> lis
     out = []
     for k, v in headers.items():
         lk = k.lower()
-        if lk in HOP_REQUEST_HEADERS or lk in named or (decoded and lk == "content-encoding"):
+        if lk in HOP_REQUEST_HEADERS or (decoded and lk == "content-encoding"):
+            continue
+        if lk in named and lk != tenant_header:
+            # (the tenant header goes on whatever ``Connection`` names: the router routed and
+            # hashed by it, and a worker without it serves the call untagged, i.e. in the
+            # ``default`` namespace, or as the operator's on control routes: review, session 39)
             continue
         try:
             v.encode("utf-8")
@@ -1618,6 +1642,19 @@ def memo_key(tenant: Optional[str]):
     if tenant is None or len(tenant) <= MAX_LABEL_CHARS:
         return tenant
     return hashlib.blake2b(tenant.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+SESSION_ID_CHARS = 256  # session ids longer than this are remembered by a digest (``session_memo``)
+
+
+def session_memo(sid: str):
+    """A session id as ``Router.sessions`` keys it: itself, or past ``SESSION_ID_CHARS`` a 16-byte
+    digest (bytes, never equal to a short id's str). The id is the client's ``session_id``, any
+    length, and a session opened with a short ``timeout`` leaves its worker but not this map:
+    SESSIONS_KEPT ids of 1 MiB held 64 GiB (review, session 39)."""
+    if len(sid) <= SESSION_ID_CHARS:
+        return sid
+    return hashlib.blake2b(sid.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def token_array(ids) -> array:
