@@ -227,3 +227,91 @@ def test_an_open_session_cannot_be_opened_again_on_another_worker():
                 await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_newer_owed_invalidation_replacing_one_in_delivery_is_still_delivered():
+    """While the router delivers an owed invalidation (``_pay``), a second one of the same scope
+    (same tenant, a newer T2 generation) fails on the worker too and replaces it in the owed map.
+    Before, the delivery then popped the map's entry by its key: the newer one was dropped
+    undelivered, and the worker came back reading T2 at the older generation (the pages the newer
+    invalidation removed). Now only the delivered entry is settled; the newer one follows."""
+    import aiohttp as _aiohttp
+    from aiohttp import web as _web
+
+    from tests.test_fleet_hardening import _serve
+
+    async def main():
+        got, entered, release = [], asyncio.Event(), asyncio.Event()
+        app = _web.Application()
+
+        async def inv(req):
+            doc = await req.json()
+            got.append(doc["generation"])
+            if len(got) == 1:
+                entered.set()
+                await release.wait()
+            return _web.json_response({"dropped_tokens": 0}, status=202)
+
+        app.router.add_post("/cache/invalidate", inv)
+        app.router.add_get("/health", lambda _: _web.json_response({}))
+        wr, wu = await _serve(app)
+        router = Router([wu], None, load_poll_s=0, model_path="", health_interval_s=3600)
+        rr, _url = await _serve(router.app())
+        try:
+            await asyncio.sleep(0.2)  # (the health loop's first round: nothing owed yet)
+            ws = router.workers[wu]
+            hdrs = [("Content-Type", "application/json")]
+            plain = json.dumps({"tenant": "t"}).encode()
+            router._owe(ws, json.dumps({"tenant": "t", "generation": 1}).encode(), plain, hdrs)
+            pay = asyncio.ensure_future(router._pay(ws))
+            await asyncio.wait_for(entered.wait(), 10)
+            router._owe(ws, json.dumps({"tenant": "t", "generation": 2}).encode(), plain, hdrs)
+            release.set()
+            assert await asyncio.wait_for(pay, 10) is True
+            assert got == [1, 2], got
+            assert not ws.owed
+        finally:
+            await rr.cleanup()
+            await wr.cleanup()
+
+    asyncio.run(main())
+
+
+def test_one_hung_worker_does_not_hold_up_the_others_health_checks():
+    """Three workers whose /health never answers (2 s timeout each) and one that is back: it
+    rejoins the routing set within a round. Before, the checks ran one by one and it waited for
+    the three timeouts (6 s) every round."""
+    from aiohttp import web as _web
+
+    from tests.test_fleet_hardening import _serve
+
+    async def main():
+        async def hang(_):
+            await asyncio.sleep(3)  # (past the router's 2 s timeout)
+            return _web.json_response({})
+
+        servers = []
+        for _ in range(3):
+            app = _web.Application()
+            app.router.add_get("/health", hang)
+            servers.append(await _serve(app))
+        ok = _web.Application()
+        ok.router.add_get("/health", lambda _: _web.json_response({}))
+        servers.append(await _serve(ok))
+        urls = [u for _, u in servers]
+        router = Router(urls, None, load_poll_s=0, model_path="", health_interval_s=0.1)
+        rr, _url = await _serve(router.app())
+        try:
+            await asyncio.sleep(0.3)
+            back = router.workers[urls[-1]]
+            back.healthy = False
+            t0 = asyncio.get_running_loop().time()
+            while not back.healthy:
+                await asyncio.sleep(0.05)
+                assert asyncio.get_running_loop().time() - t0 < 1.5, "a hung worker held up the health checks"
+        finally:
+            await rr.cleanup()
+            for r, _ in servers:
+                await r.cleanup()
+
+    asyncio.run(main())

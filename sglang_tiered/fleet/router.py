@@ -424,6 +424,7 @@ class Router:
         if load_poll_s < 0:
             raise ValueError(f"load_poll_s must be >= 0 (0: off), got {load_poll_s}")
         self.load_poll_s = load_poll_s
+        self._checks: dict = {}  # worker URL -> its running health check (``_health_loop``)
         self._poll_task = None
         self.stats = RouterStats()
         self.tokenizer = None
@@ -509,6 +510,8 @@ class Router:
 
     async def close(self):
         self._health_task.cancel()
+        for task in self._checks.values():
+            task.cancel()
         for task in (self._poll_task, self._ckey_task):
             if task is not None:
                 task.cancel()
@@ -601,30 +604,45 @@ class Router:
                     await self._learn_from_workers()
                 except Exception:  # noqa: BLE001 - try again next round
                     pass
+            # each worker's check on its own: one by one (or a round waiting for all), each hung
+            # worker held up every other's check by its 2 s timeout, and one that answers /health
+            # but hangs on an owed invalidation by 10 s per round (review, session 39). A worker
+            # whose last check is still running is not checked again meanwhile.
             for ws in list(self.workers.values()):
-                try:
-                    import aiohttp
-
-                    async with self._session.get(ws.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                        ok = r.status == 200
-                except Exception:  # noqa: BLE001
-                    ok = False
-                # A worker leaves the routing set after `health_misses` failed checks in a row (a
-                # loaded CPU server can answer /health late; one slow answer must not move its
-                # tenants), or at once when a proxied request cannot connect (handle()).
-                if not ok and ws.missed == 0:
-                    ws.first_miss_at = time.monotonic()
-                ws.missed = 0 if ok else ws.missed + 1
-                if ok and ws.owed:
-                    await self._pay(ws)  # (before it routes again; what it still owes keeps it out)
-                if ok and time.monotonic() >= ws.down_until and not ws.owed:
-                    ws.healthy = True
-                elif ws.missed >= self.health_misses and ws.healthy:
-                    ws.healthy = False
-                    self.stats.health_downs += 1
-                    if ws.answered_at < ws.first_miss_at:
-                        self._abandon(ws)
+                task = self._checks.get(ws.url)
+                if task is None or task.done():
+                    self._checks[ws.url] = asyncio.create_task(self._check(ws))
+            for url in [u for u, t in self._checks.items() if u not in self.workers and t.done()]:
+                del self._checks[url]
             await asyncio.sleep(self.health_interval_s)
+
+    async def _check(self, ws: "WorkerState") -> None:
+        """One health check of ``ws`` (``_health_loop``), and what it owes delivered."""
+        import aiohttp
+
+        try:
+            async with self._session.get(ws.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                ok = r.status == 200
+        except Exception:  # noqa: BLE001
+            ok = False
+        # A worker leaves the routing set after `health_misses` failed checks in a row (a loaded
+        # CPU server can answer /health late; one slow answer must not move its tenants), or at
+        # once when a proxied request cannot connect (handle()).
+        if not ok and ws.missed == 0:
+            ws.first_miss_at = time.monotonic()
+        ws.missed = 0 if ok else ws.missed + 1
+        if ok and ws.owed:
+            try:
+                await self._pay(ws)  # (before it routes again; what it still owes keeps it out)
+            except Exception:  # noqa: BLE001 - still owed: the next round tries again
+                logger.exception("router: delivering %s's owed invalidations failed", ws.url)
+        if ok and time.monotonic() >= ws.down_until and not ws.owed:
+            ws.healthy = True
+        elif ws.missed >= self.health_misses and ws.healthy:
+            ws.healthy = False
+            self.stats.health_downs += 1
+            if ws.answered_at < ws.first_miss_at:
+                self._abandon(ws)
 
     def _routable(self, exclude=()) -> list:
         """The workers a request may go to: the healthy ones not in ``exclude``; with none, any
@@ -668,7 +686,8 @@ class Router:
         import aiohttp
 
         while ws.owed:
-            key, (raw, plain, headers) = next(iter(ws.owed.items()))
+            key, entry = next(iter(ws.owed.items()))
+            raw, plain, headers = entry
             try:
                 status, text = await self._invalidate_one(ws, raw, plain, headers, aiohttp.ClientTimeout(total=10))
             except Exception as exc:  # noqa: BLE001 - still owed: the next health check tries again
@@ -680,7 +699,11 @@ class Router:
                     logger.warning("router: %s answers and owes %d invalidation(s), but did not take one (%d: %s); "
                                    "out of the routing set until it does", ws.url, len(ws.owed), status, text[:200])  # fmt: skip
                 return False
-            ws.owed.pop(key, None)
+            if ws.owed.get(key) is entry:
+                # (only what was delivered: a newer invalidation of the same scope that replaced it
+                # during the call, with a newer T2 generation, is still owed; popped by its key, it
+                # was lost, and the worker kept reading T2 at the older generation: review, session 39)
+                del ws.owed[key]
             if status < 300:
                 self.stats.owed_delivered += 1
             else:
