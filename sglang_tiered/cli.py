@@ -25,8 +25,8 @@ def _whole(lo: int, hi: int | None = None):
     return parse
 
 
-def _number(lo: float, *, above: bool = False):
-    """A finite number >= lo (> lo with ``above``)."""
+def _number(lo: float, *, above: bool = False, hi: float | None = None):
+    """A finite number >= lo (> lo with ``above``), and <= hi when given."""
 
     def parse(v: str) -> float:
         try:
@@ -35,6 +35,8 @@ def _number(lo: float, *, above: bool = False):
             raise argparse.ArgumentTypeError(f"{v!r} is not a number") from None
         if not math.isfinite(x) or x < lo or (above and x == lo):
             raise argparse.ArgumentTypeError(f"{v} must be a finite number {'>' if above else '>='} {lo:g}")
+        if hi is not None and x > hi:
+            raise argparse.ArgumentTypeError(f"{v} must be at most {hi:g}")
         return x
 
     return parse
@@ -88,6 +90,7 @@ def _model_dir(v: str) -> str:
 
 
 _PORT = _whole(1, 65535)
+_MAX_MB = float(1 << 20)  # a request body limit in MiB: 1 TiB
 _POSITIVE = _whole(1)
 
 
@@ -269,9 +272,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="required (Authorization: Bearer KEY) on the router's own /router/stats, /router/metrics "
                         "and /router/decisions, which show every tenant's traffic; default: "
                         "$SGLANG_TIERED_ROUTER_ADMIN_KEY, else open (as SGLang's admin routes without keys)")
-    r.add_argument("--max-body-mb", type=_number(0.0, above=True), default=1024.0,
+    # (bounded: 1e308 MiB was an OverflowError traceback when the router sized its limits in bytes)
+    r.add_argument("--max-body-mb", type=_number(0.0, above=True, hi=_MAX_MB), default=1024.0,
                    help="largest request body in MiB (default 1024)")
-    r.add_argument("--parse-limit-mb", type=_number(0.0), default=4.0,
+    r.add_argument("--parse-limit-mb", type=_number(0.0, hi=_MAX_MB), default=4.0,
                    help="bodies larger than this (MiB) are not parsed for routing (parsing holds the event loop: "
                         "64 MiB, half a second for every stream); they go by tenant header and load (default 4)")
     r.set_defaults(func=_cmd_route)

@@ -38,18 +38,19 @@ SKIP_SAVE_KEY = "lmcache.skip_save"
 
 
 _TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
+_FALSE = ("0", "false", "no", "off")
 
 
 def _env_bool(name: str) -> bool:
     """A yes/no knob; anything else is a ``ValueError`` (a typo such as ``flase`` meant "on"
-    before session 23), as the numeric knobs are."""
+    before session 23), as the numeric knobs are. Blank is unset, as for the numeric knobs (it
+    switched the policy off before session 39)."""
     v = os.environ.get(name)
-    if v is None:
+    if v is None or not v.strip():
         return DEFAULTS[name]
     w = v.strip().lower()
     if w not in _TRUE + _FALSE:
-        raise ValueError(f"{name}={v!r}: expected one of {', '.join(x for x in _TRUE + _FALSE if x)}")
+        raise ValueError(f"{name}={v!r}: expected one of {', '.join(_TRUE + _FALSE)}")
     return w in _TRUE
 
 
@@ -192,6 +193,12 @@ class KVCacheLayeringPolicy:
         if not self.enabled:
             return KVCacheDecision(True, False, 0.0, ["policy disabled (KV_CACHE_LAYERING=false)"],
                                    {}, attach=False)  # fmt: skip
+        if isinstance(message_history, (str, bytes, bytearray, Mapping)) or not (
+                message_history is None or isinstance(message_history, Iterable)):
+            # one string counted each character as a turn, one message dict its keys (session 39)
+            raise TypeError(f"message_history must be a list of messages, got {type(message_history).__name__}")
+        if role is not None and not isinstance(role, str):
+            raise TypeError(f"role must be a str or None, got {type(role).__name__}")
         history = list(message_history or [])
         rag = rag_context if isinstance(rag_context, str) else "".join(_str(d) for d in (rag_context or []))
         prefix_tokens = self.estimate_tokens(_str(system_prompt))

@@ -35,7 +35,7 @@ launcher hands its own scheduler processes to prove it owns a named T1; and the 
 Fail fast (``load_config``): any other ``SGLANG_TIERED_*`` name is refused with the nearest known
 one (a mistyped ``SGLANG_TIERED_HOST_GBS`` would otherwise leave T1 at its default size, silently),
 and so is an option that does nothing in the chosen setup: ``SERVER_ID`` or ``INDEX_TTL_S``
-without ``INDEX_URL``, ``STORE_QUEUE_PAGES`` with ``STORE=sync``, a T1 size or name with
+without ``INDEX_URL``, ``STORE_QUEUE_PAGES`` with ``STORE=sync``, a T1 size, name or store with
 ``HOST=off``, and ``HOST_RATIO`` beside ``HOST_GB`` (which overrides it). An option set to an
 empty or blank value is the same as one left unset, for every option (``SGLANG_TIERED_X= cmd``).
 """
@@ -376,7 +376,9 @@ def _check_names(env) -> None:
     if value("store", "async") == "sync":
         useless.append(("store_queue_pages", "SGLANG_TIERED_STORE=sync has no store queue"))
     if value("host_mode", "auto") == "off":
-        useless += [(f, "SGLANG_TIERED_HOST=off (no T1)") for f in ("host_ratio", "host_gb", "host_name")]
+        # (STORE and STORE_QUEUE_PAGES say how T1 is written: review, session 39)
+        useless += [(f, "SGLANG_TIERED_HOST=off (no T1)")
+                    for f in ("host_ratio", "host_gb", "host_name", "store", "store_queue_pages")]  # fmt: skip
     elif given("host_gb"):
         useless.append(("host_ratio", "SGLANG_TIERED_HOST_GB sets T1's size and overrides it: set one"))
     for field, why in useless:
@@ -418,6 +420,23 @@ def check_server_args(cfg: TieredConfig, server_args, bigram_keys: bool = False)
         raise ConfigError("--enable-streaming-session is not supported with --radix-cache-backend tiered (SGLang "
                           "runs streaming sessions on its own UnifiedRadixCache only): drop it; sessions without "
                           "it work")  # fmt: skip
+    # SGLang's other cache options: its registry hands a named backend the build alone, so with
+    # ours LMCache and FlexKV were never built (ignored without a word), and SGLang's
+    # create_tree_cache refuses a session radix cache on any tree but its UnifiedRadixCache, after
+    # the model loaded (review, session 39)
+    for name, flag in (("enable_lmcache", "--enable-lmcache"), ("enable_flexkv", "--enable-flexkv"),
+                       ("enable_session_radix_cache", "--enable-session-radix-cache")):  # fmt: skip
+        if getattr(server_args, name, False):
+            raise ConfigError(f"{flag} is not supported with --radix-cache-backend tiered (SGLang builds that "
+                              "cache only on its own backends; the tiered backend brings its own tiers): drop it")
+    if cfg.prefix_attention:
+        # the prefix-aware extend attention replaces SGLang's torch_native backend only
+        # (integration/prefix_attention.py): beside another one (intel_amx, SGLang's CPU default
+        # on x86) the option did nothing, in silence
+        attn = getattr(server_args, "prefill_attention_backend", None) or getattr(server_args, "attention_backend", None)
+        if attn is not None and attn != "torch_native":
+            _bad("prefix_attention", "on", f"it replaces the torch_native attention backend, and this server's "
+                 f"prefill runs on {attn}: add --attention-backend torch_native or unset it")  # fmt: skip
     t1 = cfg.host_mode != "off"
     if t1 and cfg.host_name is not None:
         for size, flag, why in ((pp, "--pp-size", "every pipeline stage would map the one segment with its own layers"),

@@ -63,6 +63,13 @@ def parse_t2_url(url: str) -> T2Config:
         raise T2ConfigError(f"SGLANG_TIERED_T2 must be mooncake://HOST:PORT[?options], got {url!r}")
     if not u.hostname or not port:
         raise T2ConfigError(f"SGLANG_TIERED_T2 needs the master's host and port: {url!r}")
+    # what Mooncake would never see: the URL names the master and options only (before session 39
+    # a path, credentials or a fragment were dropped without a word)
+    for part, given in (("a path", u.path not in ("", "/")), ("user credentials", "@" in u.netloc),
+                        ("a fragment", bool(u.fragment))):  # fmt: skip
+        if given:
+            raise T2ConfigError(f"SGLANG_TIERED_T2 {url!r}: {part} is not part of mooncake://HOST:PORT[?options] "
+                                "(Mooncake's master takes no user and no path)")
     host = f"[{u.hostname}]" if ":" in u.hostname else u.hostname  # IPv6 keeps its brackets
     kw: dict = {"master": f"{host}:{port}"}
     for k, vs in urllib.parse.parse_qs(u.query, keep_blank_values=True).items():
