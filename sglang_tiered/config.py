@@ -386,12 +386,14 @@ def _check_names(env) -> None:
             raise ConfigError(f"{ENV[field]}={env[ENV[field]]!r} does nothing here: {why}")
 
 
-def check_server_args(cfg: TieredConfig, server_args, bigram_keys: bool = False) -> None:
+def check_server_args(cfg: TieredConfig, server_args, bigram_keys: bool = False, draft_kv: bool = False) -> None:
     """What the environment cannot tell alone: options that SGLang's own arguments make unusable
     (``server_args``: SGLang's ``ServerArgs``, read by attribute; ``bigram_keys``: its speculative
     algorithm keys the radix tree by bigrams, EAGLE-style, as SGLang's ``is_eagle`` says). Called in
     the launcher before any scheduler starts (integration/hooks.py), so these fail before the model
-    loads instead of being turned off with a warning in every scheduler."""
+    loads instead of being turned off with a warning in every scheduler. ``draft_kv``: its
+    speculative algorithm runs a draft model with KV of its own (integration/host_setup.py
+    ``draft_kv``)."""
     def arg(name: str) -> int:
         return int(getattr(server_args, name, 1) or 1)
 
@@ -420,15 +422,23 @@ def check_server_args(cfg: TieredConfig, server_args, bigram_keys: bool = False)
         raise ConfigError("--enable-streaming-session is not supported with --radix-cache-backend tiered (SGLang "
                           "runs streaming sessions on its own UnifiedRadixCache only): drop it; sessions without "
                           "it work")  # fmt: skip
-    # SGLang's other cache options: its registry hands a named backend the build alone, so with
-    # ours LMCache and FlexKV were never built (ignored without a word), and SGLang's
-    # create_tree_cache refuses a session radix cache on any tree but its UnifiedRadixCache, after
-    # the model loaded (review, session 39)
+    # SGLang's own host/storage tiers and session cache: its registry hands a named backend the
+    # build alone, so with ours LMCache and FlexKV were never built, and under these flags its
+    # scheduler calls HiCache methods of the tree cache that a RadixCache lacks
+    # (``check_hicache_events`` on every loop, scheduler.py:3883-3889; ``is_backuped`` for every
+    # request, :3342-3365): the server started and its scheduler died after the model loaded
+    # (lmcache, flexkv) or on the first request (a storage backend); SGLang's create_tree_cache
+    # refuses a session radix cache on any tree but its UnifiedRadixCache, after the model loaded
+    # (review, session 39)
     for name, flag in (("enable_lmcache", "--enable-lmcache"), ("enable_flexkv", "--enable-flexkv"),
                        ("enable_session_radix_cache", "--enable-session-radix-cache")):  # fmt: skip
         if getattr(server_args, name, False):
-            raise ConfigError(f"{flag} is not supported with --radix-cache-backend tiered (SGLang builds that "
-                              "cache only on its own backends; the tiered backend brings its own tiers): drop it")
+            raise ConfigError(f"{flag} is not supported with --radix-cache-backend tiered, which brings its own "
+                              "host tier (T1) and fleet store (T2): drop it, or use SGLang's own backend")  # fmt: skip
+    storage = getattr(server_args, "hicache_storage_backend", None)
+    if storage:
+        raise ConfigError(f"--hicache-storage-backend {storage} is not supported with --radix-cache-backend tiered "
+                          "(it is HiCache's storage tier; T2, SGLANG_TIERED_T2, is this backend's): drop it")  # fmt: skip
     if cfg.prefix_attention:
         # the prefix-aware extend attention replaces SGLang's torch_native backend only
         # (integration/prefix_attention.py): beside another one (intel_amx, SGLang's CPU default
@@ -438,6 +448,18 @@ def check_server_args(cfg: TieredConfig, server_args, bigram_keys: bool = False)
             _bad("prefix_attention", "on", f"it replaces the torch_native attention backend, and this server's "
                  f"prefill runs on {attn}: add --attention-backend torch_native or unset it")  # fmt: skip
     t1 = cfg.host_mode != "off"
+    algo = getattr(server_args, "speculative_algorithm", None)
+    for why, off in ((f"--speculative-algorithm {algo}", not bigram_keys and draft_kv),
+                     ("a PD decode server with --disaggregation-decode-enable-radix-cache", pd_decode_radix(server_args))):  # fmt: skip
+        if not off:
+            continue
+        # T1 would serve wrong KV there (integration/host_setup.py turns it off under auto)
+        if cfg.host_mode == "on":
+            what = f"T1 with {why}" if why.startswith("--") else f"T1 on {why}"
+            _bad("host_mode", cfg.host_mode, f"{what} is not supported: use SGLANG_TIERED_HOST=auto or off")
+        if cfg.t2 is not None:
+            raise ConfigError(f"SGLANG_TIERED_T2 is set and T2 (which stages pages in T1) is not supported with "
+                              f"{why}: unset it")  # fmt: skip
     if t1 and cfg.host_name is not None:
         for size, flag, why in ((pp, "--pp-size", "every pipeline stage would map the one segment with its own layers"),
                                 (dp, "--dp-size", "data-parallel ranks would write one segment unseen by each other")):
@@ -474,6 +496,18 @@ def check_server_args(cfg: TieredConfig, server_args, bigram_keys: bool = False)
                                           or getattr(server_args, "grpc_mode", False)):  # fmt: skip
         _bad("tenant_header", cfg.tenant_header, "SGLang's gRPC server (--grpc-port, SGLANG_GRPC_PORT, "
              "--smg-grpc-mode) serves requests without the tenant-header middleware (tenant isolation would be off)")
+
+
+def pd_decode_radix(server_args) -> bool:
+    """Whether this server runs (or may switch to, ``--enable-pd-role-switch``) the PD decode role
+    with its radix cache. Its decode queue takes a match's ``host_hit_length`` as part of the prefix
+    it promises prefill (``decode_prefix_len``, disaggregation/decode.py:1512), which only decode
+    HiCache loads back (scheduler.py:520-523, decode.py:2780-2880): a T1 hit there is never
+    loaded, prefill skips those tokens (prefill.py:437-441) and decode reads unwritten slots."""
+    if not getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
+        return False
+    mode = str(getattr(server_args, "disaggregation_mode", None) or "null")
+    return mode == "decode" or bool(getattr(server_args, "enable_pd_role_switch", False))
 
 
 def hashed_tenant_labels(cfg: TieredConfig) -> bool:

@@ -21,7 +21,8 @@ def from_build_context(cls, ctx):
 
     cfg = load_config()
     key = cache_key_from_context(ctx, versions=cfg.identity_versions, tenant_header=cfg.tenant_header)
-    cache = cls(ctx.params, cache_key=key, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size, debug_checks=cfg.debug,
+    tp_rank, tp_size = tree_ranks(ctx)
+    cache = cls(ctx.params, cache_key=key, tp_rank=tp_rank, tp_size=tp_size, debug_checks=cfg.debug,
                 policy_config=policy_config(cfg))
     # stats and metrics name a tenant by its salt's digest unless a trusted header names it
     cache.tenants.hashed = hashed_tenant_labels(cfg)
@@ -43,6 +44,26 @@ def from_build_context(cls, ctx):
         "weight_version": cache.weight_version,
     }
     return cache
+
+
+def tree_ranks(ctx) -> tuple[int, int]:
+    """(rank, size) among the ranks that keep this tree: SGLang's ``tp_cache_group``
+    (``get_dp_tp_group``, kv_cache_builder.py:402 and layers/dp_attention.py:502-509: the
+    attention-TP group under DP attention, else the TP group). Under ``--enable-dp-attention`` each
+    DP rank runs its own batch and tree, and its KV heads are split over the attention-TP ranks
+    only; with the global TP rank and size, T1 expected ``heads / tp`` heads on a rank holding
+    ``heads / attn_tp`` and was turned off even with SGLANG_TIERED_HOST=on, and only DP rank 0
+    published metrics (review, session 39). ``ctx``'s TP rank and size without a group."""
+    group = getattr(getattr(ctx, "params", None), "tp_cache_group", None)
+    if group is not None:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                return dist.get_rank(group), dist.get_world_size(group)
+        except Exception:  # noqa: BLE001 - no usable group: the TP rank and size
+            pass
+    return ctx.tp_rank, ctx.tp_size
 
 
 def setup_host_tier(cache, ctx, cfg) -> None:

@@ -246,9 +246,11 @@ def _before_check_server_args(server_args, *args, **kwargs):
     from sglang_tiered.config import ConfigError, check_server_args, load_config
     if getattr(server_args, "radix_cache_backend", None) != BACKEND_NAME:
         return None
+    from sglang_tiered.integration.host_setup import draft_kv
+
     try:
         cfg = load_config()
-        check_server_args(cfg, server_args, bigram_keys=_bigram_keys(server_args))
+        check_server_args(cfg, server_args, bigram_keys=_bigram_keys(server_args), draft_kv=draft_kv(server_args))
         _claim_named_host_tier(cfg)
     except ConfigError as exc:
         msg = f"sglang-tiered: invalid configuration: {exc}"

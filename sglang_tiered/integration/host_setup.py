@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from sglang_tiered.config import pd_decode_radix
 from sglang_tiered.core.planner import estimate_params, recompute_s_per_token_of
 from sglang_tiered.tier.host_pool import HostPoolError, PoolLayout
 from sglang_tiered.tier.host_tier import HostTier
@@ -129,6 +130,28 @@ def staging_pages(cfg, device_pages: int, t1_pages: int) -> int:
 
 
 BIGRAM_OFF = "off: EAGLE-style speculative decoding keys the tree by bigrams, which T1 cannot serve"
+PD_DECODE_OFF = ("off: a PD decode server's radix cache (SGLang promises prefill the host hits, which only its "
+                 "HiCache loads back)")
+DRAFT_KV_OFF = "off: the speculative draft model keeps KV of its own at the target's slots, which T1 does not move"
+
+
+def draft_kv(server_args) -> bool:
+    """Whether this server's speculative algorithm runs a draft model whose KV sits at the target's
+    slots in a pool of its own (STANDALONE, DFLASH, DSPARK, UNO, EAGLE-style ones, a plugin's;
+    not NGRAM, which has no draft model). T1 moves the target's KV only (SGLang's HiCache moves
+    the draft's too: ``hicache_draft_plan``, mem_cache/kv_cache_builder.py:427-461), so a page
+    promoted from T1 left the draft reading another sequence's KV at those slots (a helper's
+    audit, session 39). An unknown name is SGLang's to refuse."""
+    name = getattr(server_args, "speculative_algorithm", None)
+    if not name:
+        return False
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    try:
+        algo = SpeculativeAlgorithm.from_string(name)
+    except ValueError:
+        return False
+    return bool(algo.is_speculative()) and not bool(getattr(algo, "is_ngram", lambda: False)())
 
 
 def build_host_tier(cache, ctx, cfg):
@@ -140,6 +163,13 @@ def build_host_tier(cache, ctx, cfg):
         # key into a bigram view in place), which T1's probe and load-back do not build: T1 was
         # written (every eviction copied its pages) and never read (review, session 25)
         return None, BIGRAM_OFF
+    sa = getattr(ctx, "server_args", None)
+    if pd_decode_radix(sa):
+        # SGLang's decode queue promises prefill a T1 hit it never loads (config.pd_decode_radix):
+        # decode ran on unwritten KV (review, session 39)
+        return None, PD_DECODE_OFF
+    if draft_kv(sa):
+        return None, DRAFT_KV_OFF
     kv = cache.token_to_kv_pool_allocator.get_kvcache()
     if not hasattr(kv, "k_buffer") or not hasattr(kv, "v_buffer"):
         return None, f"off: unsupported KV pool {type(kv).__name__} (MHA pools only)"
@@ -158,7 +188,7 @@ def build_host_tier(cache, ctx, cfg):
     # A named T1 is one file of every head for all ranks; without a name each TP rank keeps a
     # private T1 of its own heads (HostTier.build), and SGLANG_TIERED_HOST_GB is the server's
     # total, split evenly over the ranks.
-    rank_heads = total_heads if (name or ctx.tp_size == 1) else k0.shape[1]
+    rank_heads = total_heads if (name or cache.tp_size == 1) else k0.shape[1]
     share = 1 if (name or ctx.tp_size == 1) else ctx.tp_size
     layout = PoolLayout(1, len(kv.k_buffer), rank_heads, ps, k0.shape[2], str(k0.dtype).replace("torch.", ""))
     device_pages = cache.capacity_tokens // ps
@@ -204,8 +234,10 @@ def build_host_tier(cache, ctx, cfg):
         fs = ctx.tp_worker.model_runner.forward_stream
         fence = fs.synchronize
     try:
-        tier = HostTier.build(kv, page_size=ps, total_kv_heads=total_heads, tp_size=ctx.tp_size,
-                              tp_rank=ctx.tp_rank, capacity_pages=pages, name=name, stream_fence=fence,
+        # the ranks that share this tree split its KV heads (build.tree_ranks: attention TP under
+        # DP attention)
+        tier = HostTier.build(kv, page_size=ps, total_kv_heads=total_heads, tp_size=cache.tp_size,
+                              tp_rank=cache.tp_rank, capacity_pages=pages, name=name, stream_fence=fence,
                               staging_pages=staging)  # fmt: skip
     except (HostPoolError, ValueError) as exc:
         logger.warning("sglang-tiered: T1 disabled: %s", exc)
