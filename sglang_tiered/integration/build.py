@@ -20,7 +20,8 @@ def from_build_context(cls, ctx):
     from sglang_tiered.integration.identity import cache_key_from_context, lifetime_tag
 
     cfg = load_config()
-    key = cache_key_from_context(ctx, versions=cfg.identity_versions, tenant_header=cfg.tenant_header)
+    key = cache_key_from_context(ctx, versions=cfg.identity_versions, tenant_header=cfg.tenant_header,
+                                prefix_attention=cfg.prefix_attention)
     tp_rank, tp_size = tree_ranks(ctx)
     cache = cls(ctx.params, cache_key=key, tp_rank=tp_rank, tp_size=tp_size, debug_checks=cfg.debug,
                 policy_config=policy_config(cfg))

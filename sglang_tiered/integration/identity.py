@@ -187,7 +187,26 @@ def loaded_weights_digest(sa) -> str:
     return f"{digest}+load:{fmt}:{lifetime_tag(sa)}"
 
 
-def cache_key_from_context(ctx, *, versions: bool = True, tenant_header: str | None = None) -> CacheKey:
+def attention_impl(sa, prefix_attention: bool = False) -> str:
+    """The attention code that computes the KV this server caches: ``--attention-backend``, and
+    ``--prefill-attention-backend`` / ``--decode-attention-backend`` where they override it (extend
+    writes the prompt's KV, decode the output's, which later requests reuse), and the prefix-aware
+    extend of ``SGLANG_TIERED_PREFIX_ATTENTION=on`` (equal to the stock extend up to summation
+    order). Before session 39 the overrides were left out: two servers that computed KV with
+    different backends shared it through T2 or a named T1."""
+    base = str(getattr(sa, "attention_backend", None) or "auto")
+    parts = [base]
+    for role in ("prefill", "decode"):
+        other = getattr(sa, f"{role}_attention_backend", None)
+        if other and str(other) != base:
+            parts.append(f"{role}:{other}")
+    if prefix_attention:
+        parts.append("prefix-rows")
+    return "+".join(parts)
+
+
+def cache_key_from_context(ctx, *, versions: bool = True, tenant_header: str | None = None,
+                           prefix_attention: bool = False) -> CacheKey:  # fmt: skip
     sa = ctx.server_args
     mc = ctx.model_config
     hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
@@ -202,7 +221,7 @@ def cache_key_from_context(ctx, *, versions: bool = True, tenant_header: str | N
         getattr(hf, "max_position_embeddings", None),
         getattr(hf, "partial_rotary_factor", None),
     )
-    attn = str(getattr(sa, "attention_backend", None) or "auto")
+    attn = attention_impl(sa, prefix_attention)
     model_dtype = getattr(mc, "dtype", None)
     revision = getattr(sa, "revision", None)
     key = CacheKey(
