@@ -177,3 +177,21 @@ def test_dp_attention_ranks_keep_t1(monkeypatch):
     assert tier.heads == range(0, 2)
     # without a process group (one rank, tests): the context's TP rank and size
     assert build.tree_ranks(types.SimpleNamespace(tp_rank=0, tp_size=1, params=types.SimpleNamespace())) == (0, 1)
+
+
+def test_host_gb_is_the_servers_total_over_data_parallel_replicas():
+    """SGLANG_TIERED_HOST_GB is the server's total: with --dp-size each replica's TP ranks keep a
+    private T1 each, so the budget is split over tp x dp processes (under DP attention the TP ranks
+    are all of them). Before session 39 it was split over --tp-size only: --dp-size 4 took four
+    times the budget."""
+    from types import SimpleNamespace as NS
+
+    from sglang_tiered.integration.host_setup import t1_share
+
+    def ctx(tp, dp, dpa=False):
+        return NS(tp_size=tp, server_args=NS(dp_size=dp, enable_dp_attention=dpa))
+
+    assert t1_share(ctx(1, 1)) == 1 and t1_share(ctx(2, 1)) == 2
+    assert t1_share(ctx(2, 4)) == 8 and t1_share(ctx(1, 4)) == 4
+    assert t1_share(ctx(4, 4, dpa=True)) == 4  # DP attention: tp ranks, each its own tree and T1
+    assert t1_share(NS(tp_size=2, server_args=None)) == 2

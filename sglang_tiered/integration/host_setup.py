@@ -154,6 +154,19 @@ def draft_kv(server_args) -> bool:
     return bool(algo.is_speculative()) and not bool(getattr(algo, "is_ngram", lambda: False)())
 
 
+def t1_share(ctx) -> int:
+    """How many private T1s the server's ``SGLANG_TIERED_HOST_GB`` is split over: one per GPU
+    process, i.e. ``--tp-size`` under ``--enable-dp-attention`` (its TP ranks are all the
+    processes) and ``--tp-size`` x ``--dp-size`` otherwise (each data-parallel replica runs
+    ``--tp-size`` ranks). Before session 39 the split was over ``--tp-size`` only: ``--dp-size 8``
+    took eight times the budget (each replica checked the memory it found free alone)."""
+    sa = getattr(ctx, "server_args", None)
+    tp = max(1, int(ctx.tp_size or 1))
+    if getattr(sa, "enable_dp_attention", False):
+        return tp
+    return tp * max(1, int(getattr(sa, "dp_size", 1) or 1))
+
+
 def build_host_tier(cache, ctx, cfg):
     """Return (HostTier or None, decision text)."""
     if cfg.host_mode == "off":
@@ -187,9 +200,9 @@ def build_host_tier(cache, ctx, cfg):
     name = cfg.host_name
     # A named T1 is one file of every head for all ranks; without a name each TP rank keeps a
     # private T1 of its own heads (HostTier.build), and SGLANG_TIERED_HOST_GB is the server's
-    # total, split evenly over the ranks.
+    # total, split evenly over the ranks (``t1_share``).
     rank_heads = total_heads if (name or cache.tp_size == 1) else k0.shape[1]
-    share = 1 if (name or ctx.tp_size == 1) else ctx.tp_size
+    share = 1 if name else t1_share(ctx)
     layout = PoolLayout(1, len(kv.k_buffer), rank_heads, ps, k0.shape[2], str(k0.dtype).replace("torch.", ""))
     device_pages = cache.capacity_tokens // ps
     pages = int(cfg.host_gb * 1e9 / share // layout.page_bytes) if cfg.host_gb else int(device_pages * cfg.host_ratio)
