@@ -30,7 +30,9 @@
   server with the same ``generation`` (the router's ``/cache/invalidate`` does; a server given none
   uses its clock). The generations are kept in a file per model (``cache_root()/t2``), so a restart
   does not read the old ones again (before: the floors were in memory, and objects a peer kept
-  leased were served after a restart). Removal is still attempted (space), off the scheduler
+  leased were served after a restart); an invalidation appends one line to its log, folded into
+  the file off the scheduler thread (session 39: rewriting the whole file cost ~0.2 s per
+  invalidation at 65,536 tenants). Removal is still attempted (space), off the scheduler
   thread, and once more after the lease.
 * **Torn reads.** A read checks the header (magic, format, layout digest, page hash, tenant) and
   that the footer repeats it: an object whose memory was reused by a put while it was being read
@@ -44,6 +46,10 @@
   alone for that time: the store is up and its objects are still worth reading (before, a full
   store stopped every read too). A staging buffer whose call timed out is not reused until that call returns, so a late
   transfer can never land in a buffer another request reads.
+  At most one call per helper thread is queued or running: with both blocked (a hung store) a
+  call is refused at once, a failure, not queued behind them (session 39: one more queued call
+  each time the breaker let one through, and the helpers, joined at interpreter exit, held the
+  process).
 * **Limits.** TP = 1 only (ranks of a TP > 1 server would have to agree on every probe, which needs
   a collective on the request path; T2 turns off there with a warning), and one pipeline stage
   (keys name no stage). Host memory beside T1: three staging buffers of ``max_run_pages`` objects
@@ -61,9 +67,11 @@ import json
 import logging
 import os
 import pathlib
+import queue
 import re
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
@@ -86,6 +94,100 @@ KEY_ROOT = "sgt"
 KEY_FORMAT = f"v{FORMAT_VERSION}"  # the object format, in every key: another format's objects are never read
 FETCH_BUDGET_S = 2.0  # a fetch's transfer time at min_gbps, at most (the scheduler waits for it)
 OBJECT_NOT_FOUND = -704  # Mooncake's code for a key that is not there (gone since the existence check)
+LEASE_MARGIN_S = 0.05  # past a lease we took (measured from our call's return, after the master granted it)
+_LOG_COMPACT_BYTES = 1 << 20  # the generations log is folded into the file past this (off the scheduler thread)
+
+
+def _log_line(who: str, gen: int) -> str:
+    """One line of the generations log: ``<tenant|all> <generation> <crc32 of the two>``."""
+    body = f"{who} {gen}"
+    return f"{body} {zlib.crc32(body.encode()):08x}\n"
+
+
+def _log_fields(line: str) -> tuple[str, str]:
+    """(who, generation) of a log line; ``ValueError`` unless it is whole. A line torn by a failed
+    write (a full disk) and run into the next append can still parse as numbers, e.g. tenant
+    ``1234`` torn to ``12`` and followed by ``34 <gen>``: another tenant's line, and tenant 1234's
+    invalidation gone (its old objects readable after a restart). The checksum refuses it, and an
+    unreadable log moves every tenant to a new generation (``_load_generations``)."""
+    body, _, crc = line.rpartition(" ")
+    if not body or f"{zlib.crc32(body.encode()):08x}" != crc:
+        raise ValueError(f"torn or foreign generations log line {line[:80]!r}")
+    who, _, gen = body.partition(" ")
+    return who, gen
+
+
+class _Busy(RuntimeError):
+    """The helper threads are all still blocked in earlier calls (the store is not answering)."""
+
+
+class _Helpers:
+    """Daemon helper threads running store calls, with at most ``max_pending`` calls queued or
+    running. Review, session 39: with a hung store (a master that accepts and never answers) a
+    ``ThreadPoolExecutor`` queued one more call behind its blocked threads each time the breaker
+    let one through (without bound), and its threads, joined at interpreter exit, kept the process
+    from exiting. A call past the bound is refused at once (``_Busy``): a failure, as a timeout is."""
+
+    def __init__(self, workers: int, max_pending: int, name: str):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._max = max_pending
+        self.pending = 0  # calls queued or running
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn, *args) -> cf.Future:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("T2 helpers shut down")
+            if self.pending >= self._max:
+                raise _Busy(f"{self.pending} store calls still unanswered")
+            self.pending += 1
+        fut: cf.Future = cf.Future()
+        self._q.put((fut, fn, args))
+        return fut
+
+    def _done(self) -> None:
+        with self._lock:
+            self.pending -= 1
+
+    def _work(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            try:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        res = fn(*args)
+                    except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                        fut.set_exception(exc)
+                    else:
+                        fut.set_result(res)
+            finally:
+                self._done()
+
+    def shutdown(self, wait: bool = False, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self._closed = True
+        if cancel_futures:
+            while True:
+                try:
+                    item = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].cancel()
+                    self._done()
+        for _ in self._threads:
+            self._q.put(None)
+        if wait:
+            for t in self._threads:
+                if t is not threading.current_thread():
+                    t.join()
 
 
 def object_bytes(layout: PoolLayout) -> int:
@@ -177,9 +279,9 @@ class _Staging:
 
 def t2_host_bytes(layout: PoolLayout, cfg: T2Config) -> int:
     """Host memory T2 takes beside T1 at most: three staging buffers of ``max_run_pages``
-    objects (two for reads, one for writes) and ``queue_pages`` pages copied out of T1 for the
-    store queue."""
-    return 3 * cfg.max_run_pages * object_bytes(layout) + cfg.queue_pages * layout.page_bytes
+    objects (two for reads, one for writes), one object (the re-read of an object found bad),
+    and ``queue_pages`` pages copied out of T1 for the store queue."""
+    return (3 * cfg.max_run_pages + 1) * object_bytes(layout) + cfg.queue_pages * layout.page_bytes
 
 
 def layout_digest(layout: PoolLayout) -> bytes:
@@ -234,19 +336,26 @@ class T2Tier:
         self.write_breaker = _Breaker()  # writes alone: a store that refuses puts (full) is up for reads
         self._invalidated: OrderedDict = OrderedDict()  # tenant hash -> its generation (last invalidation)
         self._invalidated_all = 0  # every tenant's generation is at least this (invalidation of all)
+        self._closed = False
+        self._compacting: threading.Thread | None = None  # the generations log's fold, when running
         self._load_generations()
-        self._calls = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sglang-tiered-t2")
-        # removals: off the scheduler thread, and off the executor fetches wait on
-        self._removals = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-tiered-t2-rm")
+        # at most one call per helper: with both blocked (a hung store) a call is refused, not queued
+        self._calls = _Helpers(2, 2, "sglang-tiered-t2")
+        # removals: off the scheduler thread, and off the helpers fetches wait on (space only: past
+        # REMOVALS_PENDING a removal is given up, the retries after the lease come again)
+        self._removals = _Helpers(1, self.REMOVALS_PENDING, "sglang-tiered-t2-rm")
         self._retries: dict = {}  # pattern -> its pending retry (one per pattern)
         self._retry_lock = threading.Lock()  # (timers pop their own entry)
         self._read = [_Staging(self._alloc(self.run)) for _ in range(2)]
         self._write = _Staging(self._alloc(self.run))
+        self._verify = _Staging(self._alloc(1))  # the removal thread's re-read of an object found bad
         self._stage_lock = threading.Lock()
         self._closed = False
         self._missed: OrderedDict = OrderedDict()  # first page hashes T2 just said it lacks
         self._victims: list = []  # (hash, tenant, frequency, page data) copied out of T1
         self.queue = StoreQueue(cfg.queue_pages, self._put_job, threaded=True, name="sglang-tiered-t2-store")
+
+    REMOVALS_PENDING = 64
 
     def start(self) -> None:
         """Take T1's victims from now on (only once the tier is attached and on: a tier built and
@@ -380,12 +489,13 @@ class T2Tier:
         finally:
             stage.busy = False
         if bad_first:
-            # an object that fails the checks stays bad: removed, now and after the lease our
-            # read just took on it (Mooncake keeps a read object), and not read again until then
-            # (before session 23 every fetch re-read it, and a correct put could not replace it)
+            # an object that fails the checks stays bad: removed once the lease our read just
+            # took on it is over (Mooncake keeps a read object), and not read again until then
+            # (before session 23 every fetch re-read it, and a correct put could not replace it).
+            # Only if it is still bad then: see _check_bad (review, session 39)
             self._remember_miss(hashes[0], hold_s=self._lease_s())
             self.stats.removed_bad += 1
-            self._remove_with_retry("^" + re.escape(keys[0]) + "$", ("key", keys[0]))
+            self._schedule_bad_check(keys[0], hashes[0], tenant)
         self.stats.fetched_pages += landed
         self.stats.fetched_bytes += landed * self.layout.page_bytes
         self.stats.fetch_seconds += time.perf_counter() - t0
@@ -393,6 +503,57 @@ class T2Tier:
 
     def _lease_s(self) -> float:
         return self.cfg.lease_ms / 1e3 + 1.0
+
+    def _object_ok(self, obj: torch.Tensor, h: bytes, tenant: int) -> bool:
+        """The checks a read makes, on one object's bytes: the header its key promises, and a
+        footer that repeats it."""
+        ob = self.obj_bytes
+        want = self._headers([h], tenant)[0, :_ID_BYTES]
+        return bool(torch.equal(obj[:_ID_BYTES], want)
+                    and torch.equal(obj[ob - HEADER_BYTES : ob - HEADER_BYTES + _FOOTER_MATCH], obj[:_FOOTER_MATCH]))  # fmt: skip
+
+    def _schedule_bad_check(self, key: str, h: bytes, tenant: int) -> None:
+        """Remove the object under ``key`` once our read's lease is over, if it is still bad then.
+        Review, session 39: the removal was by key, now and again after the lease, whatever the
+        key held by then: a correct object a peer wrote there since (the bad one evicted), or the
+        correct object a torn or garbled read mistook for a bad one, was removed."""
+        if self.cfg.lease_ms <= 0:  # no lease: check now
+            self._submit_removal(self._check_bad, key, h, tenant)
+            return
+        timer = threading.Timer(self.cfg.lease_ms / 1e3 + LEASE_MARGIN_S, self._bad_timer, args=(key, h, tenant))
+        self._keep_timer(("bad", key), timer)
+
+    def _bad_timer(self, key: str, h: bytes, tenant: int) -> None:
+        with self._retry_lock:
+            self._retries.pop(("bad", key), None)
+        self._submit_removal(self._check_bad, key, h, tenant)
+
+    def _check_bad(self, key: str, h: bytes, tenant: int) -> int:
+        """Removal thread: re-read the object under ``key``; remove it only if it still fails the
+        checks. Mooncake has no conditional remove, and our re-read leases the object: where the
+        removal is refused for that lease, it is tried once more right after it (the object can
+        be replaced only once it is gone, so what is removed then is the object found bad, unless
+        it was evicted and the page written again within ``LEASE_MARGIN_S``: a lost hit at worst,
+        never a wrong page)."""
+        st, ob = self._verify, self.obj_bytes
+        got = self.client.get([key], [st.ptr], [ob])
+        if not got or got[0] != ob:
+            return 0  # gone, or unreadable now: nothing of ours to remove
+        if self._object_ok(st.buf[0], h, tenant):
+            return 0  # a correct object is there now (the one found bad went, or the read was torn)
+        pattern = "^" + re.escape(key) + "$"
+        n = self.client.remove_regex(pattern)
+        if isinstance(n, int) and n > 0:
+            return n
+        if self.cfg.lease_ms > 0:  # refused for the lease our re-read took: once more after it
+            timer = threading.Timer(self.cfg.lease_ms / 1e3 + LEASE_MARGIN_S, self._bad_final, args=(key, pattern))
+            self._keep_timer(("bad", key), timer)
+        return 0
+
+    def _bad_final(self, key: str, pattern: str) -> None:
+        with self._retry_lock:
+            self._retries.pop(("bad", key), None)
+        self._remove_async(pattern)
 
     def _remember_miss(self, first: bytes, hold_s: float = 0.0) -> None:
         """Not asked for again for ``MISS_MEMO_S`` (plus ``hold_s``)."""
@@ -567,7 +728,7 @@ class T2Tier:
             inv[tenant] = gen
             if len(inv) > _INVALIDATIONS:  # the oldest's becomes everyone's floor (stricter: keys move)
                 self._invalidated_all = max(self._invalidated_all, inv.popitem(last=False)[1])
-        self._save_generations()
+        self._append_generation(None if everything else tenant, gen)
         # victims copied out of T1 before now, not yet offered: under the old generation, dropped
         self._victims = [v for v in self._victims if not (everything or v[1] == tenant)]
         self.queue.cancel_where(lambda j: everything or j.tenant == tenant)
@@ -579,9 +740,14 @@ class T2Tier:
         """Remove now and once more after the lease (a read object cannot be removed before). One
         retry per ``scope`` (a tenant, all, or one key): a later invalidation's replaces it."""
         self._remove_async(pattern)
-        timer = threading.Timer(self._lease_s(), self._retry_remove, args=(pattern, scope))
+        self._keep_timer(scope, threading.Timer(self._lease_s(), self._retry_remove, args=(pattern, scope)))
+
+    def _keep_timer(self, scope, timer: threading.Timer) -> None:
+        """Start ``timer`` as the one pending retry of ``scope`` (a later one replaces it)."""
         timer.daemon = True
         with self._retry_lock:
+            if self._closed:
+                return
             old = self._retries.pop(scope, None)
             if old is not None:
                 old.cancel()
@@ -622,11 +788,14 @@ class T2Tier:
 
     def _remove_async(self, pattern: str) -> None:
         """Remove the objects matching ``pattern``, on the removal thread (never waited for)."""
+        self._submit_removal(self.client.remove_regex, pattern)
+
+    def _submit_removal(self, fn, *args) -> None:
         if self._closed:
             return
         try:
-            fut = self._removals.submit(self.client.remove_regex, pattern)
-        except RuntimeError:  # shut down
+            fut = self._removals.submit(fn, *args)
+        except RuntimeError:  # shut down, or REMOVALS_PENDING still waiting (a hung store): space only
             return
         fut.add_done_callback(self._removed)
 
@@ -647,53 +816,157 @@ class T2Tier:
             return False
 
     # ------------------------------------------------------------------ generations on disk
+    # ``state_path`` (JSON: "all" and each tenant's generation) plus ``<state_path>.log``, one line
+    # per invalidation ("<tenant> <generation>" or "all <generation>"), appended under a lock
+    # (servers of one machine share them). Review, session 39: every invalidation parsed, merged,
+    # sorted and rewrote the whole file on the scheduler thread: ~0.2 s with 65,536 tenants, for
+    # every invalidation (a tenant repeating its own), every request waiting. The log is folded
+    # into the file past ``_LOG_COMPACT_BYTES``, on a thread of its own: the log is renamed to
+    # ``.log.old`` (under the lock, no copy), merged into the file, then removed; a reader takes
+    # the file, ``.log.old`` and ``.log`` together (the highest generation of each wins, so a
+    # line read twice changes nothing).
+    def _state_files(self):
+        path = pathlib.Path(self.state_path)
+        return (path, path.with_name(path.name + ".log"), path.with_name(path.name + ".log.old"),
+                path.with_name(path.name + ".lock"), path.with_name(path.name + ".compact.lock"))  # fmt: skip
+
+    @staticmethod
+    def _read_log(path, alls: int, tenants: dict) -> int:
+        """Apply a generations log's lines (highest wins); returns the new "all". ``ValueError``
+        on a line that is not one (torn, foreign)."""
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return alls
+        for line in text.splitlines():
+            who, gen = _log_fields(line)
+            g = int(gen)
+            if who == "all":
+                alls = max(alls, g)
+            else:
+                t = int(who)
+                tenants[t] = max(g, tenants.get(t, 0))
+        return alls
+
+    def _read_state(self) -> tuple[int, dict]:
+        """("all", {tenant: generation}) of the file and its logs, folded as in memory
+        (``OSError``, ``ValueError`` or ``TypeError`` where a part is unreadable)."""
+        path, log, old, _, _ = self._state_files()
+        try:
+            alls, tenants = _generations_doc(json.loads(path.read_text()))
+        except FileNotFoundError:
+            alls, tenants = 0, {}
+        for p in (old, log):
+            alls = self._read_log(p, alls, tenants)
+        kept = sorted((g, t) for t, g in tenants.items() if g > alls)
+        if len(kept) > _INVALIDATIONS:
+            alls = max(alls, kept[-_INVALIDATIONS - 1][0])
+            kept = kept[-_INVALIDATIONS:]
+        return alls, {t: g for g, t in kept}
+
     def _load_generations(self) -> None:
         """The generations this model's T2 keys were at (``state_path``): an invalidation before
         a restart still holds after it."""
         if self.state_path is None:
             return
+        _, _, _, lock_path, compact_path = self._state_files()
         try:
-            alls, tenants = _generations_doc(json.loads(pathlib.Path(self.state_path).read_text()))
-        except FileNotFoundError:
-            return
+            lock_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(compact_path, "a") as compact, open(lock_path, "a") as lock:
+                fcntl.flock(compact, fcntl.LOCK_EX)  # no fold in progress (it moves lines between files)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                alls, tenants = self._read_state()
         except (OSError, ValueError, TypeError) as exc:
-            # unreadable: every tenant moves to a generation of its own (safe: nothing old is read)
+            # unreadable: every tenant moves to a generation of its own (safe: nothing old is read),
+            # and the file is rewritten with it at once (start-up, not the request path): left in
+            # the log, the bad line made every later start pick a generation of its own, and
+            # servers started apart never shared a page again
             self._invalidated_all = time.time_ns()
             logger.warning("sglang-tiered: T2 generations file %s unreadable (%s); starting a new generation",
                            self.state_path, exc)  # fmt: skip
+            self._compact(memory=(self._invalidated_all, {}))
             return
         self._invalidated_all = alls
         for t, g in sorted(tenants.items(), key=lambda kv: kv[1]):
             self._invalidated[t] = g
 
-    def _save_generations(self) -> None:
-        """Merge this server's generations into the file (the highest of each, under a lock:
-        servers of one machine share it), dropping tenants at or below "all" and folding the
-        oldest past ``_INVALIDATIONS`` into it, as in memory."""
+    def _append_generation(self, tenant: int | None, gen: int) -> None:
+        """Keep one invalidation (``tenant`` None: every tenant): one line appended to the log, on
+        the scheduler thread (O(1), whatever the number of tenants); the fold, when the log has
+        grown, on a thread of its own."""
         if self.state_path is None:
             return
-        path = pathlib.Path(self.state_path)
+        _, log, _, lock_path, _ = self._state_files()
+        try:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(lock_path, "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                with open(log, "a") as f:
+                    f.write(_log_line("all" if tenant is None else str(int(tenant)), int(gen)))
+                    size = f.tell()
+        except OSError as exc:
+            logger.warning("sglang-tiered: cannot keep T2 generations in %s (%s)", log, exc)
+            return
+        if size > _LOG_COMPACT_BYTES and not self._closed:
+            th = self._compacting
+            if th is None or not th.is_alive():
+                self._compacting = threading.Thread(target=self._compact, name="sglang-tiered-t2-gen", daemon=True)
+                self._compacting.start()
+
+    def wait_compaction(self, timeout_s: float = 30.0) -> bool:
+        th = self._compacting
+        if th is not None:
+            th.join(timeout_s)
+            return not th.is_alive()
+        return True
+
+    def _compact(self, memory: tuple[int, dict] | None = None) -> None:
+        """Fold the log into the file (its own thread; ``memory``: this server's generations too)."""
+        path, log, old, lock_path, compact_path = self._state_files()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path.with_name(path.name + ".lock"), "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+            with open(compact_path, "a") as compact:
+                fcntl.flock(compact, fcntl.LOCK_EX)  # one fold at a time, on this machine
+                with open(lock_path, "a") as lock:  # appends wait only for the rename
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    if not old.exists() and log.exists():  # (a fold that died left .log.old: it goes first)
+                        os.replace(log, old)
+                # the file and .log.old: only folds write them (this one holds the fold lock)
+                alls, tenants, bad = 0, {}, False
                 try:
                     alls, tenants = _generations_doc(json.loads(path.read_text()))
+                except FileNotFoundError:
+                    pass
                 except (OSError, ValueError, TypeError):
-                    alls, tenants = 0, {}
-                alls = max(alls, self._invalidated_all)
-                for t, g in self._invalidated.items():
-                    tenants[t] = max(g, tenants.get(t, 0))
-                kept = sorted(((g, t) for t, g in tenants.items() if g > alls))
+                    bad = True
+                try:
+                    alls = self._read_log(old, alls, tenants)
+                except (ValueError, TypeError):
+                    bad = True
+                if bad:  # unreadable: what a reader would make of it (this server's new one, if given)
+                    alls = max(alls, memory[0] if memory is not None else time.time_ns())
+                if memory is not None:
+                    alls = max(alls, memory[0])
+                    for t, g in memory[1].items():
+                        tenants[t] = max(g, tenants.get(t, 0))
+                kept = sorted((g, t) for t, g in tenants.items() if g > alls)
                 if len(kept) > _INVALIDATIONS:
                     alls = max(alls, kept[-_INVALIDATIONS - 1][0])
                     kept = kept[-_INVALIDATIONS:]
                 doc = {"all": alls, "tenants": {str(t): g for g, t in kept}}
-                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
                 tmp.write_text(json.dumps(doc))
                 os.replace(tmp, path)
+                old.unlink(missing_ok=True)
         except (OSError, ValueError, TypeError) as exc:
-            logger.warning("sglang-tiered: cannot keep T2 generations in %s (%s)", path, exc)
+            logger.warning("sglang-tiered: cannot fold T2 generations into %s (%s)", path, exc)
+
+    def _save_generations(self) -> None:
+        """Merge this server's generations into the file now (the highest of each), folding the
+        log in (tests; the invalidations append: ``_append_generation``)."""
+        if self.state_path is None:
+            return
+        self._compact(memory=(self._invalidated_all, dict(self._invalidated)))
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued write has been attempted (tests, benchmarks, shutdown)."""
