@@ -315,3 +315,45 @@ def test_one_hung_worker_does_not_hold_up_the_others_health_checks():
                 await r.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_client_leaving_a_passthrough_stream_is_gone_not_failed():
+    """A passthrough route (here SGLang's /get_model_info, streamed slowly by the stub) whose
+    client leaves mid-body: counted as ``client_gone``, not as a failure (a worker's fault in the
+    stats). Before, the write to the closed client raised and was counted as ``failed``."""
+    import time as _time
+
+    async def main():
+        app = web.Application()
+
+        async def slow(req):
+            resp = web.StreamResponse()
+            await resp.prepare(req)
+            for _ in range(40):
+                try:
+                    await resp.write(b"x" * 65536)
+                except ConnectionResetError:
+                    break
+                await asyncio.sleep(0.05)
+            return resp
+
+        app.router.add_get("/get_model_info", slow)
+        app.router.add_get("/health", lambda _: web.json_response({}))
+        wr, wu = await _serve(app)
+        router = Router([wu], None, load_poll_s=0, model_path="", health_interval_s=3600)
+        rr, url = await _serve(router.app())
+        try:
+            async with aiohttp.ClientSession() as s:
+                resp = await s.get(url + "/get_model_info")
+                await resp.content.read(1000)
+                resp.close()  # the client leaves mid-body
+            deadline = _time.monotonic() + 10
+            while not (router.stats.client_gone or router.stats.failed) and _time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)
+            assert router.stats.client_gone == 1 and router.stats.failed == 0, router.stats_doc()
+        finally:
+            await rr.cleanup()
+            await wr.cleanup()
+
+    asyncio.run(main())

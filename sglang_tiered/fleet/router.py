@@ -1478,10 +1478,13 @@ class Router:
                     return resp
                 if request.path == "/close_session" and up.status == 200 and sid is not None:
                     self.sessions.pop(sid, None)
-                await resp.prepare(request)
+                # (a client that leaves is counted as gone, not as a failure: review, session 39)
+                if not await self._to_client(resp.prepare(request)):
+                    return resp
                 async for chunk in up.content.iter_any():
-                    await resp.write(chunk)
-                await resp.write_eof()
+                    if not await self._to_client(resp.write(chunk)):
+                        return resp
+                await self._to_client(resp.write_eof())
                 return resp
         except asyncio.CancelledError:
             raise
