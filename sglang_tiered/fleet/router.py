@@ -334,6 +334,7 @@ class WorkerState:
     # body without the generation, headers), oldest first (``Router._owe``)
     owed: OrderedDict = field(default_factory=OrderedDict)
     owed_warned_at: float = -1e9
+    owed_status: int = 502  # its answer to the last invalidation it did not take (a 5xx)
 
     def load(self, max_age_s: float) -> tuple[float, float]:
         """(requests in flight, uncached prompt tokens queued): this router's counts, raised to
@@ -693,6 +694,7 @@ class Router:
             except Exception as exc:  # noqa: BLE001 - still owed: the next health check tries again
                 status, text = 502, f"{type(exc).__name__}: {exc}"
             if status >= 500:
+                ws.owed_status = status
                 now = time.monotonic()
                 if now - ws.owed_warned_at >= 60.0:  # (the reason it stays out of the routing set)
                     ws.owed_warned_at = now
@@ -1392,6 +1394,13 @@ class Router:
             async def one(ws):
                 try:
                     if invalidate:
+                        if ws.owed:
+                            # queued behind what it owes (``_pay`` delivers in order), answered as
+                            # its last try went: sent now, it took this generation before an older
+                            # one it owed, and the older one then moved its T2 to a generation of
+                            # its own (max(given, current + 1)), off the fleet's, removing the
+                            # fleet's objects under the one it had taken (review, session 39)
+                            return ws.url, ws.owed_status, f"queued behind {len(ws.owed)} owed invalidation(s)"
                         return (ws.url, *await self._invalidate_one(ws, raw, plain, headers))
                     return (ws.url, *await self._send(ws, request.method, request.path_qs, raw, headers))
                 except Exception as exc:  # noqa: BLE001
@@ -1408,6 +1417,7 @@ class Router:
                 for ws, (u, st, _) in zip(targets, res):
                     if st >= 500:  # it did not take it: kept for it, out of the routing set meanwhile
                         self._owe(ws, raw, plain, headers)
+                        ws.owed_status = st
                         doc[self._worker_name(request, u)]["owed"] = True
             return web.json_response(doc, status=status)
         ws = self._least_busy(live)
