@@ -8,6 +8,9 @@
   T1 locks: ``lock_ref >= 0``, and a locked node's parent (unless the root) holds at least as many;
   T2 device accounting: ``evictable_size_`` / ``protected_size_`` equal the sums over unlocked /
      locked nodes, and every node has one slot per token;
+  V1, V2 (integration/invalidation.py): the count of invalidated nodes is exact, and none that
+     nothing holds stays a leaf; C1 each tenant's ``resident_pages`` is its device pages in the
+     tree (session 39: checked exactly only by a test's machine before);
   T3 ticks: a node's lru tick is at least its adaptive one; once the eviction has seen the
      policy's last exit from adaptive (``Eviction.unage``) and a fixed order is followed, they
      are equal on every node (following lru is SGLang's lru exactly);
@@ -23,7 +26,8 @@ from sglang_tiered.integration.index_hints import tree_pages
 
 def check_tree(cache) -> None:
     """T1, T2 over the whole device tree."""
-    evictable = protected = 0
+    evictable = protected = invalid = 0
+    pages: dict = {}  # id(a tenant's counters) -> its device pages in the tree
     pol, ev = cache.policy, cache.eviction
     unaged = not pol.adaptive_extras and ev._exits == pol.adaptive_exits
     stack = list(cache.root_node.children.values())
@@ -39,9 +43,18 @@ def check_tree(cache) -> None:
         else:
             evictable += len(n.key)
         assert n.value is not None and len(n.value) == len(n.key), f"T2 violated: node {n.id} value/key length"
+        if n.tiered_invalid:
+            invalid += 1
+            assert n.lock_ref > 0 or n.children, f"V2 violated: invalidated node {n.id}, unheld and a leaf, stays"
+        row = id(cache.tenant(n.key.cache_salt))  # (the row the cache counts it in: __other__ past the table's bound)
+        pages[row] = pages.get(row, 0) + len(n.key) // cache.page_size
         stack.extend(n.children.values())
     assert evictable == cache.evictable_size_, ("T2 violated: evictable", evictable, cache.evictable_size_)
     assert protected == cache.protected_size_, ("T2 violated: protected", protected, cache.protected_size_)
+    assert invalid == cache.invalidation.count, ("V1 violated: invalidated nodes", invalid, cache.invalidation.count)
+    held = {id(c): c.resident_pages for c in cache.tenants.by_name.values() if c.resident_pages}
+    assert held == {row: n for row, n in pages.items() if n}, \
+        ("C1 violated: tenants' resident_pages", sorted(held.values()), sorted(pages.values()))
 
 
 def check_cache(cache) -> None:
@@ -54,7 +67,6 @@ def check_cache(cache) -> None:
     cache.eviction.check_invariants()
     check_store_fenced(cache)
     check_index_device(cache)
-    assert cache.invalidation.count >= 0, "V1 violated: negative invalidated-node count"
 
 
 def check_store_fenced(cache) -> None:
