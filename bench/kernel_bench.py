@@ -36,7 +36,8 @@ def timeit(fn, reps=5):
     return best
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    args = _args(argv)  # (before session 39 --help ran the benchmark and overwrote the results)
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     ps, hr, htot, d, dtype = 16, 8, 8, 128, torch.bfloat16  # one layer plane of a Llama-8B-like pool
@@ -63,13 +64,21 @@ def main() -> int:
         results["gather_h2d_ratio"] = results["gather_h2d_gbps"] / results["copy_ceiling_h2d_pinned_gbps"]
     results["scatter_ratio_vs_d2d"] = results["scatter_d2d_gbps"] / results["copy_ceiling_d2d_gbps"]
     results["gather_ratio_vs_d2d"] = results["gather_d2d_gbps"] / results["copy_ceiling_d2d_gbps"]
-    out_dir = pathlib.Path(sys.argv[sys.argv.index("--out") + 1]) if "--out" in sys.argv else ROOT / "bench" / "results"
+    out_dir = pathlib.Path(args.out) if args.out else ROOT / "bench" / "results"
     out = out_dir / ("kernel_bench_cuda.json" if cuda else "kernel_bench_cpu.json")
     out.write_text(json.dumps(results, indent=2))
     for k, v in results.items():
         if k != "environment":
             print(f"{k:32} {v:.3f}" if isinstance(v, float) else f"{k:32} {v}")
     return 0
+
+
+def _args(argv=None):
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    return ap.parse_args(argv)
 
 
 if __name__ == "__main__":

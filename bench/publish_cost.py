@@ -55,4 +55,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    # (before session 39 --help ran the benchmark)
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     sys.exit(main())

@@ -34,4 +34,8 @@ def run(rank, n, _):
 
 
 if __name__ == "__main__":
+    import argparse
+
+    # (before session 39 --help ran the benchmark)
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     mp.spawn(run, args=(5000, None), nprocs=2, join=True)
