@@ -11,15 +11,7 @@ from __future__ import annotations
 
 from sglang_tiered.integration.identity import cache_key_from_context
 from tests.test_identity_hardening import _ctx
-
-
-def _model(tmp_path, monkeypatch):
-    monkeypatch.setenv("SGLANG_TIERED_CACHE", str(tmp_path / "cache"))
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"w" * 64)
-    return model
+from tests.test_review37 import _model
 
 
 def test_prefill_and_decode_backends_are_in_the_identity(tmp_path, monkeypatch):

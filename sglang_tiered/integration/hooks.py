@@ -227,16 +227,10 @@ def _claim_named_host_tier(cfg) -> None:
 def _bigram_keys(server_args) -> bool:
     """SGLang keys the radix tree by bigrams for this speculative algorithm (its ``is_eagle``, as
     mem_cache/kv_cache_builder.py passes it to the cache); an unknown name is SGLang's to refuse."""
-    name = getattr(server_args, "speculative_algorithm", None)
-    if not name:
-        return False
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang_tiered.integration.host_setup import speculative_algorithm
 
-    try:
-        algo = SpeculativeAlgorithm.from_string(name)
-    except ValueError:
-        return False
-    return bool(getattr(algo, "is_eagle", lambda: False)())
+    algo = speculative_algorithm(server_args)
+    return algo is not None and bool(getattr(algo, "is_eagle", lambda: False)())
 
 
 def _before_check_server_args(server_args, *args, **kwargs):

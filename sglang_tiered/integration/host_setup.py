@@ -140,18 +140,24 @@ def draft_kv(server_args) -> bool:
     slots in a pool of its own (STANDALONE, DFLASH, DSPARK, UNO, EAGLE-style ones, a plugin's;
     not NGRAM, which has no draft model). T1 moves the target's KV only (SGLang's HiCache moves
     the draft's too: ``hicache_draft_plan``, mem_cache/kv_cache_builder.py:427-461), so a page
-    promoted from T1 left the draft reading another sequence's KV at those slots (a helper's
-    audit, session 39). An unknown name is SGLang's to refuse."""
+    promoted from T1 left the draft reading another sequence's KV at those slots (review,
+    session 39). An unknown name is SGLang's to refuse."""
+    algo = speculative_algorithm(server_args)
+    return algo is not None and bool(algo.is_speculative()) and not bool(getattr(algo, "is_ngram", lambda: False)())
+
+
+def speculative_algorithm(server_args):
+    """SGLang's ``SpeculativeAlgorithm`` of ``--speculative-algorithm``; None without one, or for
+    a name SGLang does not know (SGLang's to refuse)."""
     name = getattr(server_args, "speculative_algorithm", None)
     if not name:
-        return False
+        return None
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     try:
-        algo = SpeculativeAlgorithm.from_string(name)
+        return SpeculativeAlgorithm.from_string(name)
     except ValueError:
-        return False
-    return bool(algo.is_speculative()) and not bool(getattr(algo, "is_ngram", lambda: False)())
+        return None
 
 
 def t1_share(ctx) -> int:
