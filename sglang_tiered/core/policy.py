@@ -104,15 +104,24 @@ real cache's own hits on the same (sampled) pages are counted too. It then follo
   that the two drop the same pages where they can (session 19: in the adaptive order a 618-page
   leaf went for a 97-page request, family-096 at page size 1, 0.46 points below lru; now
   ``O`` is 0 there, 8,971 raw). Once lru is followed again and the real cache is lru's tree
-  again (its pages, cut into lru's nodes: ``_converged``) the cap is off: the real cache then is
-  SGLang's lru. Until then it stays on (``guard_cap_converging``, session 38): the pages the
+  again (its pages, cut into lru's nodes, in lru's order: ``_converged``) the cap is off: the
+  real cache then is SGLang's lru. Until then it stays on (``guard_cap_converging``, session 38): the pages the
   real cache holds and lru does not need not be older than lru's, because the two trees' node
   boundaries differ after an episode and SGLang stamps both halves of a node it splits (a
   helper's attack: the real cache's [S Y] against lru's [S] -> [Y]; a request partly matching S
   stamped the unused Y in the real cache alone, which then kept Y and dropped pages lru reused,
   0.36 points below lru, and 0.28 with the cap already off because the pages agreed;
   tests/test_review38_split.py). With the cap on they go first once the budget is spent, so
-  every page of lru's the real cache drops is still paid for or counted in ``O``. That needs the real cache's
+  every page of lru's the real cache drops is still paid for or counted in ``O``. The
+  boundaries alone do not say the trees are the same (session 39): the split that makes them
+  agree stamps the real cache's unused half as new where lru's keeps its old touch, and a
+  helper's attacker timed that split to the comparison, turned the cap off and ended 0.28
+  points below lru; so the comparison includes the order (sorted by lru's touches, the real
+  cache's lru ticks never go down; ``SafetyDuel._same_tree``, tests/test_review39_order.py).
+  The budget mode (no cap away from lru) keeps the cap while converging too, at its own price
+  per page (``_page_value``), so that a boundary divergence, which ``|L - R|`` does not see,
+  costs no more than its bound lets (the same attacker with eight such pairs: 660 pages
+  lost, 0.72 points below lru, against a bound of 375). That needs the real cache's
   lru order to be its last uses: the adaptive order ages cold prompts' nodes and keeps a split
   node's old tick, and such a node the cap had kept (lru held it too) went before older pages
   after the switch, a loss no bound saw (session 24: 0.91 and 0.34 points below lru on review
@@ -438,7 +447,10 @@ class PolicyConfig:
     # (the divergence stops being counted): the pages it holds that lru does not need not be
     # older than lru's (after an episode the two trees' node boundaries differ, and SGLang stamps
     # both halves of a node it splits), so with the budget spent they go first. False: off while
-    # lru is followed (before session 38: a helper's built trace ended 0.36 points below lru)
+    # lru is followed (before session 38: a helper's built trace ended 0.36 points below lru).
+    # "Again" is its pages, its node boundaries and its lru order (session 39); in the budget
+    # mode (``guard_div_cap=False``) the cap acts while converging too, at the budget's price
+    # per page (core/safety.py ``div_room``)
     guard_cap_converging: bool = True
     # Follow the leader (opt-in, ``SGLANG_TIERED_GUARANTEE=leader``): no bound against lru. After
     # every request the real cache follows, exactly, whichever of SGLang's orders (lru, slru, lfu)

@@ -553,6 +553,16 @@ class TreeShadow:
             stack.extend(n.children.values())
         return out
 
+    def lasts(self) -> dict:
+        """The last page of every node -> (its last touch, its creation order): ``bounds`` with
+        the order lru evicts in (``SafetyDuel._converged`` compares it with the real tree's)."""
+        out, stack = {}, list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out[n.key[-1]] = (n.last, n.seq)
+            stack.extend(n.children.values())
+        return out
+
     def check(self) -> None:
         seen, stack = 0, [self.root]
         live = {id(e[3]) for e in self.heap if e[3].stamp == e[2]}

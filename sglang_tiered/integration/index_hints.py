@@ -20,14 +20,16 @@ def tree_pages(root) -> set:
     return held
 
 
-def tree_bounds(root) -> set:
+def tree_ticks(root) -> dict:
     """The last page hash of every node under ``root`` (a node not hashed: its id, which matches
-    no page, so two trees compare unequal): with the same pages, the same node boundaries."""
-    out, stack = set(), list(root.children.values())
+    no page, so two trees compare unequal) -> its lru tick (``tiered_lru``: its last use): with
+    the same pages, the same keys are the same node boundaries, and the ticks the order lru
+    evicts the real tree in."""
+    out, stack = {}, list(root.children.values())
     while stack:
         n = stack.pop()
         stack.extend(n.children.values())
-        out.add(n.tiered_hashes[-1] if n.tiered_hashes else ("node", n.id))
+        out[n.tiered_hashes[-1] if n.tiered_hashes else ("node", n.id)] = n.tiered_lru
     return out
 
 

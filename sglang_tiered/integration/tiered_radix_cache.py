@@ -40,7 +40,7 @@ from sglang_tiered.integration import build, tree_ops
 from sglang_tiered.integration.admission import COUNTED_MAX as IN_FLIGHT_MAX, SEEN, Admission, no_store
 from sglang_tiered.integration.clock import LogicalClock
 from sglang_tiered.integration.evict import Eviction
-from sglang_tiered.integration.index_hints import IndexHints, tree_bounds, tree_pages
+from sglang_tiered.integration.index_hints import IndexHints, tree_pages, tree_ticks
 from sglang_tiered.integration.invalidation import Invalidation
 from sglang_tiered.integration.invariants import check_cache
 from sglang_tiered.integration.page_hashes import PageHashes
@@ -112,10 +112,11 @@ class TieredRadixCache(RadixCache):
         root = getattr(self, "root_node", None)
         return set() if root is None else tree_pages(root)
 
-    def device_bounds(self) -> set:
-        """The last page hash of every node of the device tree (``tree_bounds``)."""
+    def device_bounds(self) -> dict:
+        """The last page hash of every node of the device tree -> its lru tick (``tree_ticks``):
+        its node boundaries and the order lru evicts them in."""
         root = getattr(self, "root_node", None)
-        return set() if root is None else tree_bounds(root)
+        return {} if root is None else tree_ticks(root)
 
     # ------------------------------------------------------------------ construction
     @classmethod
