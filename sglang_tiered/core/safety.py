@@ -512,16 +512,13 @@ class SafetyDuel:
         return False
 
     def _same_tree(self, real) -> bool:
-        """``real`` (the real tree's node boundaries: a set of last pages, or a dict of them ->
-        lru tick) agrees with lru's tree: the same boundaries and, given ticks, the same lru
-        order (sorted by lru's last touches, the real ticks never go down). Boundaries alone
+        """``real`` (the real tree's node boundaries: its last pages -> their lru ticks) agrees
+        with lru's tree: the same boundaries and the same lru order (sorted by lru's last touches, the real ticks never go down). Boundaries alone
         are not enough: the split that makes them agree stamps both halves of the real node
         as used now, the unused one included, where lru's tree keeps its old touch (a helper's
         hunt, session 39: the split timed to the comparison turned the cap off with the real
         cache's Y newer than lru's; it kept Y and dropped the pages lru reused, 0.28 points
         below lru; tests/test_review39_order.py)."""
-        if not isinstance(real, dict):
-            return self._shadow.bounds() == real
         sh = self._shadow.lasts()
         if sh.keys() != real.keys():
             return False

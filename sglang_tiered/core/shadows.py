@@ -544,14 +544,8 @@ class TreeShadow:
         return out
 
     def bounds(self) -> set:
-        """The last page of every node: with the same pages, two trees whose node boundaries
-        (these sets) agree are the same tree."""
-        out, stack = set(), list(self.root.children.values())
-        while stack:
-            n = stack.pop()
-            out.add(n.key[-1])
-            stack.extend(n.children.values())
-        return out
+        """The last page of every node (``lasts``' keys): its node boundaries."""
+        return set(self.lasts())
 
     def lasts(self) -> dict:
         """The last page of every node -> (its last touch, its creation order): ``bounds`` with

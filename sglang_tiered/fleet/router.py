@@ -667,18 +667,14 @@ class Router:
         ws.healthy = False
 
     def _owed_scope(self, plain: bytes, headers: list) -> tuple:
-        """What an owed invalidation acts on: its body without the generation, canonical (key
-        order, spacing), and the headers the workers judge it by (the tenant header, the key).
-        Keyed by every header, each call with its own ``x-request-id`` or trace header was a new
-        scope, so one tenant invalidating its own cache a few thousand times while a worker was
-        down pushed another tenant's owed invalidation past OWED_MAX (review, session 39)."""
-        try:
-            doc = json.loads(plain)
-            body = json.dumps(doc, sort_keys=True).encode() if isinstance(doc, dict) else plain
-        except (ValueError, RecursionError, TypeError):
-            body = plain
+        """What an owed invalidation acts on: its body without the generation (canonical, as
+        ``passthrough`` re-encodes it: keys sorted, one spacing), and the headers the workers
+        judge it by (the tenant header, the key). Keyed by every header, each call with its own
+        ``x-request-id`` or trace header was a new scope, so one tenant invalidating its own cache
+        a few thousand times while a worker was down pushed another tenant's owed invalidation
+        past OWED_MAX (review, session 39)."""
         judged = ("authorization", self.tenant_header)
-        return body, tuple(sorted((k.lower(), v) for k, v in headers if k.lower() in judged))
+        return plain, tuple(sorted((k.lower(), v) for k, v in headers if k.lower() in judged))
 
     async def _pay(self, ws: "WorkerState") -> bool:
         """Deliver what ``ws`` owes, oldest first; True when it owes nothing now. A 2xx or a 4xx
@@ -1386,7 +1382,8 @@ class Router:
                 doc = None
             plain = raw  # (a server from before session 23 refuses the field: sent again without it)
             if isinstance(doc, dict):
-                plain = json.dumps({k: v for k, v in doc.items() if k != "generation"}).encode()
+                # (keys sorted: also what an owed call's scope is keyed by, ``_owed_scope``)
+                plain = json.dumps({k: v for k, v in doc.items() if k != "generation"}, sort_keys=True).encode()
             if isinstance(doc, dict) and doc.get("generation") is None:
                 doc["generation"] = time.time_ns()
                 raw = json.dumps(doc).encode()  # (content-length is not forwarded: aiohttp sets it)

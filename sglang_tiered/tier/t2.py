@@ -98,6 +98,16 @@ LEASE_MARGIN_S = 0.05  # past a lease we took (measured from our call's return, 
 _LOG_COMPACT_BYTES = 1 << 20  # the generations log is folded into the file past this (off the scheduler thread)
 
 
+def _fold(alls: int, tenants: dict) -> tuple[int, dict]:
+    """Generations as kept (in memory, in the file): tenants at or below "all" dropped, and past
+    ``_INVALIDATIONS`` the oldest folded into "all"; the rest oldest first."""
+    kept = sorted((g, t) for t, g in tenants.items() if g > alls)
+    if len(kept) > _INVALIDATIONS:
+        alls = max(alls, kept[-_INVALIDATIONS - 1][0])
+        kept = kept[-_INVALIDATIONS:]
+    return alls, {t: g for g, t in kept}
+
+
 def _log_line(who: str, gen: int) -> str:
     """One line of the generations log: ``<tenant|all> <generation> <crc32 of the two>``."""
     body = f"{who} {gen}"
@@ -858,11 +868,7 @@ class T2Tier:
             alls, tenants = 0, {}
         for p in (old, log):
             alls = self._read_log(p, alls, tenants)
-        kept = sorted((g, t) for t, g in tenants.items() if g > alls)
-        if len(kept) > _INVALIDATIONS:
-            alls = max(alls, kept[-_INVALIDATIONS - 1][0])
-            kept = kept[-_INVALIDATIONS:]
-        return alls, {t: g for g, t in kept}
+        return _fold(alls, tenants)
 
     def _load_generations(self) -> None:
         """The generations this model's T2 keys were at (``state_path``): an invalidation before
@@ -949,11 +955,8 @@ class T2Tier:
                     alls = max(alls, memory[0])
                     for t, g in memory[1].items():
                         tenants[t] = max(g, tenants.get(t, 0))
-                kept = sorted((g, t) for t, g in tenants.items() if g > alls)
-                if len(kept) > _INVALIDATIONS:
-                    alls = max(alls, kept[-_INVALIDATIONS - 1][0])
-                    kept = kept[-_INVALIDATIONS:]
-                doc = {"all": alls, "tenants": {str(t): g for g, t in kept}}
+                alls, tenants = _fold(alls, tenants)
+                doc = {"all": alls, "tenants": {str(t): g for t, g in tenants.items()}}
                 tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
                 tmp.write_text(json.dumps(doc))
                 os.replace(tmp, path)
