@@ -126,16 +126,22 @@ def timed_split(cfg=None, seed=0, C=800, s_pages=30, y_pages=300, f_parts=10, pr
         k += 1
     d.send(S + T.fresh(PAGE + 3))  # the real [S Y] splits: the boundaries agree, Y stamped now
     d.send(T.fresh(5))  # nothing stored: the comparison runs
-    k = 0
-    while d.holds(d.lru.cache, S + Y, last=True) and k < 3000:
-        d.send(T.fresh(press_pages * PAGE))
-        k += 1
-    d.send(T.fresh(5))
-    for f in Fs:
-        d.send(f + T.fresh(5))
+    _press_then_reuse(d, [(S, Y)], Fs, press_pages)
     pol.check_invariants()
     d.cache.check_invariants()
     return d.margin(), (d.lh - d.th) // PAGE, pol._refs
+
+
+def _press_then_reuse(d, held, Fs, press_pages):
+    """Pressure until lru's cache has dropped every ``S + Y`` of ``held``, one request that stores
+    nothing, then each filler of ``Fs`` reused."""
+    T, n = d.T, 0
+    while any(d.holds(d.lru.cache, S + Y, last=True) for S, Y in held) and n < 3000:
+        d.send(T.fresh(press_pages * PAGE))
+        n += 1
+    d.send(T.fresh(5))
+    for f in Fs:
+        d.send(f + T.fresh(5))
 
 
 def pairs(cfg=BUDGET, seed=0, C=800, k=8, s_pages=20, y_pages=60, press_pages=2):
@@ -155,13 +161,7 @@ def pairs(cfg=BUDGET, seed=0, C=800, k=8, s_pages=20, y_pages=60, press_pages=2)
         d.send(f + T.fresh(3))
     for S in Ss:  # each real [S_i Y_i] splits: Y_i stamped now in the real cache alone
         d.send(S + T.fresh(PAGE + 3))
-    n = 0
-    while any(d.holds(d.lru.cache, S + Y, last=True) for S, Y in zip(Ss, Ys)) and n < 3000:
-        d.send(T.fresh(press_pages * PAGE))
-        n += 1
-    d.send(T.fresh(5))
-    for f in Fs:
-        d.send(f + T.fresh(5))
+    _press_then_reuse(d, list(zip(Ss, Ys)), Fs, press_pages)
     pol.check_invariants()
     d.cache.check_invariants()
     bound = pol.cfg.guard_budget * pol._refs + d.max_req + d.max_l
