@@ -233,6 +233,31 @@ def _bigram_keys(server_args) -> bool:
     return algo is not None and bool(getattr(algo, "is_eagle", lambda: False)())
 
 
+def _not_full_attention(server_args):
+    """Why the model is not one the tiered backend serves (hybrid sliding-window, recurrent-state or
+    DSA attention), read from its config before the weights load; None when it is, or when the
+    config cannot be read here (the cache factory refuses such a model then, after the load).
+
+    The flags are SGLang's own (mem_cache/kv_cache_builder.py ``build_kv_cache``): its model
+    config's ``is_hybrid_swa``, ``uses_ssm_state``, ``is_deepseek_dsa``. A DeepSeek-V4 checkpoint is
+    left to the factory: its pool may turn the sliding-window allocator off at run time."""
+    try:
+        from sglang.srt.configs.model_config import ModelConfig, is_deepseek_dsa
+        from sglang.srt.mem_cache.kv_cache_builder import uses_ssm_state
+
+        mc = ModelConfig.from_server_args(server_args)
+        archs = list(getattr(mc.hf_config, "architectures", None) or ())
+        swa = bool(mc.is_hybrid_swa) and "DeepseekV4ForCausalLM" not in archs
+        ssm, dsa = bool(uses_ssm_state(mc)), bool(is_deepseek_dsa(mc.hf_config))
+    except Exception as exc:  # an unreadable config is SGLang's to report, with its own message
+        logger.debug("sglang-tiered: model config not read before the load (%s)", exc)
+        return None
+    if not (swa or ssm or dsa):
+        return None
+    return ("--radix-cache-backend tiered supports full-attention models only "
+            f"(hybrid_swa={swa}, hybrid_ssm={ssm}, dsa={dsa}; architectures {archs})")
+
+
 def _before_check_server_args(server_args, *args, **kwargs):
     """In the launcher, before any scheduler starts, for the tiered backend only: the environment
     (``load_config``, which plugin.register only warns about: a stock server must not stop for
@@ -245,6 +270,9 @@ def _before_check_server_args(server_args, *args, **kwargs):
     try:
         cfg = load_config()
         check_server_args(cfg, server_args, bigram_keys=_bigram_keys(server_args), draft_kv=draft_kv(server_args))
+        why = _not_full_attention(server_args)
+        if why is not None:
+            raise ConfigError(why)
         _claim_named_host_tier(cfg)
     except ConfigError as exc:
         msg = f"sglang-tiered: invalid configuration: {exc}"
