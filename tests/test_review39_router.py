@@ -59,7 +59,7 @@ def test_another_tenants_invalidations_cannot_push_out_an_owed_one(monkeypatch):
                     async with s.post(url + "/cache/invalidate", json={"tenant": "B"},
                                       headers={"x-tenant": "B", "x-request-id": f"b-{i}"}) as resp:  # fmt: skip
                         assert resp.status == 503
-            owed = [json.loads(raw) for raw, _, _ in router.workers[u1].owed.values()]
+            owed = [json.loads(raw) for raw, *_ in router.workers[u1].owed.values()]
             assert any(d.get("tenant") == "A" for d in owed), owed
             # B's six calls are one scope: the newest of them
             assert [d.get("tenant") for d in owed].count("B") == 1, owed

@@ -139,6 +139,19 @@ ERROR_COOLDOWN_S = 5.0
 # key: ``_owed_scope``) replaces an older one (generations only move up); past OWED_MAX scopes per
 # worker the oldest is dropped, with a warning.
 OWED_MAX = 4096
+# The other fleet-wide calls a worker must not miss are owed the same way, in order with its
+# owed invalidations (session 40: a worker down through a /flush_cache came back serving what the
+# flush dropped, and one down through a weight or adapter update came back on the old weights or
+# adapters, routed to again beside peers on the new ones). A newer call of one of SUPERSEDING
+# replaces an owed older one (a flush, a full load, a version label: the last one is what counts);
+# every adapter load and unload is kept, in order. Delivery waits up to OWED_SLOW_S for a weight
+# or adapter load (a checkpoint read), OWED_TIMEOUT_S for the others; a flush SGLang refuses
+# (400: requests still running) is tried again at the next health check, not dropped.
+OWED_ROUTES = frozenset(("/cache/invalidate", "/flush_cache", "/update_weights_from_disk", "/update_weight_version",
+                         "/load_lora_adapter", "/unload_lora_adapter"))  # fmt: skip
+SUPERSEDING = frozenset(("/flush_cache", "/update_weights_from_disk", "/update_weight_version"))
+OWED_TIMEOUT_S = 10.0
+OWED_SLOW_S = 600.0
 # A compressed request body is decoded to at most this many bytes (413 past it; ``max_body_mb``
 # when lower): a 1 MiB gzip upload that decodes to 1.1 GiB held the event loop for 12-16 s and
 # took the router to 2.1 GiB (review, session 32). SGLang itself does not decode request bodies.
@@ -330,8 +343,8 @@ class WorkerState:
     first_miss_at: float = 0.0  # when the health checks began to miss (``missed`` went from 0 to 1)
     answered_at: float = 0.0  # when the worker last answered a proxied request (its status line)
     waiting: dict = field(default_factory=dict)  # handler tasks waiting for its answer (-> None)
-    # invalidations it did not take: (body without the generation, headers) -> (body, that
-    # body without the generation, headers), oldest first (``Router._owe``)
+    # fleet-wide calls it did not take (``OWED_ROUTES``): their scope (``Router._owed_scope``) ->
+    # (body, that body without the generation, headers, method, path and query), oldest first
     owed: OrderedDict = field(default_factory=OrderedDict)
     owed_warned_at: float = -1e9
     owed_status: int = 502  # its answer to the last invalidation it did not take (a 5xx)
@@ -440,6 +453,7 @@ class Router:
         # ``lora_ids``: those of the workers that share ``cache_key``
         self.adapters: dict[str, dict] = {}
         self.lora_ids: dict = {}
+        self._owed_seq = 0  # (``_owed_scope``: each owed adapter call a scope of its own)
         self._seeds: dict = {}  # CacheKey -> {namespace memo: seed} (bounded)
         self._memory_seeds: dict = {}
         self._ckey_task = None
@@ -652,13 +666,15 @@ class Router:
         return ([w for w in ws if w.healthy] or [w for w in ws if not w.owed] or ws
                 or list(self.workers.values()))  # fmt: skip
 
-    def _owe(self, ws: "WorkerState", raw: bytes, plain: bytes, headers: list) -> None:
+    def _owe(self, ws: "WorkerState", raw: bytes, plain: bytes, headers: list, method: str = "POST",
+             path_qs: str = "/cache/invalidate") -> None:  # fmt: skip
         """``ws`` did not take the invalidation ``raw`` (``plain``: without its generation, for a
-        server that refuses the field): kept for it, and it leaves the routing set until
-        ``_pay`` delivers it (``OWED_MAX``)."""
-        key = self._owed_scope(plain, headers)
+        server that refuses the field), or another of ``OWED_ROUTES`` (``method`` ``path_qs``,
+        ``plain`` its body as well): kept for it, and it leaves the routing set until ``_pay``
+        delivers it (``OWED_MAX``)."""
+        key = self._owed_scope(plain, headers, path_qs.split("?", 1)[0])
         ws.owed.pop(key, None)  # (a newer one of the same scope replaces it: generations only move up)
-        ws.owed[key] = (raw, plain, headers)
+        ws.owed[key] = (raw, plain, headers, method, path_qs)
         self.stats.owed_invalidations += 1
         if len(ws.owed) > OWED_MAX:
             ws.owed.popitem(last=False)
@@ -666,13 +682,19 @@ class Router:
             logger.warning("router: %s owes over %d invalidations; the oldest is dropped", ws.url, OWED_MAX)
         ws.healthy = False
 
-    def _owed_scope(self, plain: bytes, headers: list) -> tuple:
+    def _owed_scope(self, plain: bytes, headers: list, path: str = "/cache/invalidate") -> tuple:
         """What an owed invalidation acts on: its body without the generation (canonical, as
         ``passthrough`` re-encodes it: keys sorted, one spacing), and the headers the workers
         judge it by (the tenant header, the key). Keyed by every header, each call with its own
         ``x-request-id`` or trace header was a new scope, so one tenant invalidating its own cache
         a few thousand times while a worker was down pushed another tenant's owed invalidation
-        past OWED_MAX (review, session 39)."""
+        past OWED_MAX (review, session 39). Another route's: the route (``SUPERSEDING``: a newer
+        call replaces the older), or a scope of its own (adapter loads and unloads: each kept)."""
+        if path in SUPERSEDING:
+            return (path,)
+        if path != "/cache/invalidate":
+            self._owed_seq += 1
+            return path, self._owed_seq
         judged = ("authorization", self.tenant_header)
         return plain, tuple(sorted((k.lower(), v) for k, v in headers if k.lower() in judged))
 
@@ -684,18 +706,25 @@ class Router:
 
         while ws.owed:
             key, entry = next(iter(ws.owed.items()))
-            raw, plain, headers = entry
+            raw, plain, headers, method, path_qs = entry
+            path = path_qs.split("?", 1)[0]
+            slow = path in ("/update_weights_from_disk", "/load_lora_adapter")
+            timeout = aiohttp.ClientTimeout(total=OWED_SLOW_S if slow else OWED_TIMEOUT_S)
             try:
-                status, text = await self._invalidate_one(ws, raw, plain, headers, aiohttp.ClientTimeout(total=10))
+                if path == "/cache/invalidate":
+                    status, text = await self._invalidate_one(ws, raw, plain, headers, timeout)
+                else:
+                    status, text = await self._send(ws, method, path_qs, raw, headers, timeout)
             except Exception as exc:  # noqa: BLE001 - still owed: the next health check tries again
                 status, text = 502, f"{type(exc).__name__}: {exc}"
-            if status >= 500:
+            if status >= 500 or (status == 400 and path == "/flush_cache"):  # (a flush: not idle yet)
                 ws.owed_status = status
                 now = time.monotonic()
                 if now - ws.owed_warned_at >= 60.0:  # (the reason it stays out of the routing set)
                     ws.owed_warned_at = now
-                    logger.warning("router: %s answers and owes %d invalidation(s), but did not take one (%d: %s); "
-                                   "out of the routing set until it does", ws.url, len(ws.owed), status, text[:200])  # fmt: skip
+                    logger.warning("router: %s answers and owes %d fleet-wide call(s), but did not take %s (%d: %s); "
+                                   "out of the routing set until it does", ws.url, len(ws.owed), path, status,
+                                   text[:200])  # fmt: skip
                 return False
             if ws.owed.get(key) is entry:
                 # (only what was delivered: a newer invalidation of the same scope that replaced it
@@ -706,8 +735,8 @@ class Router:
                 self.stats.owed_delivered += 1
             else:
                 self.stats.owed_refused += 1
-                logger.warning("router: %s refused an invalidation it was owed (%d: %s); dropped",
-                               ws.url, status, text[:200])  # fmt: skip
+                logger.warning("router: %s refused the %s it was owed (%d: %s); dropped",
+                               ws.url, path, status, text[:200])  # fmt: skip
         return True
 
     async def _invalidate_one(self, ws: "WorkerState", raw: bytes, plain: bytes, headers: list,
@@ -1387,18 +1416,23 @@ class Router:
             if isinstance(doc, dict) and doc.get("generation") is None:
                 doc["generation"] = time.time_ns()
                 raw = json.dumps(doc).encode()  # (content-length is not forwarded: aiohttp sets it)
+        owable = fleet_wide and request.path in OWED_ROUTES
+        if owable and not invalidate:
+            plain = raw
         if fleet_wide:
             async def one(ws):
                 try:
-                    if invalidate:
+                    if owable:
                         if ws.owed:
                             # queued behind what it owes (``_pay`` delivers in order), answered as
                             # its last try went: sent now, it took this generation before an older
                             # one it owed, and the older one then moved its T2 to a generation of
                             # its own (max(given, current + 1)), off the fleet's, removing the
                             # fleet's objects under the one it had taken (review, session 39)
-                            return ws.url, ws.owed_status, f"queued behind {len(ws.owed)} owed invalidation(s)"
-                        return (ws.url, *await self._invalidate_one(ws, raw, plain, headers))
+                            # (another owed route keeps its order with them too)
+                            return ws.url, ws.owed_status, f"queued behind {len(ws.owed)} owed call(s)"
+                        if invalidate:
+                            return (ws.url, *await self._invalidate_one(ws, raw, plain, headers))
                     return (ws.url, *await self._send(ws, request.method, request.path_qs, raw, headers))
                 except Exception as exc:  # noqa: BLE001
                     return ws.url, 502, f"{type(exc).__name__}: {exc}"[:1000]
@@ -1410,10 +1444,12 @@ class Router:
             refused = [st for _, st, _ in res if 400 <= st < 500]
             status = min(refused) if refused else max(st for _, st, _ in res)
             doc = {self._worker_name(request, u): {"status": st, "body": b} for u, st, b in res}
-            if invalidate and not refused:
+            # (a flush has no body to refuse: one worker's 400, requests still running there, is
+            # its own, and a worker down meanwhile still owes the flush)
+            if owable and (not refused or request.path == "/flush_cache"):
                 for ws, (u, st, _) in zip(targets, res):
                     if st >= 500:  # it did not take it: kept for it, out of the routing set meanwhile
-                        self._owe(ws, raw, plain, headers)
+                        self._owe(ws, raw, plain, headers, request.method, request.path_qs)
                         ws.owed_status = st
                         doc[self._worker_name(request, u)]["owed"] = True
             return web.json_response(doc, status=status)

@@ -1,0 +1,124 @@
+"""Every fleet-wide call a worker must not miss is owed to it (session 40).
+
+Before, only ``/cache/invalidate`` was owed: a worker down through a ``/flush_cache``, an
+``/update_weights_from_disk``, an ``/update_weight_version`` or an adapter load or unload came back
+and was routed to again with the flushed KV, the old weights or the old adapters, beside peers on
+the new ones (the broadcast answered 502 for it and forgot). Now each is kept for it, in order
+with its owed invalidations, and delivered before it routes again. Stub aiohttp workers on
+127.0.0.1, the real Router app in front of them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+
+from sglang_tiered.fleet.router import Router
+from tests.test_fleet_hardening import _serve
+from tests.test_fleet_owed import _gen, _until
+
+ROUTES = ("/flush_cache", "/update_weights_from_disk", "/update_weight_version", "/load_lora_adapter",
+          "/unload_lora_adapter", "/cache/invalidate")  # fmt: skip
+
+
+def _worker(name: str, log: list, state: dict):
+    """A stub worker: ``/generate`` answers its name; every route of ROUTES logs (name, path,
+    method, body) and answers ``state[path]`` (200 by default)."""
+    app = web.Application()
+
+    async def gen(req):
+        await req.read()
+        log.append((name, "/generate", req.method, None))
+        return web.json_response({"text": name, "meta_info": {}})
+
+    async def call(req):
+        raw = await req.read()
+        st = state.get(req.path, 200)
+        log.append((name, req.path, req.method, raw.decode() or None, st))
+        return web.json_response({"success": st < 300}, status=st)
+
+    app.router.add_post("/generate", gen)
+    for route in ROUTES:
+        app.router.add_route("*", route, call)
+    app.router.add_get("/health", lambda _: web.json_response({}))
+    return app
+
+
+def test_a_worker_down_through_flush_weights_and_adapter_calls_gets_them_before_it_routes_again():
+    """w1 is down through a flush, two weight updates, a version label, two adapter loads, an
+    unload and an invalidation: each answer says it is owed; back on its port, w1 gets them in
+    order (the newer weight update in place of the older, both adapter loads), the flush it first
+    refuses (400: requests running) is tried again, not dropped (the rest wait behind it), and no request reaches w1 before."""
+
+    async def main():
+        log: list = []
+        r0, u0 = await _serve(_worker("w0", log, {}))
+        runner = web.AppRunner(_worker("w1", log, {}))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        u1 = f"http://127.0.0.1:{port}"
+        await runner.cleanup()  # w1 is down
+        router = Router([u0, u1], None, load_poll_s=0, model_path="", health_interval_s=0.1)
+        rr, url = await _serve(router.app())
+        calls = [("GET", "/flush_cache", None), ("POST", "/update_weights_from_disk", {"model_path": "/m/v1"}),
+                 ("POST", "/load_lora_adapter", {"lora_name": "a", "lora_path": "/l/a"}),
+                 ("POST", "/update_weights_from_disk", {"model_path": "/m/v2"}),
+                 ("POST", "/update_weight_version", {"new_version": "v2"}),
+                 ("POST", "/load_lora_adapter", {"lora_name": "b", "lora_path": "/l/b"}),
+                 ("POST", "/unload_lora_adapter", {"lora_name": "a"}),
+                 ("POST", "/cache/invalidate", {"tenant": "t", "generation": 5})]  # fmt: skip
+        state1: dict = {"/flush_cache": 400}
+        try:
+            async with aiohttp.ClientSession() as s:
+                for method, path, body in calls:
+                    async with s.request(method, url + path, json=body) as resp:
+                        doc = await resp.json()
+                    assert resp.status == 502 and doc[u1].get("owed") is True, (path, doc)
+                assert set(await _gen(s, url, 4)) == {"w0"}
+                runner = web.AppRunner(_worker("w1", log, state1))  # back, on the same port
+                await runner.setup()
+                await web.TCPSite(runner, "127.0.0.1", port).start()
+                await _until(lambda: any(e[:2] == ("w1", "/flush_cache") for e in log))
+                await asyncio.sleep(0.4)
+                assert not router.workers[u1].healthy and router.workers[u1].owed  # (the flush is still owed)
+                state1["/flush_cache"] = 200
+                await _until(lambda: router.workers[u1].healthy)
+                took = [(p, m, b) for w, p, m, b, *st in log if w == "w1" and p != "/generate" and st == [200]]
+                assert [p for p, _, _ in took] == ["/flush_cache", "/load_lora_adapter", "/update_weights_from_disk",
+                                                   "/update_weight_version", "/load_lora_adapter",
+                                                   "/unload_lora_adapter", "/cache/invalidate"], took  # fmt: skip
+                assert took[0][1] == "GET" and '"/m/v2"' in took[2][2], took
+                assert not any(w == "w1" and p == "/generate" for w, p, *_ in log)
+                assert "w1" in set(await _gen(s, url, 6))
+        finally:
+            await rr.cleanup()
+            await r0.cleanup()
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_a_flush_is_owed_to_a_down_worker_even_when_a_busy_peer_refuses_it():
+    """w0 answers 400 to the flush (requests still running there) while w1 is down: the answer is
+    w0's 400, and w1 still owes the flush (a body that one worker refuses is refused by all, but a
+    flush has none)."""
+
+    async def main():
+        log: list = []
+        r0, u0 = await _serve(_worker("w0", log, {"/flush_cache": 400}))
+        router = Router([u0, "http://127.0.0.1:1"], None, load_poll_s=0, model_path="", health_interval_s=30)
+        rr, url = await _serve(router.app())
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/flush_cache") as resp:
+                    doc = await resp.json()
+                assert resp.status == 400 and doc["http://127.0.0.1:1"].get("owed") is True, doc
+                assert len(router.workers["http://127.0.0.1:1"].owed) == 1
+        finally:
+            await rr.cleanup()
+            await r0.cleanup()
+
+    asyncio.run(main())
