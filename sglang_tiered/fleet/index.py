@@ -3,7 +3,11 @@
 Layout (all keys under ``st:``):
 
 * ``st:p:<16-byte page hash>``: a Redis hash, field = server id, value = unix seconds of that
-  server's last publication of the page. The key's expiry is refreshed on every publication.
+  server's last publication of the page. The key's expiry is refreshed on every publication. A
+  server with several trees (data-parallel replicas, DP attention ranks) publishes each tree's
+  pages under a field of its own, ``<server id>#<rank>`` (``holder_field``): a reader counts it
+  as the server's. With one field, only the first tree published (its pages alone were seen), and
+  trees sharing it would withdraw or clear each other's claims (session 40).
 * ``st:alive:<server id>``: heartbeat, expires after the TTL.
 * ``st:ckey:<server id>``: the server's ``CacheKey`` (JSON), so a router hashes prompts the same way.
 
@@ -42,6 +46,17 @@ def ckey_key(server_id: str) -> bytes:
     return PREFIX + b"ckey:" + server_id.encode()
 
 
+def holder_field(server_id: str, rank: str = "") -> str:
+    """The field a server's tree claims pages under: the server id, or for a tree other than its
+    first, ``<server id>#<rank>`` (server ids have no ``#``: config.py)."""
+    return f"{server_id}#{rank}" if rank else server_id
+
+
+def holder_of(field: str) -> str:
+    """The server id a page field names (``holder_field``)."""
+    return field.split("#", 1)[0]
+
+
 def holders_from_replies(page_replies: Sequence[dict], alive: dict[str, bool], ttl_s: float,
                          now: float | None = None) -> list[set]:  # fmt: skip
     """Per page, the set of live servers whose entry is fresh (``page_replies``: HGETALL results)."""
@@ -50,7 +65,7 @@ def holders_from_replies(page_replies: Sequence[dict], alive: dict[str, bool], t
     for rep in page_replies:
         s = set()
         for f, v in (rep or {}).items():
-            sid = f.decode() if isinstance(f, bytes) else f
+            sid = holder_of(f.decode() if isinstance(f, bytes) else f)
             try:
                 fresh = now - float(v) <= ttl_s
             except (TypeError, ValueError):
@@ -64,7 +79,8 @@ def holders_from_replies(page_replies: Sequence[dict], alive: dict[str, bool], t
 # KEYS = n heartbeat keys, then page keys in prompt order; ARGV = n, now (unix s), ttl (s), then the
 # n server ids (same order as the heartbeats). Returns {server id, matched pages, ...} for every
 # live server holding at least the first page (a server counts for a page when its field is no
-# older than the TTL). Same rule as holders_from_replies + routing.longest_match. A page key that is
+# older than the TTL; a field ``<id>#<rank>``, one of its trees: ``holder_field``, counts as the
+# server's). Same rule as holders_from_replies + routing.longest_match. A page key that is
 # not a hash (WRONGTYPE) ends the match there: before session 37 it failed the script, which the
 # router took for Redis down, so one bad key cost every tenant the index for a second at a time.
 LOOKUP_LUA = """
@@ -83,6 +99,8 @@ for j = n + 1, #KEYS do
   local any = false
   for k = 1, #h, 2 do
     local sid = h[k]
+    local cut = string.find(sid, '#', 1, true)
+    if cut then sid = string.sub(sid, 1, cut - 1) end
     local v = tonumber(h[k + 1])
     if cur[sid] and v and now - v <= ttl then
       nxt[sid] = true

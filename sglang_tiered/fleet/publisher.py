@@ -1,6 +1,7 @@
 """Publish the page hashes a server holds to the fleet hint index (Redis), off the request path.
 
-Runs in the scheduler process of TP rank 0. The scheduler thread only appends to a bounded queue
+Runs in the scheduler process of the first rank of each tree (TP rank 0; attention-TP rank 0 of
+each DP rank under DP attention, and of each data-parallel replica: ``build.hint_rank``). The scheduler thread only appends to a bounded queue
 (``on_store`` / ``on_remove`` / ``on_clear``: a ``put_nowait``; a full queue drops the event and
 counts it). A dropped store only leaves a page unclaimed; a dropped removal (or clear) makes the
 thread start over (``resyncs``): it discards what is queued, withdraws every claim it holds and
@@ -22,7 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from sglang_tiered.fleet.index import alive_key, ckey_key, page_key
+from sglang_tiered.fleet.index import alive_key, ckey_key, holder_field, page_key
 
 logger = logging.getLogger("sglang_tiered")
 
@@ -62,7 +63,7 @@ BATCH_PAGES = 4096
 
 class IndexPublisher:
     def __init__(self, url: str, server_id: str, ttl_s: float = 30.0, *, start: bool = True,
-                 socket_timeout_s: float = 0.5, cache_key=None, adapters=None):  # fmt: skip
+                 socket_timeout_s: float = 0.5, cache_key=None, adapters=None, rank: str = ""):  # fmt: skip
         # routers read the cache identity from the index to compute the same page hashes, and the
         # startup LoRA adapters' ids (SGLang adds a request's adapter id to its namespace)
         self.adapters = dict(adapters or {})
@@ -72,6 +73,9 @@ class IndexPublisher:
             self.set_key(cache_key)
         self.url = url
         self.server_id = server_id
+        # the field this tree's claims go under (``rank``: a tree other than the server's first;
+        # the heartbeat and the key are the server's, written alike by each of its trees)
+        self.field = holder_field(server_id, rank)
         self.socket_timeout_s = socket_timeout_s
         self._q: queue.Queue = queue.Queue(maxsize=QUEUE_MAX)
         self._pages_lock = threading.Lock()
@@ -106,10 +110,10 @@ class IndexPublisher:
         self.key_json = json.dumps(doc, sort_keys=True)
 
     @classmethod
-    def from_config(cls, cfg, cache_key=None, adapters=None) -> "IndexPublisher":
+    def from_config(cls, cfg, cache_key=None, adapters=None, rank: str = "") -> "IndexPublisher":
         logger.info("sglang-tiered: publishing the fleet hint index to %s as %s (ttl %gs)",
-                    cfg.index_url, cfg.server_id, cfg.index_ttl_s)  # fmt: skip
-        return cls(cfg.index_url, cfg.server_id, cfg.index_ttl_s, cache_key=cache_key, adapters=adapters)
+                    cfg.index_url, holder_field(cfg.server_id, rank), cfg.index_ttl_s)  # fmt: skip
+        return cls(cfg.index_url, cfg.server_id, cfg.index_ttl_s, cache_key=cache_key, adapters=adapters, rank=rank)
 
     # ---------------------------------------------------------------- scheduler side (never blocks)
     def _put(self, item) -> None:
@@ -227,6 +231,7 @@ class IndexPublisher:
         now = str(int(time.time()))
         ttl = max(1, int(self.ttl_s * 4))
         sid = self.server_id
+        field = self.field
         pipe = c.pipeline(transaction=False)
         # GET: the heartbeat as it was. Refreshed every ttl/2, it is gone only if Redis lost its
         # data (restarted empty, flushed, evicted): redis-py reconnects by itself, no error shows,
@@ -240,10 +245,10 @@ class IndexPublisher:
         # other clients between the calls)
         for i in range(0, len(removed), BATCH_PAGES):
             part = removed[i : i + BATCH_PAGES]
-            self._write(keys=[page_key(h) for h in part], args=[sid, now, ttl, len(part)], client=pipe)
+            self._write(keys=[page_key(h) for h in part], args=[field, now, ttl, len(part)], client=pipe)
         for i in range(0, len(stored), BATCH_PAGES):
             part = stored[i : i + BATCH_PAGES]
-            self._write(keys=[page_key(h) for h in part], args=[sid, now, ttl, 0], client=pipe)
+            self._write(keys=[page_key(h) for h in part], args=[field, now, ttl, 0], client=pipe)
         res = pipe.execute()
         if res and res[0] is None and not self._resync:
             self._resync = True  # (the heartbeat was missing: send everything held again)

@@ -28,12 +28,13 @@ def from_build_context(cls, ctx):
     # stats and metrics name a tenant by its salt's digest unless a trusted header names it
     cache.tenants.hashed = hashed_tenant_labels(cfg)
     setup_host_tier(cache, ctx, cfg)
-    if cfg.index_url and ctx.tp_rank == 0:  # ranks are identical: rank 0 publishes
+    rank = hint_rank(ctx, tp_rank, tp_size)
+    if cfg.index_url and rank is not None:  # a tree's ranks are identical: its first publishes
         from sglang_tiered.fleet.publisher import IndexPublisher
 
         from sglang_tiered.integration.identity import startup_adapters
 
-        cache.attach_index(IndexPublisher.from_config(cfg, key, adapters=startup_adapters(ctx.server_args)))
+        cache.attach_index(IndexPublisher.from_config(cfg, key, adapters=startup_adapters(ctx.server_args), rank=rank))
     sa = ctx.server_args
     cache.weight_version = str(getattr(sa, "weight_version", "") or "")
     # after a weight update the identity names this server's lifetime (on_weights_updated): the
@@ -65,6 +66,26 @@ def tree_ranks(ctx) -> tuple[int, int]:
         except Exception:  # noqa: BLE001 - no usable group: the TP rank and size
             pass
     return ctx.tp_rank, ctx.tp_size
+
+
+def hint_rank(ctx, tree_rank: int, tree_size: int) -> Optional[str]:
+    """Which of the server's trees this rank publishes the hint index for (``holder_field``): ""
+    for its first, ``dp<replica>.<attention DP rank>`` for another; None when this rank is not
+    its tree's first (its tree's first publishes). Each DP rank under DP attention, and each
+    data-parallel replica, keeps a tree of its own; before session 40 only the global TP rank 0
+    published (DP attention: only DP rank 0's pages were in the index), and each replica's TP
+    rank 0 under one field, withdrawing and clearing each other's claims."""
+    if tree_rank != 0:
+        return None
+    attn_dp = int(ctx.tp_rank) // max(1, int(tree_size))  # (SGLang's rank layout: attention TP fastest)
+    replica = 0
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        replica = int(get_parallel().dp_rank or 0)
+    except Exception:  # noqa: BLE001 - no data-parallel controller (or another SGLang): one replica
+        replica = 0
+    return f"dp{replica}.{attn_dp}" if replica or attn_dp else ""
 
 
 def setup_host_tier(cache, ctx, cfg) -> None:
