@@ -122,3 +122,25 @@ def test_a_flush_is_owed_to_a_down_worker_even_when_a_busy_peer_refuses_it():
             await r0.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_flush_the_workers_refuse_for_authority_is_not_owed():
+    """A flush a tenant may not make (the servers' 403 in tenant mode without the admin key) is not
+    owed to a worker that was down: it would refuse it too, and was out of the routing set meanwhile."""
+
+    async def main():
+        log: list = []
+        r0, u0 = await _serve(_worker("w0", log, {"/flush_cache": 403}))
+        router = Router([u0, "http://127.0.0.1:1"], None, load_poll_s=0, model_path="", health_interval_s=30)
+        rr, url = await _serve(router.app())
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/flush_cache") as resp:
+                    doc = await resp.json()
+                assert resp.status == 403 and "owed" not in doc["http://127.0.0.1:1"], doc
+                assert not router.workers["http://127.0.0.1:1"].owed
+        finally:
+            await rr.cleanup()
+            await r0.cleanup()
+
+    asyncio.run(main())

@@ -1445,8 +1445,9 @@ class Router:
             status = min(refused) if refused else max(st for _, st, _ in res)
             doc = {self._worker_name(request, u): {"status": st, "body": b} for u, st, b in res}
             # (a flush has no body to refuse: one worker's 400, requests still running there, is
-            # its own, and a worker down meanwhile still owes the flush)
-            if owable and (not refused or request.path == "/flush_cache"):
+            # its own, and a worker down meanwhile still owes the flush; a 401 or 403 is not)
+            flush = request.path == "/flush_cache"
+            if owable and not [st for st in refused if not (flush and st == 400)]:
                 for ws, (u, st, _) in zip(targets, res):
                     if st >= 500:  # it did not take it: kept for it, out of the routing set meanwhile
                         self._owe(ws, raw, plain, headers, request.method, request.path_qs)
