@@ -115,3 +115,31 @@ def test_lookup_script_reads_a_trees_field_as_its_server():
             got = matched_from_lookup(lookup(keys=[alive_key(w) for w in workers] + [page_key(h) for h in hashes],
                                              args=[len(workers), now, ttl, *workers]), 16)  # fmt: skip
             assert got == want, (case, got, want)
+
+
+def test_each_tree_sees_the_index_lost():
+    """Redis loses its data (FLUSHALL): every tree of the server re-publishes what it holds at its
+    next write, not only the one that wrote the server's heartbeat first after the loss (the
+    others found it back and kept their claims lost until the refresh, TTL/2 later)."""
+    redis = pytest.importorskip("redis")
+    from sglang_tiered.fleet.index import holder_field, page_key
+    from sglang_tiered.fleet.publisher import IndexPublisher
+
+    with _redis_server() as (_, port):
+        url, sid = f"redis://127.0.0.1:{port}/0", "http://127.0.0.1:30000"
+        r = redis.Redis(port=port)
+        p0 = IndexPublisher(url, sid, 30.0)
+        p1 = IndexPublisher(url, sid, 30.0, rank="dp0.1")
+        try:
+            a, b, c, d = (bytes([i]) * 16 for i in range(4))
+            p0.on_store([a])
+            p1.on_store([b])
+            _until(lambda: p0.stats["batches"] >= 1 and p1.stats["published_pages"] >= 1)
+            r.flushall()
+            p0.on_store([c])
+            _until(lambda: p0.stats["lost_index"] == 1 and r.hexists(page_key(a), sid))
+            p1.on_store([d])
+            _until(lambda: p1.stats["lost_index"] == 1 and r.hexists(page_key(b), holder_field(sid, "dp0.1")), 3.0)
+        finally:
+            p0.close()
+            p1.close()

@@ -235,8 +235,12 @@ class IndexPublisher:
         pipe = c.pipeline(transaction=False)
         # GET: the heartbeat as it was. Refreshed every ttl/2, it is gone only if Redis lost its
         # data (restarted empty, flushed, evicted): redis-py reconnects by itself, no error shows,
-        # and before session 23 the held set came back only at the next refresh (review)
-        pipe.set(alive_key(sid), now, ex=max(1, int(self.ttl_s)), get=True)
+        # and before session 23 the held set came back only at the next refresh (review). Each
+        # tree its own (``field``): on the server's one, the tree that wrote it first after the
+        # loss found it gone and every other tree found it back, and kept its claims lost
+        pipe.set(alive_key(field), now, ex=max(1, int(self.ttl_s)), get=True)
+        if field != sid:  # (readers look at the server's)
+            pipe.set(alive_key(sid), now, ex=max(1, int(self.ttl_s)))
         if self.key_json:
             pipe.set(ckey_key(sid), self.key_json, ex=max(1, int(self.ttl_s)))
         if (removed or stored) and self._write is None:
