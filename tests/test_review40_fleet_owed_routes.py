@@ -144,3 +144,57 @@ def test_a_flush_the_workers_refuse_for_authority_is_not_owed():
             await r0.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_worker_that_never_answers_owes_the_call_instead_of_holding_the_answer(monkeypatch):
+    """w1 accepts connections and never answers (frozen): an invalidation and a flush through the
+    router are answered once their bound passes, with w1's 502 and ``"owed": true``. Before, the
+    broadcast waited for w1 for good (no timeout) and nothing was owed."""
+    import socket
+    import threading
+
+    from sglang_tiered.fleet import router as router_mod
+
+    monkeypatch.setattr(router_mod, "OWED_TIMEOUT_S", 1.0)
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(16)
+    held: list = []
+    stop = threading.Event()
+
+    def accept():
+        lsock.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(lsock.accept()[0])  # (kept open, never read from, never answered)
+            except OSError:
+                pass
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    u1 = f"http://127.0.0.1:{lsock.getsockname()[1]}"
+
+    async def main():
+        log: list = []
+        r0, u0 = await _serve(_worker("w0", log, {}))
+        router = Router([u0, u1], None, load_poll_s=0, model_path="", health_interval_s=30)
+        rr, url = await _serve(router.app(), shutdown_timeout=1)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=8)) as s:
+                for path, body in (("/cache/invalidate", {"tenant": "t"}), ("/flush_cache", None)):
+                    async with s.post(url + path, json=body) as resp:
+                        doc = await resp.json()
+                    assert resp.status == 502 and doc[u1].get("owed") is True and doc[u0]["status"] == 200, doc
+            assert len(router.workers[u1].owed) == 2 and not router.workers[u1].healthy
+        finally:
+            await rr.cleanup()
+            await r0.cleanup()
+
+    try:
+        asyncio.run(main())
+    finally:
+        stop.set()
+        t.join(2)
+        for c in held:
+            c.close()
+        lsock.close()

@@ -144,9 +144,10 @@ OWED_MAX = 4096
 # flush dropped, and one down through a weight or adapter update came back on the old weights or
 # adapters, routed to again beside peers on the new ones). A newer call of one of SUPERSEDING
 # replaces an owed older one (a flush, a full load, a version label: the last one is what counts);
-# every adapter load and unload is kept, in order. Delivery waits up to OWED_SLOW_S for a weight
-# or adapter load (a checkpoint read), OWED_TIMEOUT_S for the others; a flush SGLang refuses
-# (400: requests still running) is tried again at the next health check, not dropped.
+# every adapter load and unload is kept, in order. The call, and its delivery, wait up to
+# OWED_SLOW_S for a weight or adapter load (a checkpoint read), OWED_TIMEOUT_S for the others
+# (past it, owed); a flush SGLang refuses on delivery (400: requests still running) is tried again
+# at the next health check, not dropped.
 OWED_ROUTES = frozenset(("/cache/invalidate", "/flush_cache", "/update_weights_from_disk", "/update_weight_version",
                          "/load_lora_adapter", "/unload_lora_adapter"))  # fmt: skip
 SUPERSEDING = frozenset(("/flush_cache", "/update_weights_from_disk", "/update_weight_version"))
@@ -708,8 +709,7 @@ class Router:
             key, entry = next(iter(ws.owed.items()))
             raw, plain, headers, method, path_qs = entry
             path = path_qs.split("?", 1)[0]
-            slow = path in ("/update_weights_from_disk", "/load_lora_adapter")
-            timeout = aiohttp.ClientTimeout(total=OWED_SLOW_S if slow else OWED_TIMEOUT_S)
+            timeout = owed_timeout(path)
             try:
                 if path == "/cache/invalidate":
                     status, text = await self._invalidate_one(ws, raw, plain, headers, timeout)
@@ -1420,6 +1420,11 @@ class Router:
         if owable and not invalidate:
             plain = raw
         if fleet_wide:
+            # an owed route's call is bounded as its delivery is: a worker that accepts and never
+            # answers (frozen, cut off with its connection open) held the broadcast's answer for
+            # good and was never owed the call (session 40); past the bound it owes it
+            timeout = owed_timeout(request.path) if owable else None
+
             async def one(ws):
                 try:
                     if owable:
@@ -1432,8 +1437,8 @@ class Router:
                             # (another owed route keeps its order with them too)
                             return ws.url, ws.owed_status, f"queued behind {len(ws.owed)} owed call(s)"
                         if invalidate:
-                            return (ws.url, *await self._invalidate_one(ws, raw, plain, headers))
-                    return (ws.url, *await self._send(ws, request.method, request.path_qs, raw, headers))
+                            return (ws.url, *await self._invalidate_one(ws, raw, plain, headers, timeout))
+                    return (ws.url, *await self._send(ws, request.method, request.path_qs, raw, headers, timeout))
                 except Exception as exc:  # noqa: BLE001
                     return ws.url, 502, f"{type(exc).__name__}: {exc}"[:1000]
 
@@ -1696,6 +1701,14 @@ def forward_headers(headers, decoded: bool, tenant_header: Optional[str]) -> lis
             continue
         out.append((k, v))
     return out
+
+
+def owed_timeout(path: str):
+    """How long a call of an owed route (``OWED_ROUTES``) is given, sent or delivered."""
+    import aiohttp
+
+    slow = path in ("/update_weights_from_disk", "/load_lora_adapter")
+    return aiohttp.ClientTimeout(total=OWED_SLOW_S if slow else OWED_TIMEOUT_S)
 
 
 def tenant_digest(tenant: Optional[str]) -> Optional[str]:
