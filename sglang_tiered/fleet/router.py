@@ -1422,7 +1422,9 @@ class Router:
         if fleet_wide:
             # an owed route's call is bounded as its delivery is: a worker that accepts and never
             # answers (frozen, cut off with its connection open) held the broadcast's answer for
-            # good and was never owed the call (session 40); past the bound it owes it
+            # good and was never owed the call (session 40); past the bound it owes it (one that
+            # took an invalidation and answered late takes it again: its T2 generation moves once
+            # more, off its peers', a cost in T2 sharing and never a page served stale)
             timeout = owed_timeout(request.path) if owable else None
 
             async def one(ws):
