@@ -198,3 +198,15 @@ def test_a_worker_that_never_answers_owes_the_call_instead_of_holding_the_answer
         for c in held:
             c.close()
         lsock.close()
+
+
+def test_an_owed_flush_is_not_replaced_by_another_callers():
+    """With every worker down, the operator's flush is owed; a later flush by a caller the workers
+    will refuse (another key) is owed apart and does not replace it: the operator's is still
+    delivered (before, one scope per route: the refused one replaced it, and was dropped)."""
+    router = Router(["http://127.0.0.1:1"], None, load_poll_s=0, model_path="")
+    ws = router.workers["http://127.0.0.1:1"]
+    router._owe(ws, b"", b"", [("Authorization", "Bearer admin")], "POST", "/flush_cache")
+    router._owe(ws, b"", b"", [("Authorization", "Bearer wrong")], "POST", "/flush_cache")
+    router._owe(ws, b"", b"", [("Authorization", "Bearer admin"), ("X-Request-Id", "2")], "POST", "/flush_cache")
+    assert [e[2][0][1] for e in ws.owed.values()] == ["Bearer wrong", "Bearer admin"]

@@ -152,7 +152,7 @@ OWED_ROUTES = frozenset(("/cache/invalidate", "/flush_cache", "/update_weights_f
                          "/load_lora_adapter", "/unload_lora_adapter"))  # fmt: skip
 SUPERSEDING = frozenset(("/flush_cache", "/update_weights_from_disk", "/update_weight_version"))
 OWED_TIMEOUT_S = 10.0
-OWED_SLOW_S = 600.0
+OWED_SLOW_S = 3600.0
 # A compressed request body is decoded to at most this many bytes (413 past it; ``max_body_mb``
 # when lower): a 1 MiB gzip upload that decodes to 1.1 GiB held the event loop for 12-16 s and
 # took the router to 2.1 GiB (review, session 32). SGLang itself does not decode request bodies.
@@ -691,13 +691,16 @@ class Router:
         a few thousand times while a worker was down pushed another tenant's owed invalidation
         past OWED_MAX (review, session 39). Another route's: the route (``SUPERSEDING``: a newer
         call replaces the older), or a scope of its own (adapter loads and unloads: each kept)."""
+        judged = ("authorization", self.tenant_header)
+        judged = tuple(sorted((k.lower(), v) for k, v in headers if k.lower() in judged))
         if path in SUPERSEDING:
-            return (path,)
+            # (by whom too: with every worker down, a caller the workers will refuse replaced the
+            # operator's owed call, and its delivery was refused and dropped)
+            return path, judged
         if path != "/cache/invalidate":
             self._owed_seq += 1
             return path, self._owed_seq
-        judged = ("authorization", self.tenant_header)
-        return plain, tuple(sorted((k.lower(), v) for k, v in headers if k.lower() in judged))
+        return plain, judged
 
     async def _pay(self, ws: "WorkerState") -> bool:
         """Deliver what ``ws`` owes, oldest first; True when it owes nothing now. A 2xx or a 4xx
