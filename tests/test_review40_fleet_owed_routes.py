@@ -210,3 +210,36 @@ def test_an_owed_flush_is_not_replaced_by_another_callers():
     router._owe(ws, b"", b"", [("Authorization", "Bearer wrong")], "POST", "/flush_cache")
     router._owe(ws, b"", b"", [("Authorization", "Bearer admin"), ("X-Request-Id", "2")], "POST", "/flush_cache")
     assert [e[2][0][1] for e in ws.owed.values()] == ["Bearer wrong", "Bearer admin"]
+
+
+def test_one_server_weight_calls_are_refused_not_sent_to_one_worker():
+    """``/update_weights_from_tensor`` (and the other calls that carry one server's tensors, process
+    group or sleep) through the router: a 400 that says to call each worker, and no worker gets it.
+    Before, the least busy worker alone took it and the fleet served mixed weights."""
+
+    async def main():
+        log: list = []
+        app = _worker("w0", log, {})
+        seen: list = []
+
+        async def any_call(req):
+            seen.append(req.path)
+            return web.json_response({"success": True})
+
+        for path in ("/update_weights_from_tensor", "/release_memory_occupation"):
+            app.router.add_post(path, any_call)
+        r0, u0 = await _serve(app)
+        router = Router([u0], None, load_poll_s=0, model_path="", health_interval_s=30)
+        rr, url = await _serve(router.app())
+        try:
+            async with aiohttp.ClientSession() as s:
+                for path in ("/update_weights_from_tensor", "/release_memory_occupation"):
+                    async with s.post(url + path, json={"serialized_named_tensors": []}) as resp:
+                        doc = await resp.json()
+                    assert resp.status == 400 and "each worker" in doc["error"]["message"], doc
+            assert seen == []
+        finally:
+            await rr.cleanup()
+            await r0.cleanup()
+
+    asyncio.run(main())

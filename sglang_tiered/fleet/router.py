@@ -121,6 +121,15 @@ LISTEN_BACKLOG = 2048
 FLEET_WIDE = frozenset(("/flush_cache", "/cache/invalidate", "/abort_request", "/pause_generation",
                         "/continue_generation", "/update_weights_from_disk", "/update_weight_version",
                         "/load_lora_adapter", "/unload_lora_adapter"))  # fmt: skip
+# Calls that change one server's weights, adapters or memory with what only that server can take
+# (tensors or IPC handles of its own process, a process group it joins, its own sleep): through the
+# router they reached the least busy worker alone, and the fleet served mixed weights with nothing
+# said (session 40). Refused with a 400 that says to call each worker.
+ONE_SERVER_UPDATES = frozenset(("/update_weights_from_tensor", "/update_weights_from_distributed",
+                                "/update_weights_from_ipc", "/load_lora_adapter_from_tensors",
+                                "/begin_weight_update", "/end_weight_update", "/init_weights_update_group",
+                                "/destroy_weights_update_group", "/release_memory_occupation",
+                                "/resume_memory_occupation"))  # fmt: skip
 # SGLang's sessions (``/open_session``, then requests with ``session_params.id``) live in the one
 # server that opened them: the router remembers which (this many, the oldest forgotten first)
 SESSIONS_KEPT = 65536
@@ -150,6 +159,15 @@ OWED_MAX = 4096
 # at the next health check, not dropped.
 OWED_ROUTES = frozenset(("/cache/invalidate", "/flush_cache", "/update_weights_from_disk", "/update_weight_version",
                          "/load_lora_adapter", "/unload_lora_adapter"))  # fmt: skip
+# Calls that change one server's weights, adapters or memory with what only that server can take
+# (tensors or IPC handles of its own process, a process group it joins, its own sleep): through the
+# router they reached the least busy worker alone, and the fleet served mixed weights with nothing
+# said (session 40). Refused with a 400 that says to call each worker.
+ONE_SERVER_UPDATES = frozenset(("/update_weights_from_tensor", "/update_weights_from_distributed",
+                                "/update_weights_from_ipc", "/load_lora_adapter_from_tensors",
+                                "/begin_weight_update", "/end_weight_update", "/init_weights_update_group",
+                                "/destroy_weights_update_group", "/release_memory_occupation",
+                                "/resume_memory_occupation"))  # fmt: skip
 SUPERSEDING = frozenset(("/flush_cache", "/update_weights_from_disk", "/update_weight_version"))
 OWED_TIMEOUT_S = 10.0
 OWED_SLOW_S = 3600.0
@@ -1393,6 +1411,10 @@ class Router:
         worker; ``/close_session`` to the worker whose ``/open_session`` this router proxied."""
         from aiohttp import web
 
+        if request.path in ONE_SERVER_UPDATES:
+            return web.json_response({"error": {"message": f"{request.path} changes one server (its own tensors, "
+                                                           "process group or memory): send it to each worker, "
+                                                           "not through the router"}}, status=400)  # fmt: skip
         try:
             raw = await read_body(request, self.decoded_limit)
         except UnreadableBody as exc:
