@@ -122,6 +122,17 @@ class T1Tier:
         if self.store is not None and self.store.pending:
             self.store.fence(self._page_ids(node), run=run)
 
+    def fence_tree(self) -> None:
+        """Fence (``run=True``) every node of the device tree: before the whole pool is freed
+        (a flush), no write of its pages may stay queued."""
+        if self.store is None or not self.store.pending:
+            return
+        stack = list(self.cache.root_node.children.values())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            self.fence(n, run=not n.tiered_invalid)
+
     def holds(self, page_hash) -> bool:
         return self.host.pool.contains(page_hash)
 

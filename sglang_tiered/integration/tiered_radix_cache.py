@@ -227,7 +227,10 @@ class TieredRadixCache(RadixCache):
                     # locked nodes stay on the device through persist_to_host (a load-back whose
                     # batch never ran) and are dropped below: their pages leave the device, kept
                     # as held where T1 has them (review, session 25: the index and the policy's
-                    # record of device pages kept them)
+                    # record of device pages kept them). Their pending T1 writes are done now,
+                    # while the pages still hold their KV: left queued, the worker copied the
+                    # pages' next contents into T1 under these hashes (review, session 40)
+                    self.t1.fence_tree()
                     self.index.device_removed(list(tree_pages(self.root_node)), kept=self.t1.holds)
             # locks on nodes of the tree dropped below would be released into the new tree's
             # counts (idle flushes hold none: only a load-back whose batch never ran; before
