@@ -635,6 +635,20 @@ class HostPool:
         assert not set(self.staged) & set(self.slot_of)
         assert {s: h for h, s in self.slot_of.items()} | {s: h for h, s in self.staged.items()} == self._hash_of
         assert set(self._tenant_of) == set(self._hash_of)
+        # the file's index says what this process's records say: a resident slot's heads (those
+        # this process writes) hold its page; where this process is the index's only writer (all
+        # heads are its own: ranks of a shared T1 lag each other) a resident slot is also valid and
+        # named in the index, and a free or staged one is not valid (a restart would attach it);
+        # review, session 40
+        resident = sorted(self.lru)
+        own = [self._hash_of[s] for s in resident]
+        assert self.verify(own, resident), "a resident slot's heads hold another page"
+        if self.own_heads.indices(self.layout.kv_heads)[:2] == (0, self.layout.kv_heads):
+            assert self._valid_np[resident].all(), "a resident slot is not valid in the index"
+            other = sorted(set(self.free) | set(self.staged.values()))
+            assert not self._valid_np[other].any(), "a free or staged slot is valid in the index"
+            want = np.frombuffer(b"".join(own), dtype=np.uint8).reshape(-1, HASH_BYTES)
+            assert (self._hashes_np[resident] == want).all(), "the index names another page than this process's records"
 
     def close(self, unlink: bool = False) -> None:
         if unlink and self.path is not None:
