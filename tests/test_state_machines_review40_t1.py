@@ -231,3 +231,45 @@ def test_flush_does_the_queued_writes_of_nodes_it_cannot_evict():
     assert all(pool.contains(h) for h in hashes)  # the flush wrote the node's pages to T1
     assert cache.driver.run(tokens_of([1, 2, 3])).cached_len == 3 * PAGE  # and they equal recomputation
     cache.check_invariants()
+
+
+from tests.test_store_queue import StoreQueueMachine  # noqa: E402
+
+
+class FailingStoreQueueMachine(StoreQueueMachine):
+    """``tests/test_store_queue.py``'s machine with writes that raise (the worker's, and a fence's
+    inline one): a failed write leaves the queue like a finished one (its pages no longer pending,
+    the depth down by its pages), writes nothing, and counts its pages as failed."""
+
+    def _failing(self, fn):
+        real = self.q._write
+
+        def boom(job):
+            raise RuntimeError("injected store failure")
+
+        self.q._write = boom
+        try:
+            return fn()
+        finally:
+            self.q._write = real
+
+    @precondition(lambda self: self.model)
+    @rule()
+    def worker_fails_one(self):
+        failed = self.q.stats.failed_pages
+        job = self.q._next()
+        self._failing(lambda: self.q._execute(job))
+        top = min(self.model, key=lambda j: (-j[1], j[0]))
+        self.model.remove(top)
+        assert self.q.stats.failed_pages == failed + len(top[2]) and job.pages == top[2]
+
+    @rule(pages=st.lists(st.integers(0, 30), max_size=6, unique=True))
+    def fence_whose_inline_write_fails(self, pages):
+        self._failing(lambda: self.q.fence(pages, run=True))
+        for j in self.model:
+            j[2], j[3] = [p for p in j[2] if p not in pages], [h for p, h in zip(j[2], j[3]) if p not in pages]
+        self.model = [j for j in self.model if j[2]]
+
+
+TestFailingStoreQueueMachine = FailingStoreQueueMachine.TestCase
+TestFailingStoreQueueMachine.settings = PROFILE
