@@ -56,9 +56,16 @@ def _check(pool: torch.Tensor, host: torch.Tensor, pool_pages: torch.Tensor, hos
                          "device for a pinned host plane)")
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as uint8 (same bytes): torch has no CPU ``index_copy_`` or ``index_put_`` for
+    them, so the reference failed every fp8 transfer the Triton path makes (review, session 40)."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+
+
 def scatter_pages_ref(pool, pool_pages, host, host_slots, head_offset: int, page_size: int) -> None:
     if pool_pages.numel() == 0:
         return
+    pool, host = _as_bytes(pool), _as_bytes(host)
     hr = pool.shape[1]
     tok = (pool_pages.to(pool.device)[:, None] * page_size + torch.arange(page_size, device=pool.device)).reshape(-1)
     src = pool[tok].view(-1, page_size, hr, pool.shape[2]).permute(2, 0, 1, 3)  # [Hr, n, ps, D]
@@ -68,6 +75,7 @@ def scatter_pages_ref(pool, pool_pages, host, host_slots, head_offset: int, page
 def gather_pages_ref(host, host_slots, pool, pool_pages, head_offset: int, page_size: int) -> None:
     if pool_pages.numel() == 0:
         return
+    pool, host = _as_bytes(pool), _as_bytes(host)
     hr = pool.shape[1]
     src = host[head_offset : head_offset + hr].index_select(1, host_slots.to(host.device))  # [Hr, n, ps, D]
     rows = src.permute(1, 2, 0, 3).reshape(-1, hr, pool.shape[2]).to(pool.device)

@@ -108,3 +108,27 @@ def test_host_tier_rebuilds_the_plane_table_when_the_pool_is_reallocated():
     assert tier.load([b"a" * 16], torch.tensor([3]))
     assert tier._planes is not first
     assert kvc.k_buffer[0][3 * ps : 4 * ps].abs().sum() > 0  # written into the new tensors
+
+
+def test_canonical_layout_is_the_same_whatever_tp_wrote_it_in_interpreter():
+    """Review, session 40: page sizes 1/16/64, TP 1/2/4 (and 3 over 6 heads), every dtype incl.
+    fp8, strided planes, the pool's last page, out-of-order and repeated ids (tests/_kernel_cases_tp.py)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "_kernel_cases_tp.py")], env=env,
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("ok 60 tp cases")
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_reference_moves_fp8_pages(dtype):
+    """Review, session 40: torch has no CPU index_copy_/index_put_ for fp8, so the reference (T1's
+    path on CPU, and on CUDA where T1 could not be pinned) failed every fp8 transfer."""
+    pool = torch.randint(0, 256, (5 * 4, 2, 8), dtype=torch.uint8).view(dtype)
+    host = torch.zeros((4, 6, 4, 8), dtype=dtype)
+    pages, slots = torch.tensor([3, 1]), torch.tensor([0, 5])
+    scatter_pages(pool, pages, host, slots, 2, 4, force_ref=True)
+    assert torch.equal(host[2:4, 5].view(torch.uint8), pool[4:8].permute(1, 0, 2).view(torch.uint8))
+    back = torch.zeros_like(pool)
+    gather_pages(host, slots, back, pages, 2, 4, force_ref=True)
+    assert torch.equal(back[12:16].view(torch.uint8), pool[12:16].view(torch.uint8))
