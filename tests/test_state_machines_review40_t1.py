@@ -47,10 +47,12 @@ def tokens_of(blocks):
 
 
 class T1PendingMachine(RuleBasedStateMachine):
+    HOST_PAGES, QUEUE_PAGES = 8, 6
+
     def __init__(self):
         super().__init__()
-        self.cache = TieredRadixCache.create_simulated(10 * PAGE, PAGE, host_pages=8, verify_kv=True,
-                                                      debug_checks=True, store_queue_pages=6)  # fmt: skip
+        self.cache = TieredRadixCache.create_simulated(10 * PAGE, PAGE, host_pages=self.HOST_PAGES, verify_kv=True,
+                                                      debug_checks=True, store_queue_pages=self.QUEUE_PAGES)  # fmt: skip
         self.store = self.cache.t1.store
         self.store.drain = lambda: None  # batch ends leave the writes queued; the rules run them
         self.kv_of: dict = {}  # page hash -> its KV in T1's layout [2, L, H, ps, D]
@@ -191,6 +193,17 @@ class T1PendingMachine(RuleBasedStateMachine):
 
 TestT1PendingMachine = T1PendingMachine.TestCase
 TestT1PendingMachine.settings = PROFILE
+
+
+class T1PendingSmallMachine(T1PendingMachine):
+    """The same with T1 smaller than a load-back's victims: the demotions a promotion's
+    allocation makes push T1's pages out, the very pages being promoted among them."""
+
+    HOST_PAGES, QUEUE_PAGES = 3, 2
+
+
+TestT1PendingSmallMachine = T1PendingSmallMachine.TestCase
+TestT1PendingSmallMachine.settings = PROFILE
 
 
 def test_flush_does_the_queued_writes_of_nodes_it_cannot_evict():
