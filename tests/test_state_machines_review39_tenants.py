@@ -6,7 +6,7 @@ TenantTable:
      4 max_tenants + 4, every label <= 81 characters;
   N2 isolation: a tenant tracked by name has a row of its own, holding exactly its own counts
      (nothing of another tenant's); tenants past the bound share ``__other__`` only;
-  N3 ``by_hash`` maps each tracked tenant's tier tag (``name_hash(tenant_of(salt))``) to its row,
+  N3 ``by_hash`` maps each tracked tenant's tier tag (``tenant_tag(salt)``) to its row,
      so T1's per-tenant counts (``Invalidation._count_t1``) land on the right row;
   N4 ``totals()`` is the sum of every tenant's counts.
 TieredMetrics:
@@ -23,25 +23,25 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from sglang_tiered.core.tenants import OTHER, TenantCounters, TenantTable, name_hash, tenant_of
+from sglang_tiered.core.tenants import OTHER, TenantCounters, TenantTable, tenant_tag
 from sglang_tiered.integration import metrics as M
 
 settings.register_profile("review39", max_examples=120, stateful_step_count=50, deadline=None)
 settings.register_profile("review39-deep", max_examples=800, stateful_step_count=60, deadline=None)
 PROFILE = settings.get_profile(os.environ.get("REVIEW39_PROFILE", "review39"))
 
-# salts: untagged, short names, a long one, a non-ASCII one, one with '~', one like a made label.
-# Not 'default' nor '__other__': a salt so named shares the untagged tenant's tier tag (tenant_of)
-# or the folded row by design; tenant-header mode refuses both names (test_review38_reserved_tenant.py)
-SALTS = [None, "", "a", "b", "c", "d", "e", "x" * 100, "caf\u00e9", "t~1", "salt~0123456789abcdef", "\ud800"]
+# salts: untagged, short names, a long one, a non-ASCII one, one with '~', one like a made label,
+# and the reserved names: a salt 'default' or '__other__' is a tenant of its own (session 40: it
+# shared the untagged tenant's tier tag and, with raw labels, its row or the folded tenants' row)
+SALTS = [None, "", "a", "b", "c", "d", "e", "x" * 100, "caf\u00e9", "t~1", "salt~0123456789abcdef", "\ud800",
+         "default", "__other__"]
 FIELDS = ["requests", "prompt_tokens", "admitted_pages", "evicted_pages", "invalidated_pages"]
 MAX = 3
 
 
 def tenant_key(salt, hashed):
-    """Who a salt is: untagged requests ('' or None) are one tenant; in unhashed mode the tier
-    name ``tenant_of`` (so salt 'default' would be the untagged tenant, by design)."""
-    return tenant_of(salt) if not hashed else (salt or None)
+    """Who a salt is: untagged requests ('' or None) are one tenant, every salt another."""
+    return salt or None
 
 
 class TenantTableMachine(RuleBasedStateMachine):
@@ -78,7 +78,7 @@ class TenantTableMachine(RuleBasedStateMachine):
     def t1_invalidated(self, salt, n):
         """T1 dropped ``n`` pages of ``salt``'s tenant (``Invalidation._count_t1``'s lookup)."""
         t = self.table
-        label = t.by_hash.get(name_hash(tenant_of(salt)))
+        label = t.by_hash.get(tenant_tag(salt))
         key = tenant_key(salt, t.hashed)
         if label is None:
             assert key not in self.own, ("N3: a tracked tenant's T1 counts are lost", salt)

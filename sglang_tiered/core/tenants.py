@@ -29,6 +29,11 @@ def tenant_label(tenant: str) -> str:
     label shared its stats row (a helper's audit, session 37)."""
     if len(tenant) <= MAX_LABEL_CHARS and tenant.isascii() and tenant.isprintable() and "~" not in tenant:
         return tenant
+    return made_label(tenant)
+
+
+def made_label(tenant: str) -> str:
+    """``tenant``'s hashed label: a 32-character prefix, ``~`` and a digest of the whole name."""
     digest = hashlib.blake2b(tenant.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
     head = "".join(c if c.isascii() and c.isprintable() else "?" for c in tenant[:32])
     return f"{head}~{digest}"
@@ -63,6 +68,23 @@ def name_hash(name: str) -> int:
     numbers only). A client's ``cache_salt`` may hold lone surrogates (JSON allows them): they
     are hashed as they are (``surrogatepass``), never raised on in the scheduler."""
     return int.from_bytes(hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little") >> 2
+
+
+def tenant_tag(cache_salt) -> int:
+    """T1's and T2's tenant tag of a request or node with ``cache_salt``: ``name_hash`` of its
+    tenant (``tenant_of``), but a salt literally ``default`` has one of its own: it shared the
+    untagged requests' tag, so T1 pages either lost to an invalidation were counted on the other's
+    stats row (a helper's audit, session 40; its KV was always its own). ``{"tenant": "default"}``
+    still drops both (``Invalidation.invalidate``): one name for the two."""
+    if cache_salt == DEFAULT:
+        return int.from_bytes(hashlib.blake2b(b"default", digest_size=8, person=b"tiered-rsalt").digest(), "little") >> 2
+    return name_hash(tenant_of(cache_salt))
+
+
+def tenant_tags(tenant_hash: int) -> tuple[int, ...]:
+    """The tier tags an invalidation of the tenant named by ``tenant_hash`` (``name_hash`` of the
+    HTTP ``tenant``) drops: ``default`` names the untagged requests and a salt so named."""
+    return (tenant_hash, tenant_tag(DEFAULT)) if tenant_hash == name_hash(DEFAULT) else (tenant_hash,)
 
 
 @dataclass
@@ -105,6 +127,10 @@ class TenantTable:
                 self._labels.clear()
             if self.hashed and cache_salt:
                 label = salt_label(cache_salt)
+            elif cache_salt in (DEFAULT, OTHER):
+                # a client's salt so named is not the untagged tenant nor the folded ones: before
+                # session 40 (raw labels) it shared their rows; a made label has a '~', no salt's has
+                label = made_label(cache_salt)
             else:
                 label = tenant_label(tenant_of(cache_salt))
             self._labels[cache_salt] = label
@@ -117,7 +143,7 @@ class TenantTable:
         if c is None:
             c = self.get(label)
             if label in self.by_name:  # tracked by name (not folded into __other__): bounded
-                self.by_hash.setdefault(name_hash(tenant_of(cache_salt)), label)
+                self.by_hash.setdefault(tenant_tag(cache_salt), label)
         return c
 
     def get(self, tenant: str) -> TenantCounters:

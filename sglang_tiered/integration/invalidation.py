@@ -17,8 +17,8 @@ from typing import Optional
 
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sglang_tiered.core.tenants import name_hash
-from sglang_tiered.integration.node_state import node_pages, node_tenant
+from sglang_tiered.core.tenants import name_hash, tenant_tag, tenant_tags
+from sglang_tiered.integration.node_state import node_pages
 from sglang_tiered.integration.protocol import InvalidationKind, parse_invalidation_key
 
 logger = logging.getLogger("sglang_tiered")
@@ -45,17 +45,22 @@ class Invalidation:
         cache.epoch += 1  # KV computed before now by requests in flight is not adopted (admission)
         if version_hash is not None and any(name_hash(v) == version_hash for v in self.versions.values() if v):
             everything = True
+        tags = () if tenant_hash is None else tenant_tags(tenant_hash)
         targets = []
         for child in list(cache.root_node.children.values()):
-            if everything or (tenant_hash is not None and name_hash(node_tenant(child)) == tenant_hash):
+            if everything or tenant_tag(child.key.cache_salt) in tags:
                 targets.append(child)
         dropped = 0
         if cache.t1 is not None:
-            per = cache.t1.host.tenant_pages() if everything else None
-            dropped = cache.t1.invalidate(tenant_hash, everything, self.generation)
-            if per is None and tenant_hash is not None:
-                per = {tenant_hash: dropped // cache.page_size}
-            self._count_t1(per or {})
+            if everything:
+                per = cache.t1.host.tenant_pages()
+                dropped = cache.t1.invalidate(None, True, self.generation)
+            else:
+                per = {}
+                for tag in tags:
+                    per[tag] = cache.t1.invalidate(tag, False, self.generation) // cache.page_size
+                dropped = sum(per.values()) * cache.page_size
+            self._count_t1(per)
         deferred = 0
         for top in targets:
             d, f = self._invalidate_subtree(top)

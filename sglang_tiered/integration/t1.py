@@ -36,8 +36,8 @@ from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
 from sglang_tiered.core.eviction import is_reused
 from sglang_tiered.core.keys import chain_page_hashes
-from sglang_tiered.core.tenants import name_hash, tenant_of
-from sglang_tiered.integration.node_state import node_tenant
+from sglang_tiered.core.tenants import tenant_tag
+import sglang_tiered.integration.node_state  # noqa: F401  (declares the node attributes t1 reads)
 from sglang_tiered.tier.host_tier import AHEAD, THROUGH
 
 PENDING_HOST_MAX = 4096  # T1 probes of requests still waiting for admission (aborted ones age out)
@@ -163,7 +163,7 @@ class T1Tier:
         freq = self.cache.policy.node_frequency(node.tiered_hashes)
         pages = self._page_ids(node) if pages is None else pages
         self.store.offer(pages, hashes, freq * len(hashes), frequency=freq,
-                         tenant=name_hash(node_tenant(node)), ctx=(ready, kind))  # fmt: skip
+                         tenant=tenant_tag(node.key.cache_salt), ctx=(ready, kind))  # fmt: skip
         return len(pages)
 
     def on_admitted(self, anchor, last) -> None:
@@ -238,7 +238,7 @@ class T1Tier:
         cache = self.cache
         ps = cache.page_size
         row = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start : start + len(hashes) * ps]
-        self.host.demote(row[::ps] // ps, hashes, name_hash(tenant_of(req.cache_salt)))
+        self.host.demote(row[::ps] // ps, hashes, tenant_tag(req.cache_salt))
         if cache.index.listener is not None:
             cache.index.notify("on_store", [h for h in hashes if self.holds(h)])
 
@@ -267,7 +267,7 @@ class T1Tier:
                     and not all(map(self.host.pool.has_copy, x.tiered_hashes))):  # fmt: skip
                 return  # a one-shot so far, while the queue is under pressure: not worth a copy
         ps = self.cache.page_size
-        n = self.host.demote(x.value[::ps] // ps, x.tiered_hashes, name_hash(node_tenant(x)))
+        n = self.host.demote(x.value[::ps] // ps, x.tiered_hashes, tenant_tag(x.key.cache_salt))
         if self.store is not None:
             self.store.stats.inline_pages += n
 
@@ -363,7 +363,7 @@ class T1Tier:
             hashes.append(h)
             prev = h
         t2 = self.host.t2
-        tenant = name_hash(tenant_of(key.cache_salt)) if t2 is not None else 0
+        tenant = tenant_tag(key.cache_salt) if t2 is not None else 0
         if t2 is not None and len(hashes) < n_pages and t2.may_hold(h, tenant):
             # T2 (the fleet store, tier/t2.py) may hold the pages that follow (``h``, the first
             # page T1 lacks, onwards): its leading run is fetched into T1 now and then promoted
