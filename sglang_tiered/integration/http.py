@@ -1192,6 +1192,29 @@ def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool | 
         raise BadRequest("request body is nested too deeply") from None
 
 
+def guard_auth() -> None:
+    """SGLang's API-key check (``utils/auth.py``, ``decide_request_auth``) compares the
+    ``Authorization`` header with ``secrets.compare_digest``, which raises on a non-ASCII string:
+    with any key set, a header with a byte past 0x7f (Starlette decodes it as Latin-1) was a 500 on
+    every route, /cache/* included (a helper's audit, session 40). Such a header is no key (keys
+    are ASCII) and is checked as no header: a 401 where a key is needed. Idempotent."""
+    from sglang.srt.utils import auth
+
+    original = auth.decide_request_auth
+    if getattr(original, "_tiered_ascii", False):
+        return
+
+    @functools.wraps(original)
+    def decide_request_auth(*args, **kwargs):
+        header = kwargs.get("authorization_header")
+        if isinstance(header, str) and not header.isascii():
+            kwargs["authorization_header"] = None
+        return original(*args, **kwargs)
+
+    decide_request_auth._tiered_ascii = True
+    auth.decide_request_auth = decide_request_auth
+
+
 def install() -> None:
     """Mount the routes and middleware on SGLang's app (idempotent)."""
     global _installed
@@ -1202,6 +1225,7 @@ def install() -> None:
     from starlette.middleware import Middleware
 
     add_routes(app)
+    guard_auth()
     # Innermost (appended, where add_middleware prepends): it sees the body the route parses.
     app.user_middleware.append(Middleware(HintMiddleware, tenant_header=load_config().tenant_header))
     _installed = True

@@ -1,0 +1,36 @@
+"""The control plane as a hostile or careless operator uses it (a helper's audit, session 40)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def guarded(monkeypatch):
+    from sglang.srt.utils import auth
+
+    from sglang_tiered.integration.http import guard_auth
+
+    monkeypatch.setattr(auth, "decide_request_auth", auth.decide_request_auth)  # (restored after)
+    guard_auth()
+    guard_auth()  # (idempotent: one wrapper)
+    assert getattr(auth.decide_request_auth, "__wrapped__", None) is not None
+    assert not hasattr(auth.decide_request_auth.__wrapped__, "_tiered_ascii")
+    return auth
+
+
+@pytest.mark.parametrize("level", ["ADMIN_OPTIONAL", "ADMIN_FORCE", "NORMAL"])
+def test_a_non_ascii_authorization_header_is_a_401_not_a_500(guarded, level):
+    """Starlette decodes a header as Latin-1; SGLang's secrets.compare_digest raises TypeError on
+    a non-ASCII string: a 500 on every route once any key is set (live: /cache/stats,
+    /cache/invalidate and /generate)."""
+    auth = guarded
+    kw = dict(method="POST", path="/cache/invalidate", api_key="user-key", admin_api_key="admin-key",
+              auth_level=getattr(auth.AuthLevel, level))  # fmt: skip
+    for header in ("Bearer \xe9\xe9", "Bearer admin-key\xff", "\xff"):
+        assert not auth.decide_request_auth(authorization_header=header, **kw).allowed
+    key = "user-key" if level == "NORMAL" else "admin-key"
+    assert auth.decide_request_auth(authorization_header=f"Bearer {key}", **kw).allowed
+    open_kw = dict(kw, api_key=None, admin_api_key=None)
+    if level != "ADMIN_FORCE":  # no key set: nothing to check, whatever the header
+        assert auth.decide_request_auth(authorization_header="Bearer \xe9", **open_kw).allowed
