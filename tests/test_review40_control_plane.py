@@ -34,3 +34,26 @@ def test_a_non_ascii_authorization_header_is_a_401_not_a_500(guarded, level):
     open_kw = dict(kw, api_key=None, admin_api_key=None)
     if level != "ADMIN_FORCE":  # no key set: nothing to check, whatever the header
         assert auth.decide_request_auth(authorization_header="Bearer \xe9", **open_kw).allowed
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_a_confined_tenant_named_like_another_tenants_label_reads_only_its_own_row(hashed):
+    """Tenant-header mode: a tenant's own /cache/stats is its row alone (``confined``). A tenant
+    whose header value was another tenant's label (``salt~`` and the digest of its name, which
+    anyone can compute: the digest is not keyed; or, with raw labels, the made label of a name
+    with a '~') was given that tenant's row: ``_label_of`` takes a label as it is."""
+    from sglang_tiered.core.tenants import TenantTable
+    from sglang_tiered.stats import aggregate
+
+    table = TenantTable(hashed=hashed)
+    victim = "acme" if hashed else "salt~0123456789abcdef"
+    table.for_salt(victim).requests = 5
+    snoop = table.label(victim)  # what the snooping tenant names itself (its header value)
+    assert snoop.startswith("salt~") and snoop != victim
+    table.for_salt(snoop).requests = 1
+    ranks = [{"page_size": 16, "tenants": {k: c.as_dict() for k, c in table.by_name.items()}}]
+    own = aggregate(ranks, snoop, hashed, confined=True)
+    assert own.totals.requests == 1 and own.tenants[snoop].requests == 1, own
+    assert aggregate(ranks, victim, hashed, confined=True).totals.requests == 5
+    # the operator's view may still name a row by its label
+    assert aggregate(ranks, table.label(victim), hashed).tenants[table.label(victim)].requests == 5
