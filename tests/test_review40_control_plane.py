@@ -57,3 +57,37 @@ def test_a_confined_tenant_named_like_another_tenants_label_reads_only_its_own_r
     assert aggregate(ranks, victim, hashed, confined=True).totals.requests == 5
     # the operator's view may still name a row by its label
     assert aggregate(ranks, table.label(victim), hashed).tenants[table.label(victim)].requests == 5
+
+
+def _client():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from sglang_tiered.integration.http import add_routes
+
+    app = FastAPI()
+    add_routes(app)
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def test_a_huge_invalidation_body_is_a_413_and_a_bad_one_a_400():
+    """A body of any size was read whole and its name echoed back in the 202 (live: a 64 MB
+    tenant was accepted and sent back)."""
+    from sglang_tiered.integration.http import INVALIDATE_BODY_MAX
+
+    client = _client()
+    huge = b'{"tenant": "' + b"a" * INVALIDATE_BODY_MAX + b'"}'
+    r = client.post("/cache/invalidate", content=huge)
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"], r.text
+
+    def chunks():  # (no content-length: read as it comes, stopped past the bound)
+        yield b'{"tenant": "'
+        for _ in range(64):
+            yield b"a" * (INVALIDATE_BODY_MAX // 16)
+
+    r = client.post("/cache/invalidate", content=chunks())
+    assert r.status_code == 413, r.text
+    for body in (b'{"tenant": NaN}', b'{"all": true, "generation": 1e400}', b"[" * 100_000, b'{"tenant": 1}',
+                 b'{"tenant": "a", "x": 1}', b"", b"\xff", b'{"all": false}', b'{"generation": -1, "all": true}'):  # fmt: skip
+        r = client.post("/cache/invalidate", content=body)
+        assert r.status_code == 400 and r.json()["error"]["message"], (body[:30], r.status_code, r.text)
