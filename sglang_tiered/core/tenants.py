@@ -76,8 +76,9 @@ def tenant_tag(cache_salt) -> int:
     untagged requests' tag, so T1 pages either lost to an invalidation were counted on the other's
     stats row (a helper's audit, session 40; its KV was always its own). ``{"tenant": "default"}``
     still drops both (``Invalidation.invalidate``): one name for the two."""
-    if cache_salt == DEFAULT:
-        return int.from_bytes(hashlib.blake2b(b"default", digest_size=8, person=b"tiered-rsalt").digest(), "little") >> 2
+    if cache_salt == DEFAULT:  # (a digest under its own person: no name's name_hash, bar a collision)
+        digest = hashlib.blake2b(DEFAULT.encode(), digest_size=8, person=b"tiered-rsalt").digest()
+        return int.from_bytes(digest, "little") >> 2
     return name_hash(tenant_of(cache_salt))
 
 
