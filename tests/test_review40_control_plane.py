@@ -92,3 +92,15 @@ def test_a_huge_invalidation_body_is_a_413_and_a_bad_one_a_400():
     for body in bad:
         r = client.post("/cache/invalidate", content=body)
         assert r.status_code == 400 and r.json()["error"]["message"], (body[:30], r.status_code, r.text)
+
+
+def test_invalidating_a_stats_label_is_a_400_not_a_silent_no_op(monkeypatch):
+    """Without a tenant header /cache/stats shows a salt as ``salt~<digest>``; an operator who
+    pasted that label into /cache/invalidate got a 202 that dropped nothing (it takes the salt):
+    the tenant's KV was still served."""
+    from sglang_tiered.core.tenants import salt_label
+
+    monkeypatch.delenv("SGLANG_TIERED_TENANT_HEADER", raising=False)
+    monkeypatch.delenv("SGLANG_TIERED_TENANT_LABELS", raising=False)
+    r = _client().post("/cache/invalidate", json={"tenant": salt_label("acme")})
+    assert r.status_code == 400 and "salt itself" in r.json()["error"]["message"], r.text

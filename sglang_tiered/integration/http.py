@@ -118,6 +118,21 @@ def confined_invalidation_refused(req: InvalidateRequest, own: Optional[str]) ->
     return None
 
 
+def label_refused(req: InvalidateRequest, own: Optional[str]) -> Optional[tuple[int, str]]:
+    """A 400 for the operator's ``{"tenant": "salt~<16 hex digits>"}`` where stats show salts
+    hashed: that is how /cache/stats and /metrics label a tenant, not its name, and it was
+    accepted with a 202 that dropped nothing, the tenant's KV still served (a helper's audit,
+    session 40). A salt so shaped is dropped with ``{"all": true}``."""
+    import re
+
+    if own is not None or req.tenant is None or not hashed_tenant_labels(load_config()):
+        return None
+    if re.fullmatch(r"salt~[0-9a-f]{16}", req.tenant):
+        return 400, (f"'tenant' takes the salt itself; {req.tenant!r} is how /cache/stats and /metrics label "
+                     "a salt (its digest), which cannot be invalidated by name")  # fmt: skip
+    return None
+
+
 def caller_tenant(request, admin_api_key) -> Optional[str]:
     """The tenant a control-plane call is confined to, or None for the operator's whole view.
 
@@ -197,7 +212,7 @@ def add_routes(app) -> None:
             return _error(exc.status, str(exc))
         except ValueError as exc:
             return _error(400, str(exc))
-        refused = confined_invalidation_refused(req, own)
+        refused = confined_invalidation_refused(req, own) or label_refused(req, own)
         if refused is not None:
             return _error(*refused)
         nonce = next(_nonce)
