@@ -17,8 +17,8 @@ from typing import Optional
 
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sglang_tiered.core.tenants import name_hash, tenant_tag, tenant_tags
-from sglang_tiered.integration.node_state import node_pages
+from sglang_tiered.core.tenants import name_hash, tenant_tags
+from sglang_tiered.integration.node_state import node_pages, node_tag
 from sglang_tiered.integration.protocol import InvalidationKind, parse_invalidation_key
 
 logger = logging.getLogger("sglang_tiered")
@@ -48,7 +48,7 @@ class Invalidation:
         tags = () if tenant_hash is None else tenant_tags(tenant_hash)
         targets = []
         for child in list(cache.root_node.children.values()):
-            if everything or tenant_tag(child.key.cache_salt) in tags:
+            if everything or node_tag(child) in tags:
                 targets.append(child)
         dropped = 0
         if cache.t1 is not None:

@@ -20,7 +20,7 @@ from sglang.srt.mem_cache.radix_cache import TreeNode
 
 from sglang_tiered.core.eviction import is_reused
 from sglang_tiered.core.policy import COLD, PROTECTED, UNPROTECTED
-from sglang_tiered.core.tenants import tenant_of
+from sglang_tiered.core.tenants import tenant_tag
 
 TreeNode.tiered_hashes = None
 TreeNode.tiered_end = 0
@@ -38,9 +38,9 @@ def node_kind(node) -> int:
     return COLD if node.tiered_cold else UNPROTECTED
 
 
-def node_tenant(node) -> str:
-    """The tenant a node belongs to (its tree namespace's ``cache_salt``)."""
-    return tenant_of(node.key.cache_salt)
+def node_tag(node) -> int:
+    """The T1/T2 tenant tag of a node (``tenant_tag`` of its tree namespace's ``cache_salt``)."""
+    return tenant_tag(node.key.cache_salt)
 
 
 def node_pages(node, page_size: int) -> int:

@@ -37,7 +37,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 from sglang_tiered.core.eviction import is_reused
 from sglang_tiered.core.keys import chain_page_hashes
 from sglang_tiered.core.tenants import tenant_tag
-import sglang_tiered.integration.node_state  # noqa: F401  (declares the node attributes t1 reads)
+from sglang_tiered.integration.node_state import node_tag
 from sglang_tiered.tier.host_tier import AHEAD, THROUGH
 
 PENDING_HOST_MAX = 4096  # T1 probes of requests still waiting for admission (aborted ones age out)
@@ -163,7 +163,7 @@ class T1Tier:
         freq = self.cache.policy.node_frequency(node.tiered_hashes)
         pages = self._page_ids(node) if pages is None else pages
         self.store.offer(pages, hashes, freq * len(hashes), frequency=freq,
-                         tenant=tenant_tag(node.key.cache_salt), ctx=(ready, kind))  # fmt: skip
+                         tenant=node_tag(node), ctx=(ready, kind))  # fmt: skip
         return len(pages)
 
     def on_admitted(self, anchor, last) -> None:
@@ -267,7 +267,7 @@ class T1Tier:
                     and not all(map(self.host.pool.has_copy, x.tiered_hashes))):  # fmt: skip
                 return  # a one-shot so far, while the queue is under pressure: not worth a copy
         ps = self.cache.page_size
-        n = self.host.demote(x.value[::ps] // ps, x.tiered_hashes, tenant_tag(x.key.cache_salt))
+        n = self.host.demote(x.value[::ps] // ps, x.tiered_hashes, node_tag(x))
         if self.store is not None:
             self.store.stats.inline_pages += n
 
