@@ -453,14 +453,19 @@ class TreeShadow:
         capped = limit is not None and limit < len(pages)
         matched = self._walk(pages[:limit] if capped else pages, self.clock, path)
         last = path[-1] if path else self.root
-        self._set_lock(last, 1)
         need = len(pages) - matched + tail
         # SGLang takes a request only when it fits the free and evictable pages (PrefillAdder; the
         # replay driver does the same since session 32): only this request's path is locked here,
         # so one fits when the whole of it fits the cache, and one that does not evicts nothing
         # (before, it evicted everything and then did not fit, as the driver did)
         fits = len(pages) + tail <= self.cap
-        if fits and need > self.cap - self.used:
+        # The lock only keeps the path from the eviction below: a request that evicts nothing
+        # (most of them) takes and drops none, and re-files its last node, the one node of the
+        # path that can be a leaf, as the unlock would (the same heap order: entries are
+        # ordered by priority and creation order, never by their stamps)
+        locked = fits and need > self.cap - self.used
+        if locked:
+            self._set_lock(last, 1)
             self._evict(need - (self.cap - self.used))
         if fits and need <= self.cap - self.used:
             # SGLang's insert (touches the matched path and counts a hit on each node ending
@@ -497,9 +502,12 @@ class TreeShadow:
                     self.track.l_add(leaf.key)
                 if self.used >= self.cap:
                     self.full = True
-                self.leaves.add(leaf)  # (``last`` is locked or the root: no evictable leaf to drop)
+                self.leaves.add(leaf)  # (``last`` is locked, the root or the ``tip`` dropped above)
                 self._push(leaf)
-        self._set_lock(last, -1)
+        if locked:
+            self._set_lock(last, -1)
+        elif last in self.leaves:  # (touched: its priority moved; a locked one is re-filed by the unlock)
+            self._push(last)
         return max(0, matched - start)
 
     def touch(self, pages: list) -> None:
