@@ -102,3 +102,43 @@ def test_touch_path_sets_the_path_like_a_match():
         times.add(n.last_access_time)
         n = n.parent
     assert times == {a.root_node.last_access_time}
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.tuples(op_st, st.integers(0, PAGE - 1), st.one_of(st.none(), st.integers(0, 16))),
+                    min_size=1, max_size=30))
+def test_match_prefix_same_as_sglang(ops):
+    """``tree_ops.match_prefix`` against ``RadixCache.match_prefix`` itself, on keys that are not
+    page-aligned and keys with a ``limit``: the same result, tree and access times."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+    clock = _Clock()
+    real = time.monotonic
+    time.monotonic = clock
+    try:
+        a = RadixCache.create_simulated(page_size=PAGE, enable_kv_cache_events=True)
+        b = RadixCache.create_simulated(page_size=PAGE, enable_kv_cache_events=True)
+        next_value = 1000
+        for i, ((kind, pages, salt, inserted_pages, priority), extra, limit) in enumerate(ops):
+            clock.t = float(i)
+            toks = [t for p in pages for t in BLOCKS[p]]
+            if kind == "insert":
+                ka = RadixKey(array("q", toks), None, cache_salt=salt)
+                value = torch.arange(next_value, next_value + len(toks), dtype=torch.int64)
+                next_value += len(toks)
+                a._insert_helper(a.root_node, ka, value, priority, inserted_pages * PAGE)
+                tree_ops.insert(b, b.root_node, RadixKey(array("q", toks), None, cache_salt=salt), value, priority,
+                                inserted_pages * PAGE)  # fmt: skip
+            else:
+                toks = toks + [99] * extra  # a partial last page
+                ra = a.match_prefix(MatchPrefixParams(key=RadixKey(array("q", toks), None, cache_salt=salt, limit=limit)))
+                rb = tree_ops.match_prefix(b, RadixKey(array("q", toks), None, cache_salt=salt, limit=limit))
+                assert ra.device_prefix_len == rb.device_prefix_len
+                assert _path(a, ra.last_device_node) == _path(b, rb.last_device_node)
+                assert _path(a, ra.best_match_node) == _path(b, rb.best_match_node)
+                assert _path(a, ra.last_host_node) == _path(b, rb.last_host_node)
+            assert _tree(a) == _tree(b)
+            assert (a.evictable_size_, a.protected_size_) == (b.evictable_size_, b.protected_size_)
+            assert len(a.kv_events.take()) == len(b.kv_events.take())
+    finally:
+        time.monotonic = real

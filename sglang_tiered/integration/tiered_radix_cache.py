@@ -364,7 +364,11 @@ class TieredRadixCache(RadixCache):
                     del self.in_flight[next(iter(self.in_flight))]
             if held is not SEEN:  # what SGLang's match touches (its limit included; the same object
                 self.in_flight[req.rid] = params.key  # the match below turns into bigrams under EAGLE)
-        result = super().match_prefix(params)
+        key = params.key
+        if self.disable or self.is_eagle or key.is_bigram:  # (bigram keys: SGLang's code)
+            result = super().match_prefix(params)
+        else:  # SGLang's match, without its copies (tree_ops.match_prefix)
+            result = tree_ops.match_prefix(self, key)
         self.clock.stamp(result.last_device_node, self.root_node)
         result = self.invalidation.cut_match(result)
         if self.t1 is not None and params.req is not None:

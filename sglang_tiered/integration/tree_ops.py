@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 from sglang.srt.utils.common import ceil_align
 
@@ -60,6 +60,37 @@ def match(cache, node: TreeNode, key: RadixKey):
         if off < n:
             child_key = key.child_key_at(off, ps)
     return value, node
+
+
+def match_prefix(cache, key: RadixKey) -> MatchResult:
+    """``RadixCache.match_prefix`` for a plain (non-bigram) key on an enabled cache: ``match``
+    on the key's page-aligned length, without SGLang's aligned copy of the key, the list of the
+    path's values and the sum of their lengths (the result holds only the length): the path's
+    length is the walk's offset. The same nodes, splits and access times; the same result."""
+    ps = cache.page_size
+    n = len(key)
+    if ps > 1:
+        n = n // ps * ps
+    if n == 0:
+        return cache._empty_match_result
+    node = cache.root_node
+    access_time = time.monotonic()
+    node.last_access_time = access_time
+    child_key = key.child_key_at(0, ps)
+    off = 0
+    while off < n and child_key in node.children:
+        child = node.children[child_key]
+        child.last_access_time = access_time
+        prefix_len = _match_len(child.key, key, off, n, ps)
+        if prefix_len < len(child.key):
+            node = cache._split_node(child.key, child, prefix_len)
+            off += prefix_len
+            break
+        node = child
+        off += prefix_len
+        if off < n:
+            child_key = key.child_key_at(off, ps)
+    return MatchResult(device_prefix_len=off, last_device_node=node, last_host_node=node, best_match_node=node)
 
 
 def insert(cache, node: TreeNode, key: RadixKey, value, priority: int = 0, inserted_len: int = 0):
