@@ -9,7 +9,8 @@ speed-up changed no decision.
     .venv/bin/python bench/bookkeeping.py --time --batch 8 --cells mooncake:0.01   # 8 in flight
 
 The timed region is ``CacheDriver.run``'s (match_prefix, init_load_back, lock, evict, alloc, then
-checkpoint, free, unlock; not the forward pass), for both caches alike.
+checkpoint, free, unlock, on_release and the end-of-batch flush; not the forward pass), for
+both caches alike.
 tests/test_bookkeeping_digest.py holds the recorded digests (``DIGEST_CELLS``).
 """
 

@@ -258,11 +258,15 @@ class CacheDriver:
             alloc.free_segment(rt[row, cpl:n], start_pos=cpl)
         cache.unlock(req.lock)
         req.lock = None
-        spent = f.seconds + time.perf_counter() - t1
         self.req_pool.free_row(row)
         req.cached_tokens = f.prefix_len
+        # timed too: SGLang's release_kv_cache calls on_release (a no-op in its own caches; the
+        # tiered cache's per-request state goes there), and the flush is the cache's own
+        # end-of-batch work (before, both fell outside the timed region: the tiered cache's
+        # bookkeeping was undercounted by their cost, a few us a request)
         cache.on_release(req, checkpointed=True)
         cache.flush_pending_backups()  # the scheduler calls it after every batch
+        spent = f.seconds + time.perf_counter() - t1
         return RequestOutcome(n, f.prefix_len, spent)
 
     def _forward(self, req, slots: torch.Tensor, prefix_len: int) -> None:
