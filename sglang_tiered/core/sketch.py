@@ -27,7 +27,7 @@ class FrequencySketch:
         self.width = width
         self.mask = width - 1
         self.rows = [bytearray(width) for _ in range(DEPTH)]
-        self.door_bits = width * 8
+        self.door_bits = width * 8  # a power of two: ``% door_bits`` is ``& (door_bits - 1)``
         self.door = bytearray(self.door_bits // 8)
         self.sample_size = max(64, (sample_factor * width) >> sample_shift)
         self.additions = 0
@@ -35,10 +35,10 @@ class FrequencySketch:
 
     def estimate(self, key: bytes) -> int:
         v = int.from_bytes(key, "little")  # rows and doorkeeper bits come from the key itself
-        m, n = self.mask, self.door_bits
+        m, n1 = self.mask, self.door_bits - 1
         r0, r1, r2, r3 = self.rows
         est = min(r0[v & m], r1[(v >> 32) & m], r2[(v >> 64) & m], r3[(v >> 96) & m])
-        a, b = (v >> 16) % n, (v >> 80) % n
+        a, b = (v >> 16) & n1, (v >> 80) & n1
         door = self.door
         if door[a >> 3] & (1 << (a & 7)) and door[b >> 3] & (1 << (b & 7)):
             est += 1
@@ -51,17 +51,19 @@ class FrequencySketch:
         """Count each key in turn (one call for a request's pages): the doorkeeper absorbs a key's
         first sighting, later ones raise its minimum counters (conservative update); every
         ``sample_size`` additions the sketch ages."""
-        n, m, size = self.door_bits, self.mask, self.sample_size
+        n1, m, size = self.door_bits - 1, self.mask, self.sample_size
         door = self.door
         r0, r1, r2, r3 = self.rows
         adds = self.additions
+        frm = int.from_bytes
         for key in keys:
             adds += 1
-            v = int.from_bytes(key, "little")
-            a, b = (v >> 16) % n, (v >> 80) % n
-            if not (door[a >> 3] & (1 << (a & 7)) and door[b >> 3] & (1 << (b & 7))):
-                door[a >> 3] |= 1 << (a & 7)
-                door[b >> 3] |= 1 << (b & 7)
+            v = frm(key, "little")
+            a, b = (v >> 16) & n1, (v >> 80) & n1
+            ia, ib, ba, bb = a >> 3, b >> 3, 1 << (a & 7), 1 << (b & 7)
+            if not (door[ia] & ba and door[ib] & bb):
+                door[ia] |= ba
+                door[ib] |= bb
             else:
                 i0, i1, i2, i3 = v & m, (v >> 32) & m, (v >> 64) & m, (v >> 96) & m
                 c0, c1, c2, c3 = r0[i0], r1[i1], r2[i2], r3[i3]
