@@ -137,7 +137,9 @@ class Admission:
             # shadows' walk stops there too, or lru's yardstick hit what SGLang's lru recomputes
             # (a helper's audit, session 36: with prompt logprobs it showed 0.80 where lru got 0.375)
             limit = None if key is None or key is SEEN else len(key) // cache.page_size
-            policy.observe(hashes[counted:], max(0, len(base) - counted), whole=hashes, start=counted, tail=tail,
+            # (a first checkpoint shows all its pages: the list itself, not a copy; nothing writes to it)
+            policy.observe(hashes[counted:] if counted else hashes, max(0, len(base) - counted), whole=hashes,
+                           start=counted, tail=tail,
                            limit=limit)  # fmt: skip
         victim_freq = cache.eviction.victim_frequency() if (new and policy.filtering) else None
         n_admit = policy.admit_pages(new, victim_freq)
