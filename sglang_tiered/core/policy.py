@@ -729,7 +729,7 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
         assert self._switch_reserve >= 0.0 and self._switch_reserve == self._switch_reserve, "switch reserve"
         assert 0 <= self._bounds_left <= self._bounds_wait <= 1024, "boundary comparison backoff"
         assert self._switch_mark is None or (len(self._switch_mark) == 2 and self._switch_mark[1] > 0), "switch mark"
-        if self._budgeted and self._shadow.full and self.following != "lru" and self._leader is None:
+        if self._budgeted and self._books_open and self.following != "lru" and self._leader is None:
             assert self._budget() >= 0.0, f"away from lru with the budget spent: {self._budget()}"
         assert self._sketch_mask & self._duel_mask == self._sketch_mask, "duel sample not within the counted one"
         gp = self._ghost_pages

@@ -109,6 +109,12 @@ class SafetyDuel:
         # pages evicted over the cap since the lru tree's last step (``over_cap``): those lru's
         # tree still holds after its own step for the request are the bound's overshoot
         self._over: list = []
+        # The books are open (the lru shadow was full once): from then on every request is
+        # booked, whatever the shadows hold. A flush empties them (``device_flushed``) but not
+        # what the real cache follows; before session 40 the books waited for the shadow to fill
+        # again, and a page the real cache refused and lru reused cost a hit no book saw
+        # (tests/test_review40_flush.py: 1.21 points below lru after six flushes)
+        self._books_open = False
         # Requests in flight together (``guard_serial``, strict only): sampled references left in
         # which the real cache stays at lru after the last overlap (``note_overlap``)
         self._serial_guard = self._guard and cfg.guard_div_cap and cfg.guard_serial and not cfg.guard_leader
@@ -254,12 +260,14 @@ class SafetyDuel:
         if self._leader is not None:
             self._leader_step(hits, real, n)
             return
+        if not self._books_open and self._shadow.full:
+            self._books_open = True
         if self._overlap_left > 0:  # requests in flight together: lru, exactly (guard_serial;
-            if self._shadow.full:  # note_overlap made the switch, and nothing leaves lru here)
+            if self._books_open:  # note_overlap made the switch, and nothing leaves lru here)
                 self._overlap_left -= n
             return
-        if not self._shadow.full:
-            return  # the shadows are not full yet: nothing evicted, nothing to compare
+        if not self._books_open:
+            return  # the shadows have not filled yet (the start, at lru): nothing to compare
         if self._budgeted:
             # corrected by the lru shadow's measured bias (SHARDS sampling: +1 point on Mooncake
             # at 2 %, where uncorrected books never allowed an episode), once it was measured over
@@ -346,7 +354,9 @@ class SafetyDuel:
         (ties: the order followed now, then lru). No gate, trial or budget, so no bound against
         lru: a switch costs whatever the content transition costs (README, "Follow the leader").
         The budget's books are still kept, for the stats."""
-        if self._budgeted and self._shadow.full:
+        if not self._books_open and self._shadow.full:
+            self._books_open = True
+        if self._budgeted and self._books_open:
             self._account(real - hits["lru"], n, n - hits["lru"])
         sc = self._leader
         d = self.cfg.guard_leader
