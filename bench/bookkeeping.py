@@ -74,7 +74,7 @@ SERIAL_FIELDS = {"max_in_flight": 1, "burst_lru": False}
 # counters added later that are 0 where the change they came with did not act: left out when 0,
 # so a cell's digest changes only where it did (session 38: the real cache back at lru's pages
 # in other nodes)
-LATER_COUNTERS = ("unconverged_checks",)
+LATER_COUNTERS = ("unconverged_checks", "restored_pages")  # (session 40: no-store requests)
 
 
 def capacity_tokens(name: str, frac: float) -> int:

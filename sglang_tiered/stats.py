@@ -152,6 +152,8 @@ class PolicyReport(msgspec.Struct, kw_only=True):
     # paths SGLang touched without storing (a waiting request's refresh, a request released
     # unserved), replayed into the policy's tree shadows so that lru's yardstick stays SGLang's lru
     replayed_touches: int = 0
+    # pages no-store requests stored back: lru's cache held them and this one did not (strict)
+    restored_pages: int = 0
 
 
 class IndexStats(msgspec.Struct, kw_only=True):

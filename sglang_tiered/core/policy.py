@@ -507,6 +507,9 @@ class PolicyStats:
     # paths SGLang touched without storing (a waiting request's refresh, a request released
     # unserved), replayed into the tree shadows (``match_only``)
     replayed_touches: int = 0
+    # pages a no-store request stored back because lru's tree held them and the real cache did not
+    # (``SafetyDuel.restorable``, session 40)
+    restored_pages: int = 0
 
 
 def sample_shift(capacity_pages: int, cfg: PolicyConfig) -> int:

@@ -223,6 +223,43 @@ class SafetyDuel:
         for _, t in self._stepped_trees():
             t.touch(pages)
 
+    def match_unstored(self, pages: list, real: int) -> None:
+        """A request that stores nothing by its own choice (the no-store hint), at its first
+        checkpoint: its match replayed in the tree shadows as ``match_only`` does, and booked:
+        ``real`` pages the device hit of ``pages`` against lru's tree's match. Unbooked, such a
+        request's misses on pages lru holds and the real cache had dropped were a loss no book
+        saw, again on every read, since it never stores them back (a helper's hunt, session 40:
+        a prompt TinyLFU refused and no-store requests then read, 7.4 points below lru with the
+        strict default; tests/test_review40_flush.py). The integration also stores back, from
+        such a request, the pages lru's tree holds (``restorable``)."""
+        if not self.replays_matches or not pages:
+            return
+        self.stats.replayed_touches += 1
+        hit = 0
+        for name, t in self._stepped_trees():
+            m = t.touch(pages)
+            if name == "lru":
+                hit = m
+        if self._budgeted and self._books_open and not self._overlapping and self._overlap_left <= 0:
+            self._account(min(real, len(pages)) - hit, len(pages), len(pages) - hit)
+
+    def restorable(self, new: list) -> int:
+        """How many of ``new`` (a no-store request's pages past what the device holds, shallowest
+        first) lru's tree holds while the real cache diverges from it: those a no-store request
+        stores back. They are not its own (lru's tree takes no no-store request's page: only one
+        a storing request gave it), and SGLang's lru holds them now; left out, each read by a
+        no-store request missed them again, with no bound (``match_unstored``)."""
+        dv = self._div
+        if dv is None or not dv.counting or not new:
+            return 0
+        L = dv.L
+        k = 0
+        for h in new:
+            if h not in L:
+                break
+            k += 1
+        return k
+
     def _safety(self, sampled: list, real: int, n: int) -> None:
         """The safety duel, once per request: ``n`` sampled page references of which the real
         cache hit ``real`` (a prefix of them); each fixed-order shadow hits some."""

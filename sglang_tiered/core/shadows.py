@@ -510,15 +510,16 @@ class TreeShadow:
             self._push(last)
         return max(0, matched - start)
 
-    def touch(self, pages: list) -> None:
+    def touch(self, pages: list) -> int:
         """SGLang's match of a request that is then never inserted (turned away: too long for the
         pool; aborted while it waited): ``_match_prefix_helper`` touches the matched path and
         splits a partly matched node, and nothing else changes (no lock survives, no hit count)."""
         self.clock += 1
         path: list = []
-        self._walk(pages, self.clock, path)
+        matched = self._walk(pages, self.clock, path)
         if path and path[-1] in self.leaves:
             self._push(path[-1])  # (a touched leaf's priority moved; ``_walk`` leaves that to ``run``)
+        return matched  # (the pages SGLang's match hit)
 
     def fork(self, order: str) -> "TreeShadow":
         """A copy of this tree, from now on evicting by ``order``: what SGLang's cache holding this

@@ -85,6 +85,8 @@ class Admission:
             # SGLang released it unfinished (a retraction at decode, a priority preemption) and it
             # is prefilled again: counted each time (on_release counts the request itself once)
             cache.tenant(req.cache_salt).requeued_requests += 1
+        if refuse_all and not stale and not anchor.tiered_invalid and not cache.invalidation.next_is_invalid(anchor, req, cpl):
+            return self._unstored(req, first, anchor, cpl, aligned)
         if refuse_all or stale or anchor.tiered_invalid or cache.invalidation.next_is_invalid(anchor, req, cpl):
             # Refuse: leave row, lock, last_node and cache_protected_len alone; release_kv_cache
             # frees [cache_protected_len, owned). No-store requests leave no trace (not even in
@@ -124,6 +126,36 @@ class Admission:
         before = cache.evictable_size_ + cache.protected_size_
         cache.clock.now()
         return AdmissionPlan(anchor, cpl, admit_len, hashes, new[:n_admit], before)
+
+    def _unstored(self, req, first: bool, anchor, cpl: int, aligned: int) -> Optional[AdmissionPlan]:
+        """A no-store request (its KV valid, its path not invalidated): booked by the duel at its
+        first checkpoint (``SafetyDuel.match_unstored``: its hits against lru's tree's), and, while
+        the real cache diverges from lru's tree, the leading pages of it that lru's tree holds are
+        stored back (``SafetyDuel.restorable``: never a page of its own, only one a storing request
+        gave lru's tree, which SGLang's lru holds now). Returns the plan, or None: nothing kept."""
+        cache, policy = self.cache, self.cache.policy
+        if not policy.replays_matches or cache.is_eagle:
+            return None
+        ps = cache.page_size
+        if first:
+            key = cache.in_flight.get(req.rid)
+            if key is not None and key is not SEEN:
+                cache.in_flight[req.rid] = SEEN  # (booked here: not replayed again at release)
+                policy.match_unstored(cache._key_pages(key), cpl // ps)
+        if aligned <= cpl or not cache.hashes_read() or not policy.prices_divergence():
+            return None
+        base = cache.path_hashes(anchor)
+        if len(base) * ps != cpl:
+            return None
+        prev = base[-1] if base else cache.hashes.seed(req.extra_key, req.cache_salt)
+        new = chain_page_hashes(prev, req.full_untruncated_fill_ids[cpl:aligned], ps)
+        k = policy.restorable(new)
+        if k == 0:
+            return None
+        policy.stats.restored_pages += k
+        before = cache.evictable_size_ + cache.protected_size_
+        cache.clock.now()
+        return AdmissionPlan(anchor, cpl, cpl + k * ps, base + new, new[:k], before)
 
     def _decide(self, req, first: bool, counted: int, base: list, new: list, hashes: list, tail: int) -> int:
         """Count the request in the sketch (once per page) and ask the policy. Returns pages kept."""
