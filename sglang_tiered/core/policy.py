@@ -134,7 +134,12 @@ real cache's own hits on the same (sampled) pages are counted too. It then follo
   tests/test_guarantee.py, the raw count was 5,085 pages while the real cache lost nothing). The
   price: a page lru never hits is priced at a whole hit, so the refusals that win on scan-heavy
   traffic wait for the budget (that test: 0.36 with the gates alone, 0 strict), and wins shrink
-  (README, "The strict guarantee").
+  (README, "The strict guarantee"). The proof needs every request the real cache serves in
+  the books (``M``): those after a flush too (the books stay open once the shadows filled,
+  ``_books_open``), and no-store requests, booked at their first checkpoint
+  (``match_unstored``), which store back the pages lru's tree holds while the real cache
+  diverges (``restorable``): unbooked, each read of a page the real cache dropped was a loss
+  that ``|L - R|`` never paid for (session 40, tests/test_review40_books.py).
 * **Follow the leader (opt-in: ``guard_leader``, ``SGLANG_TIERED_GUARANTEE=leader``; session
   14).** No bound against lru. After every request the real cache follows the fixed order whose
   tree shadow has the most hits (decayed by ``guard_leader`` per request), at once, with no gate,
