@@ -19,9 +19,11 @@ import json
 import os
 import pathlib
 import platform
+import random
 import subprocess
 import sys
 import time
+from array import array
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -103,15 +105,15 @@ def sglang_driver(capacity_tokens: int, policy: str):
     return CacheDriver(RadixCache(params), alloc, pool)
 
 
-def replay_sglang(reqs, capacity_tokens: int, policy: str):
-    return _replay(sglang_driver(capacity_tokens, policy), reqs)
+def replay_sglang(reqs, capacity_tokens: int, policy: str, output_tokens: int = 0):
+    return _replay(sglang_driver(capacity_tokens, policy), reqs, output_tokens)
 
 
-def replay_tiered(reqs, capacity_tokens: int, policy_config=None):
+def replay_tiered(reqs, capacity_tokens: int, policy_config=None, output_tokens: int = 0):
     from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
 
     cache = TieredRadixCache.create_simulated(capacity_tokens, PAGE, policy_config=policy_config)
-    res = _replay(cache.driver, reqs)
+    res = _replay(cache.driver, reqs, output_tokens)
     res["policy_state"] = cache.policy.snapshot()
     return res
 
@@ -126,13 +128,33 @@ def timed_pair(reqs, capacity_tokens: int, runs: int):
     return min(lru), min(tiered)
 
 
-def _replay(driver, reqs):
+def generated_ids(tokens, tenant, n: int) -> list[int]:
+    """``n`` output tokens for a prompt, a function of the prompt and tenant as greedy decoding's
+    are (the same prompt, the same output), in the workloads' token range."""
+    from sglang_tiered.dev.workloads import TOKEN_HI, TOKEN_LO
+
+    d = hashlib.blake2b(repr(tenant).encode() + bytes(memoryview(array("q", tokens))), digest_size=16).digest()
+    rng = random.Random(d)
+    return [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(n)]
+
+
+def _replay(driver, reqs, output_tokens: int = 0):
+    """Each request through ``driver``. ``output_tokens`` 0 (the default): each finishes at its
+    prefill, its whole prompt matchable (the recorded digests); n > 0: as a live server runs it
+    with ``max_new_tokens`` n and ``ignore_eos`` (the match stops a token short of the prompt,
+    ``_compute_max_prefix_len``; n tokens decoded and all but the last left in the tree,
+    ``CacheDriver.decode``), the outputs ``generated_ids`` (a trace's next turns never repeat them:
+    the pages they fill serve no later request, and take the pool from those that would)."""
     hit = tot = 0
     spent = 0.0
     unserved = 0
     per_request = []
     for r in reqs:
-        o = driver.run(r.tokens, tenant=r.tenant)
+        if output_tokens:
+            o = driver.run(r.tokens, tenant=r.tenant, max_prefix_len=len(r.tokens) - 1,
+                           output_ids=generated_ids(r.tokens, r.tenant, output_tokens))  # fmt: skip
+        else:
+            o = driver.run(r.tokens, tenant=r.tenant)
         hit += o.cached_len
         tot += o.prompt_len
         spent += o.seconds

@@ -2,6 +2,9 @@
 requests, in the scheduler's call order (match, lock, allocate with eviction, checkpoint, free the
 unadopted tail, unlock), exactly as ``release_kv_cache`` (sglang/srt/mem_cache/common.py:400-444)
 does it. Used by ``TieredRadixCache.create_simulated``, the trace benchmark and property tests.
+By default a request finishes at its prefill (``max_new_tokens`` 1); given its ``output_ids`` it
+decodes as a live server's does (``CacheDriver.decode``), which replays a live server's
+per-request hits exactly (tests/test_review41_live_fidelity.py, bench/live_fidelity.py).
 """
 
 from __future__ import annotations
@@ -137,6 +140,7 @@ class InFlight:
     n: int
     prefix_len: int
     seconds: float
+    kv_len: int = 0  # tokens whose KV the request holds (0: its prompt; more once it decoded)
 
 
 @dataclass
@@ -159,25 +163,36 @@ class CacheDriver:
         self.host_loaded_tokens = 0
 
     def run(self, token_ids, *, tenant=None, no_store=False, extra_key=None, during=None,
-            max_prefix_len=None) -> RequestOutcome:  # fmt: skip
+            max_prefix_len=None, output_ids=None) -> RequestOutcome:  # fmt: skip
         """One request, start to end. ``during``: called where the forward pass runs (after the
         request's KV is computed, before its checkpoint), e.g. a weight update or an invalidation
         that arrives while the request is in flight. ``max_prefix_len``: the most tokens the
         match may reach (SGLang's ``Req._compute_max_prefix_len``: ``len - 1``, fewer for prompt
-        logprobs; None, the replays' default: all)."""
-        f = self.begin(token_ids, tenant=tenant, no_store=no_store, extra_key=extra_key, max_prefix_len=max_prefix_len)
+        logprobs; None, the replays' default: all). ``output_ids``: the tokens the request
+        generates (``max_new_tokens`` of them, as a live server returns them), decoded as SGLang
+        does (``decode``); None, the replays' default: a prompt that finishes at its prefill
+        (``max_new_tokens`` 1, which leaves only the prompt in the tree)."""
+        f = self.begin(token_ids, tenant=tenant, no_store=no_store, extra_key=extra_key, max_prefix_len=max_prefix_len,
+                       output_ids=output_ids)  # fmt: skip
         if isinstance(f, RequestOutcome):
             return f
         if during is not None:
             during()
+        if output_ids is not None:
+            self.decode(f, output_ids)
         return self.end(f)
 
     def begin(self, token_ids, *, tenant=None, no_store=False, extra_key=None,
-              max_prefix_len=None) -> "InFlight | RequestOutcome":  # fmt: skip
+              max_prefix_len=None, output_ids=None) -> "InFlight | RequestOutcome":  # fmt: skip
         """A request's admission, as ``PrefillAdder`` does it: match (and load back from T1), lock,
         allocate its uncached tokens with eviction, then its forward pass. Returns the request in
         flight, or an unserved ``RequestOutcome`` when its tokens cannot fit even after eviction
-        (the scheduler would keep it waiting); ``end`` (or ``checkpoint_chunk`` first) finishes it."""
+        (the scheduler would keep it waiting); ``end`` (or ``checkpoint_chunk`` first) finishes it.
+        With ``output_ids`` (the request decodes, see ``decode``) admission and eviction are the
+        scheduler's for a request with ``max_new_tokens``: it is admitted when its uncached
+        tokens, its ``max_new_tokens`` and a page (``per_req_token_overhead``) fit under the free
+        and evictable ones (``PrefillAdder.add_one_req``), and at page size over 1 the extend
+        evicts for its tokens and a page more (``alloc_paged_token_slots_extend``)."""
         cache, alloc = self.cache, self.allocator
         self._n += 1
         req = SimReq(f"sim-{self._n}", token_ids, cache_salt=tenant, extra_key=extra_key, no_store=no_store)
@@ -212,8 +227,12 @@ class CacheDriver:
         # cache (a helper's hunt, session 32: 0.87 points below lru on a trace with prompts
         # longer than the pool; tests/test_review32.py)
         fits = need <= alloc.available_size() + cache.evictable_size()
-        if fits and need > alloc.available_size():
-            cache.evict(EvictParams(num_tokens=need - alloc.available_size()))
+        want = need
+        if output_ids is not None:
+            fits = need + len(output_ids) + alloc.page_size < alloc.available_size() + cache.evictable_size()
+            want = need + (alloc.page_size if alloc.page_size > 1 and need else 0)
+        if fits and want > alloc.available_size():
+            cache.evict(EvictParams(num_tokens=want - alloc.available_size()))
         new_idx = (alloc.alloc(need) if need else torch.empty(0, dtype=torch.int64)) if fits else None
         spent = time.perf_counter() - t0
         if new_idx is None:  # cannot fit, even after eviction: dropped here
@@ -237,6 +256,41 @@ class CacheDriver:
             self._forward(req, rt[row, :n], prefix_len)
         return InFlight(req, row, n, prefix_len, spent)
 
+    def decode(self, f: "InFlight", output_ids) -> None:
+        """The request's decode, as SGLang runs it for ``max_new_tokens`` = ``len(output_ids)``:
+        the prefill's ``checkpoint_kv_cache`` (the prompt into the tree, its lock moved to the
+        prompt's end), then one step per output token but the last, each evicting until a page is
+        free (``alloc_paged_token_slots_decode``: a page per request at every step; page size 1:
+        a token) and taking the slot of the token it computes. ``end`` then checkpoints the
+        prompt and every output token but the last, whose KV is never computed
+        (``owned_kv_len``), as ``release_kv_cache`` does: a live server's tree holds what the
+        request generated, and those pages take the device pool from cached prompts (on a trace
+        whose next turns do not repeat this model's outputs, pages no later request matches)."""
+        k = len(output_ids) - 1
+        if k <= 0:  # finished at its prefill: nothing decoded, no checkpoint before the release
+            return
+        self.checkpoint_chunk(f, f.n)
+        cache, alloc, req, row = self.cache, self.allocator, f.req, f.row
+        rt = self.req_pool.req_to_token
+        page = alloc.page_size
+        t1 = time.perf_counter()
+        pos = f.n
+        for _ in range(k):
+            if alloc.available_size() < page:
+                cache.evict(EvictParams(num_tokens=page - alloc.available_size()))
+            if pos % page:  # the next slot of the request's last page
+                rt[row, pos] = rt[row, pos - 1] + 1
+            else:
+                slot = alloc.alloc(1)
+                if slot is None:  # (SGLang retracts the request here; no replay gets this far)
+                    raise RuntimeError(f"decode step of {req.rid} does not fit the pool")
+                rt[row, pos] = slot[0]
+            pos += 1
+        req.full_untruncated_fill_ids = array("q", list(req.origin_input_ids) + [int(t) for t in output_ids])
+        req.kv.kv_allocated_len = pos
+        f.kv_len = pos
+        f.seconds += time.perf_counter() - t1
+
     def checkpoint_chunk(self, f: "InFlight", up_to: int) -> None:
         """The scheduler's ``cache_unfinished_req`` after a prefill chunk (``--chunked-prefill-size``):
         the request's tokens up to ``up_to`` go into the tree and its lock moves to their end."""
@@ -249,13 +303,14 @@ class CacheDriver:
         """``release_kv_cache``: checkpoint the whole request, free the unadopted tail, unlock,
         ``on_release``; then the end-of-batch flush."""
         cache, alloc, req, n, row = self.cache, self.allocator, f.req, f.n, f.row
+        kv_len = f.kv_len or n
         rt = self.req_pool.req_to_token
         t1 = time.perf_counter()
         if not req.skip_radix_cache_insert:
-            cache.checkpoint(req, up_to=n)
+            cache.checkpoint(req, up_to=kv_len)
         cpl = req.kv.cache_protected_len
-        if cpl < n:
-            alloc.free_segment(rt[row, cpl:n], start_pos=cpl)
+        if cpl < kv_len:
+            alloc.free_segment(rt[row, cpl:kv_len], start_pos=cpl)
         cache.unlock(req.lock)
         req.lock = None
         self.req_pool.free_row(row)
