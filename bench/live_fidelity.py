@@ -8,7 +8,7 @@ outputs each server generated, and compared request for request.
     .venv/bin/python bench/live_fidelity.py --workload mooncake:80 --page-size 16 --pool 4096
 
 Prints, per backend, the live and simulated hit rates and the requests that differ; ``--out``
-writes the recorded runs (tests/test_review41_live_fidelity.py replays tests/data/live_serial_hits.json).
+writes the recorded runs (tests/test_review40_live_fidelity.py replays tests/data/live_serial_hits.json).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ unadopted tail, unlock), exactly as ``release_kv_cache`` (sglang/srt/mem_cache/c
 does it. Used by ``TieredRadixCache.create_simulated``, the trace benchmark and property tests.
 By default a request finishes at its prefill (``max_new_tokens`` 1); given its ``output_ids`` it
 decodes as a live server's does (``CacheDriver.decode``), which replays a live server's
-per-request hits exactly (tests/test_review41_live_fidelity.py, bench/live_fidelity.py).
+per-request hits exactly (tests/test_review40_live_fidelity.py, bench/live_fidelity.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Review, session 41: the simulator against a live server. Served one at a time (greedy,
+"""Review, session 40: the simulator against a live server. Served one at a time (greedy,
 ``max_new_tokens`` 8, ``ignore_eos``), a live SGLang 0.5.23 server's per-request cached tokens
 differed from ``CacheDriver``'s on 14 of 200 requests (family-29's first 200, page 16, a pool of
 1,024 tokens: 44.3 % live, 50.0 % simulated, lru and tiered alike): the driver finished every
