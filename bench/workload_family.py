@@ -89,7 +89,7 @@ def follow_the_leader(per_request: dict, decay: float = 1.0) -> int:
 
 
 def run_workload(task):
-    spec, fractions, belady, overrides = task
+    spec, fractions, belady, overrides, outputs = task
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -110,12 +110,12 @@ def run_workload(task):
         row["belady"] = belady_hits(pages, cap_pages) / total if belady else float("nan")
         per_request = {}
         for pol in SGLANG_POLICIES:
-            r = replay_sglang(reqs, cap, pol)
+            r = replay_sglang(reqs, cap, pol, outputs)
             row[pol] = r["hit_tokens"] / total
             per_request[pol] = r["per_request"]
             if pol == "lru":
                 row["us_lru"] = r["us_per_req"]
-            r = replay_tiered(reqs, cap, _policy_config(overrides)) if pol == "lru" else None  # interleaved with lru
+            r = replay_tiered(reqs, cap, _policy_config(overrides), outputs) if pol == "lru" else None  # interleaved with lru
             if r is not None:
                 row["tiered"] = r["hit_tokens"] / total
                 row["us_tiered"] = r["us_per_req"]
@@ -164,9 +164,16 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="PolicyConfig overrides for tiered (experiments), e.g. guard_start_lru=False")
     ap.add_argument("--git-sha", default=None, help="record this sha (when run from an exported copy)")
+    ap.add_argument("--output-tokens", type=int, default=0,
+                    help="tokens each request decodes, kept in the tree as a live server keeps them "
+                         "(all but the last; trace_replay._replay). 0: each request finishes at its "
+                         "prefill, as the recorded runs do. Belady and the infinite cache stay on "
+                         "the prompts' pages")  # fmt: skip
     ap.add_argument("--page-size", type=int, default=trace_replay.PAGE,
                     help="tokens per page for every cache (SGLang's --page-size; its default is 1)")
     args = ap.parse_args(argv)
+    if args.output_tokens < 0:
+        raise SystemExit(f"--output-tokens must be >= 0, got {args.output_tokens}")
     if args.page_size < 1:
         raise SystemExit(f"--page-size must be >= 1, got {args.page_size}")
     # (session 32, a helper's hunt: each of these was a traceback, in a worker or after the run)
@@ -198,7 +205,7 @@ def main(argv=None) -> int:
     specs += [("family", s) for s in range(args.start, args.start + args.n)]
     overrides = dict(_override(kv) for kv in args.policy)
     _policy_config(overrides)  # a bad name or value fails here, not in a worker
-    tasks = [(s, args.fractions, not args.no_belady, overrides) for s in specs]
+    tasks = [(s, args.fractions, not args.no_belady, overrides, args.output_tokens) for s in specs]
     t0 = time.time()
     rows, params = [], {}
     if args.from_partial:
@@ -228,6 +235,8 @@ def main(argv=None) -> int:
         env["git_sha"] = args.git_sha
     if overrides:
         env["policy_overrides"] = overrides
+    if args.output_tokens:
+        env["output_tokens"] = args.output_tokens
     with open(out / f"{args.name}.csv", "w", newline="") as f:
         keys = list(dict.fromkeys(k for r in rows for k in r))
         w = csv.DictWriter(f, fieldnames=keys)
