@@ -169,6 +169,14 @@ ONE_SERVER_UPDATES = frozenset(("/update_weights_from_tensor", "/update_weights_
                                 "/destroy_weights_update_group", "/release_memory_occupation",
                                 "/resume_memory_occupation"))  # fmt: skip
 SUPERSEDING = frozenset(("/flush_cache", "/update_weights_from_disk", "/update_weight_version"))
+# The fleet serves one set of weights (session 41): what the router last broadcast of these and a
+# worker took (``Router.fleet_weights``: the body's ``model_path``, its ``weight_version`` or
+# ``new_version``, as SGLang's /model_info then reports them) is compared with each worker's
+# /model_info at its health checks, and a worker that reports other weights (restarted on its
+# launch weights after an update it took) is out of the routing set while it does; one that refused
+# (4xx) an update its peers took is out until it takes one (its /model_info may not tell: a reload
+# from the same path). Before, both were routed to beside peers on the new weights, nothing said.
+WEIGHT_ROUTES = frozenset(("/update_weights_from_disk", "/update_weight_version"))
 OWED_TIMEOUT_S = 10.0
 OWED_SLOW_S = 3600.0
 # A compressed request body is decoded to at most this many bytes (413 past it; ``max_body_mb``
@@ -367,6 +375,10 @@ class WorkerState:
     owed: OrderedDict = field(default_factory=OrderedDict)
     owed_warned_at: float = -1e9
     owed_status: int = 502  # its answer to the last invalidation it did not take (a 5xx)
+    # (``WEIGHT_ROUTES``) why its weights are not the fleet's, by its /model_info; and a weight
+    # update its peers took that it refused (4xx), until it takes one: out of the routing set
+    weights_differ: Optional[str] = None
+    weights_refused: Optional[str] = None
 
     def load(self, max_age_s: float) -> tuple[float, float]:
         """(requests in flight, uncached prompt tokens queued): this router's counts, raised to
@@ -417,6 +429,7 @@ class RouterStats:
     owed_delivered: int = 0  # ... delivered later, before it was routed to again
     owed_refused: int = 0  # ... refused by it then (a 4xx: dropped, with a warning)
     owed_dropped: int = 0  # ... dropped past OWED_MAX scopes per worker (with a warning)
+    weight_downs: int = 0  # workers taken out of the routing set for weights other than the fleet's
     load_polls: int = 0
     load_poll_errors: int = 0
     failed: int = 0
@@ -473,6 +486,12 @@ class Router:
         self.adapters: dict[str, dict] = {}
         self.lora_ids: dict = {}
         self._owed_seq = 0  # (``_owed_scope``: each owed adapter call a scope of its own)
+        # (``WEIGHT_ROUTES``) the weights the router last broadcast and a worker took; the weight
+        # broadcasts in flight, and a count of those done (a health check that read a worker's
+        # /model_info across one does not judge by it)
+        self.fleet_weights: dict = {}
+        self._weights_busy = 0
+        self._weights_epoch = 0
         self._seeds: dict = {}  # CacheKey -> {namespace memo: seed} (bounded)
         self._memory_seeds: dict = {}
         self._ckey_task = None
@@ -670,13 +689,75 @@ class Router:
                 await self._pay(ws)  # (before it routes again; what it still owes keeps it out)
             except Exception:  # noqa: BLE001 - still owed: the next round tries again
                 logger.exception("router: delivering %s's owed invalidations failed", ws.url)
-        if ok and time.monotonic() >= ws.down_until and not ws.owed:
+        if ok and self.fleet_weights:
+            await self._check_weights(ws)
+        off = ws.weights_refused or ws.weights_differ
+        if ok and time.monotonic() >= ws.down_until and not ws.owed and off is None:
             ws.healthy = True
         elif ws.missed >= self.health_misses and ws.healthy:
             ws.healthy = False
             self.stats.health_downs += 1
             if ws.answered_at < ws.first_miss_at:
                 self._abandon(ws)
+        elif off is not None:
+            ws.healthy = False
+
+    async def _check_weights(self, ws: "WorkerState") -> None:
+        """``ws.weights_differ``: how ``ws``'s /model_info differs from ``fleet_weights`` (None:
+        it does not). Left as it was when the worker does not say (no answer, not SGLang's), or a
+        weight broadcast ran meanwhile (it may have read the weights before the update)."""
+        import aiohttp
+
+        epoch = self._weights_epoch
+        if self._weights_busy:
+            return
+        try:
+            async with self._session.get(ws.url + "/model_info", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                info = await r.json(content_type=None) if r.status == 200 else None
+        except Exception:  # noqa: BLE001 - not known: as it was
+            return
+        if not isinstance(info, dict) or self._weights_busy or epoch != self._weights_epoch:
+            return
+        off = "; ".join(f"{k} {info.get(k)!r}, the fleet's {v!r}" for k, v in self.fleet_weights.items()
+                        if info.get(k) != v)  # fmt: skip
+        if off and ws.weights_differ is None:
+            self.stats.weight_downs += 1
+            logger.warning("router: %s reports other weights than the fleet's (%s): out of the routing set "
+                           "until it reports the fleet's (send the update again through the router)",
+                           ws.url, off)  # fmt: skip
+        ws.weights_differ = off or None
+
+    def _weights_broadcast(self, request, raw: bytes, targets: list, res: list, doc: dict) -> bool:
+        """After a ``WEIGHT_ROUTES`` broadcast: with a worker that took it, ``fleet_weights`` is
+        what it asked for, and each worker that refused it (4xx) is out of the routing set until it
+        takes one (said in its answer and /router/stats). True when a worker took it."""
+        self._weights_epoch += 1
+        took = [ws for ws, (_, st, _) in zip(targets, res) if 200 <= st < 300]
+        if not took:
+            return False  # (refused by all, or none reached: the fleet is as it was)
+        body = _parse_body(raw)
+        body = body if isinstance(body, dict) else {}
+        if request.path == "/update_weights_from_disk":
+            want = {"model_path": body.get("model_path"), "weight_version": body.get("weight_version")}
+        else:
+            want = {"weight_version": body.get("new_version")}
+        self.fleet_weights.update({k: v for k, v in want.items() if isinstance(v, str)})
+        for ws in took:
+            ws.weights_refused = None
+        for ws, (u, st, text) in zip(targets, res):
+            if 400 <= st < 500:
+                self._refused_weights(ws, request.path, st, text)
+                doc[self._worker_name(request, u)]["out_of_routing"] = ws.weights_refused
+        return True
+
+    def _refused_weights(self, ws: "WorkerState", path: str, status: int, text: str) -> None:
+        """``ws`` refused a weight update its peers took: out of the routing set until it takes one."""
+        if ws.weights_refused is None and ws.weights_differ is None:
+            self.stats.weight_downs += 1
+        ws.weights_refused = f"refused {path} its peers took ({status}: {text[:200]})"
+        ws.healthy = False
+        logger.warning("router: %s %s: out of the routing set until it takes a weight update", ws.url,
+                       ws.weights_refused)  # fmt: skip
 
     def _routable(self, exclude=()) -> list:
         """The workers a request may go to: the healthy ones not in ``exclude``; with none, any
@@ -754,8 +835,12 @@ class Router:
                 del ws.owed[key]
             if status < 300:
                 self.stats.owed_delivered += 1
+                if path in WEIGHT_ROUTES:
+                    ws.weights_refused = None
             else:
                 self.stats.owed_refused += 1
+                if path in WEIGHT_ROUTES:  # (its peers took it: the fleet's weights are not its)
+                    self._refused_weights(ws, path, status, text)
                 logger.warning("router: %s refused the %s it was owed (%d: %s); dropped",
                                ws.url, path, status, text[:200])  # fmt: skip
         return True
@@ -1313,6 +1398,8 @@ class Router:
             "owed_delivered": s.owed_delivered,
             "owed_refused": s.owed_refused,
             "owed_dropped": s.owed_dropped,
+            "weight_downs": s.weight_downs,
+            "fleet_weights": dict(self.fleet_weights),
             "load_polls": s.load_polls,
             "load_poll_errors": s.load_poll_errors,
             "failed": s.failed,
@@ -1321,7 +1408,8 @@ class Router:
             "mean_route_ms": s.route_ms_total / n,
             "reasons": dict(s.reasons),
             "workers": {w: {"routed": x.routed, "inflight": x.inflight, "healthy": x.healthy,
-                            "failures": x.failures, "polled_reqs": x.polled_reqs, "owed": len(x.owed)}
+                            "failures": x.failures, "polled_reqs": x.polled_reqs, "owed": len(x.owed),
+                            "weights_differ": x.weights_refused or x.weights_differ}
                         for w, x in self.workers.items()},  # fmt: skip
         }
 
@@ -1376,6 +1464,7 @@ class Router:
             ("owed_delivered", "Owed invalidations delivered before the worker was routed to again", s.owed_delivered),
             ("owed_refused", "Owed invalidations the worker then refused (dropped)", s.owed_refused),
             ("owed_dropped", "Owed invalidations dropped past the per-worker bound", s.owed_dropped),
+            ("weight_downs", "Workers taken out of the routing set for weights other than the fleet's", s.weight_downs),
             ("load_polls", "/v1/loads polls", s.load_polls),
             ("load_poll_errors", "/v1/loads polls that failed", s.load_poll_errors),
         ):
@@ -1470,7 +1559,12 @@ class Router:
                     return ws.url, 502, f"{type(exc).__name__}: {exc}"[:1000]
 
             targets = list(self.workers.values())
-            res = await asyncio.gather(*(one(ws) for ws in targets))
+            weights = request.path in WEIGHT_ROUTES and request.method == "POST"
+            self._weights_busy += weights
+            try:
+                res = await asyncio.gather(*(one(ws) for ws in targets))
+            finally:
+                self._weights_busy -= weights
             # a request one worker refuses (4xx) is refused by all: the client's fault, whatever
             # else a down worker says (before, a bad body with a worker down was a 502)
             refused = [st for _, st, _ in res if 400 <= st < 500]
@@ -1479,7 +1573,9 @@ class Router:
             # (a flush has no body to refuse: one worker's 400, requests still running there, is
             # its own, and a worker down meanwhile still owes the flush; a 401 or 403 is not)
             flush = request.path == "/flush_cache"
-            if owable and not [st for st in refused if not (flush and st == 400)]:
+            # (a weight update some worker took is owed to those down even when another refused it)
+            took = weights and self._weights_broadcast(request, raw, targets, res, doc)
+            if owable and (took or not [st for st in refused if not (flush and st == 400)]):
                 for ws, (u, st, _) in zip(targets, res):
                     if st >= 500:  # it did not take it: kept for it, out of the routing set meanwhile
                         self._owe(ws, raw, plain, headers, request.method, request.path_qs)
