@@ -59,6 +59,14 @@ end
 return #KEYS
 """
 BATCH_PAGES = 4096
+# With Redis down the thread folds everything queued into its held set (up to QUEUE_PAGES): in
+# one go, that held the GIL for about 0.5 s, and a scheduler call that had to take the GIL back
+# (``on_store``: the queue's and the count's locks, when the thread held them) waited out the
+# switch interval (5 ms) each time: 90-165 ms at worst on one core (session 41, bench/publisher_stall.py).
+# It folds FOLD_PAGES at a time and sleeps FOLD_PAUSE_S between (the GIL let go: the scheduler's
+# thread takes it at once).
+FOLD_PAGES = 2048
+FOLD_PAUSE_S = 0.0005
 
 
 class IndexPublisher:
@@ -217,12 +225,28 @@ class IndexPublisher:
             held.popitem(last=False)
         return list(stored), list(removed)
 
+    def _fold_queued(self) -> list:
+        """Fold what is queued (as much as the queue holds, QUEUE_PAGES) into the held set,
+        FOLD_PAGES at a time with a pause between (``FOLD_PAUSE_S``); return the removed pages."""
+        removed: list = []
+        for _ in range((QUEUE_PAGES + QUEUE_MAX) // FOLD_PAGES + 1):
+            items = self._drain(FOLD_PAGES)
+            if not items or self._stop.is_set():
+                break
+            removed += self._apply_local(items)[1]
+            time.sleep(FOLD_PAUSE_S)
+        return removed
+
     def _keep_unsent(self, *lists) -> None:
         u = self._unsent
+        n = 0
         for hs in lists:
             for h in hs:
                 u[h] = None
                 u.move_to_end(h)
+                n += 1
+                if n % FOLD_PAGES == 0:  # (up to HELD_MAX pages: with pauses, as _fold_queued)
+                    time.sleep(FOLD_PAUSE_S)
         while len(u) > HELD_MAX:
             u.popitem(last=False)
 
@@ -300,7 +324,7 @@ class IndexPublisher:
                 self._resync = True
                 # fold everything queued into the held set meanwhile (the resync sends it all): a
                 # batch per back-off drained 4,096 pages per 2 s and the queue filled and dropped
-                _, more = self._apply_local(self._drain(QUEUE_PAGES + QUEUE_MAX))
+                more = self._fold_queued()
                 self._keep_unsent(forgotten, removed, more)
                 self._stop.wait(backoff)
                 backoff = min(2.0, backoff * 2)

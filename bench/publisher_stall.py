@@ -1,0 +1,83 @@
+"""What the index publisher's thread costs the scheduler's calls while Redis is down.
+
+The publisher (``sglang_tiered/fleet/publisher.py``) points at a closed port (``--stalled``: a
+server that accepts and never answers, so each try waits out the socket timeout), with
+``--pages`` page hashes queued (events of ``--event-pages``). Its thread then starts, fails to
+connect, and folds the queue into its held set; the main thread (the scheduler's side) calls
+``on_store`` with a new event every ``--gap-us`` meanwhile and times each call. Run it on one
+core (``taskset -c 1``): the scheduler and the publisher's thread share the GIL, and a call that
+has to take the GIL back waits for the other thread's switch interval (5 ms) each time.
+
+    taskset -c 1 python -m bench.publisher_stall [--pages 1048576] [--seconds 3]
+
+Prints one JSON line: the calls' p50/p99/max in microseconds, how many, and the publisher's stats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import socket
+import threading
+import time
+
+
+def main(argv=None) -> dict:
+    from sglang_tiered.fleet import publisher as pub
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pages", type=int, default=1 << 20)
+    ap.add_argument("--event-pages", type=int, default=64)
+    ap.add_argument("--store-pages", type=int, default=16, help="pages of each timed on_store")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--gap-us", type=float, default=200.0, help="the scheduler's own work between calls")
+    ap.add_argument("--stalled", action="store_true", help="a server that accepts and never answers")
+    ap.add_argument("--gc-off", action="store_true", help="no cyclic GC (its full passes apart from the GIL's)")
+    a = ap.parse_args(argv)
+    if a.gc_off:
+        gc.disable()
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    if a.stalled:
+        srv.listen(16)  # (accepted by the kernel, never read or answered)
+    else:
+        srv.close()  # a closed port: connection refused
+    p = pub.IndexPublisher(f"redis://127.0.0.1:{port}/0", "stall-bench", 30.0, start=False, socket_timeout_s=0.5)
+    n = 0
+    while n < a.pages:
+        k = min(a.event_pages, a.pages - n)
+        p.on_store([os.urandom(16) for _ in range(k)])
+        n += k
+    queued = p.snapshot()["queued_pages"]
+    t = threading.Thread(target=p._run, daemon=True)
+    t.start()
+    times = []
+    end = time.perf_counter() + a.seconds
+    i = 0
+    while time.perf_counter() < end:
+        hs = [i.to_bytes(16, "little", signed=False) for _ in range(a.store_pages)]
+        i += 1
+        t0 = time.perf_counter_ns()
+        p.on_store(hs)
+        times.append(time.perf_counter_ns() - t0)
+        spin = time.perf_counter() + a.gap_us / 1e6  # (the scheduler's own Python work)
+        while time.perf_counter() < spin:
+            pass
+    p.close()
+    srv.close()
+    times.sort()
+    out = {"queued_pages": queued, "stalled": a.stalled, "gc": not a.gc_off, "calls": len(times),
+           "p50_us": round(times[len(times) // 2] / 1e3, 1), "p99_us": round(times[int(len(times) * 0.99)] / 1e3, 1),
+           "max_us": round(times[-1] / 1e3, 1), "over_1ms": sum(x > 1e6 for x in times),
+           "publisher": {k: v for k, v in p.snapshot().items() if k in ("held_pages", "dropped_events", "errors",
+                                                                         "queued_pages")}}  # fmt: skip
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
