@@ -4,13 +4,15 @@ The publisher (``sglang_tiered/fleet/publisher.py``) points at a closed port (``
 server that accepts and never answers, so each try waits out the socket timeout), with
 ``--pages`` page hashes queued (events of ``--event-pages``). Its thread then starts, fails to
 connect, and folds the queue into its held set; the main thread (the scheduler's side) calls
-``on_store`` with a new event every ``--gap-us`` meanwhile and times each call. Run it on one
+``on_store`` with a new event every ``--gap-us`` meanwhile and times each call, and each step (the
+call and the gap: a wait for the GIL anywhere in it). Run it on one
 core (``taskset -c 1``): the scheduler and the publisher's thread share the GIL, and a call that
 has to take the GIL back waits for the other thread's switch interval (5 ms) each time.
 
     taskset -c 1 python -m bench.publisher_stall [--pages 1048576] [--seconds 3]
 
-Prints one JSON line: the calls' p50/p99/max in microseconds, how many, and the publisher's stats.
+Prints one JSON line: the calls' p50/p99/max in microseconds, how many, the steps' longest delay,
+and the publisher's stats.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--gap-us", type=float, default=200.0, help="the scheduler's own work between calls")
     ap.add_argument("--stalled", action="store_true", help="a server that accepts and never answers")
     ap.add_argument("--gc-off", action="store_true", help="no cyclic GC (its full passes apart from the GIL's)")
+    ap.add_argument("--redis", default=None, help="a live Redis (redis://...): the pages are held, not queued, and "
+                                                  "the thread's first round re-publishes them all (a refresh)")
+    ap.add_argument("--full-gc", action="store_true", help="also time gc.collect() with the pages held")
     a = ap.parse_args(argv)
     if a.gc_off:
         gc.disable()
@@ -46,18 +51,29 @@ def main(argv=None) -> dict:
         srv.listen(16)  # (accepted by the kernel, never read or answered)
     else:
         srv.close()  # a closed port: connection refused
-    p = pub.IndexPublisher(f"redis://127.0.0.1:{port}/0", "stall-bench", 30.0, start=False, socket_timeout_s=0.5)
+    url = a.redis or f"redis://127.0.0.1:{port}/0"
+    p = pub.IndexPublisher(url, "stall-bench", 30.0, start=False, socket_timeout_s=0.5)
     n = 0
     while n < a.pages:
         k = min(a.event_pages, a.pages - n)
         p.on_store([os.urandom(16) for _ in range(k)])
         n += k
+        if a.redis and n % 16384 < a.event_pages:
+            p._apply_local(p._drain(pub.QUEUE_PAGES))  # (held, as after a long run)
+    if a.redis:
+        p._apply_local(p._drain(pub.QUEUE_PAGES))
     queued = p.snapshot()["queued_pages"]
+    gc_ms = None
+    if a.full_gc:
+        t0 = time.perf_counter()
+        gc.collect()
+        gc_ms = round((time.perf_counter() - t0) * 1e3, 1)
     t = threading.Thread(target=p._run, daemon=True)
     t.start()
-    times = []
+    times, steps = [], []
     end = time.perf_counter() + a.seconds
     i = 0
+    prev = time.perf_counter_ns()
     while time.perf_counter() < end:
         hs = [i.to_bytes(16, "little", signed=False) for _ in range(a.store_pages)]
         i += 1
@@ -67,14 +83,19 @@ def main(argv=None) -> dict:
         spin = time.perf_counter() + a.gap_us / 1e6  # (the scheduler's own Python work)
         while time.perf_counter() < spin:
             pass
+        now = time.perf_counter_ns()
+        steps.append(now - prev - a.gap_us * 1e3)  # (a scheduler step's delay: the call, and any wait for the GIL)
+        prev = now
     p.close()
     srv.close()
     times.sort()
-    out = {"queued_pages": queued, "stalled": a.stalled, "gc": not a.gc_off, "calls": len(times),
+    out = {"queued_pages": queued, "held_before": n if a.redis else 0, "redis": bool(a.redis), "stalled": a.stalled,
+           "gc": not a.gc_off, "full_gc_ms": gc_ms, "calls": len(times),
            "p50_us": round(times[len(times) // 2] / 1e3, 1), "p99_us": round(times[int(len(times) * 0.99)] / 1e3, 1),
            "max_us": round(times[-1] / 1e3, 1), "over_1ms": sum(x > 1e6 for x in times),
+           "step_delay_max_ms": round(max(steps) / 1e6, 1), "step_delays_over_10ms": sum(x > 1e7 for x in steps),
            "publisher": {k: v for k, v in p.snapshot().items() if k in ("held_pages", "dropped_events", "errors",
-                                                                         "queued_pages")}}  # fmt: skip
+                                                                         "queued_pages", "refreshes")}}  # fmt: skip
     print(json.dumps(out))
     return out
 

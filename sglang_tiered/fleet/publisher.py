@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
+from itertools import islice
 
 from sglang_tiered.fleet.index import alive_key, ckey_key, holder_field, page_key
 
@@ -32,6 +32,12 @@ QUEUE_MAX = 65536  # pending events (each a list of page hashes)
 # 2,048 pages took 85 MB and the worst case was 9 GB (review, session 19)
 QUEUE_PAGES = 1 << 20
 HELD_MAX = 1 << 21  # page hashes remembered for refresh (bounded; oldest forgotten first)
+# The held set (and the unsent removals) are plain dicts, in insertion order (a page stored again
+# is moved to the end: popped and set), not OrderedDicts: ``list()`` of an OrderedDict of 2^20
+# pages took 0.45 s in one C call (the refresh's copy of the held set every TTL/2, GIL held: every
+# scheduler step waited), a dict's 0.02 s; and an OrderedDict is a container the cyclic GC walks
+# (45 ms of every full collection in the scheduler's process at 2^20 pages), a dict of bytes to
+# None is not tracked at all (session 41, bench/publisher_stall.py).
 # One batch's writes, run by Redis: the pages to withdraw (HDEL), then those to claim (HSET +
 # EXPIRE). As pipelined commands they cost 7.5 us of Python per claimed page and 3.3 per removed
 # one in the scheduler's process (review, session 23: a refresh of 2^21 held pages took 17 s of
@@ -62,7 +68,7 @@ BATCH_PAGES = 4096
 # With Redis down the thread folds everything queued into its held set (up to QUEUE_PAGES): in
 # one go, that held the GIL for about 0.5 s, and a scheduler call that had to take the GIL back
 # (``on_store``: the queue's and the count's locks, when the thread held them) waited out the
-# switch interval (5 ms) each time: 90-165 ms at worst on one core (session 41, bench/publisher_stall.py).
+# switch interval (5 ms) each time: 60-165 ms at worst on one core (session 41, bench/publisher_stall.py).
 # It folds FOLD_PAGES at a time and sleeps FOLD_PAUSE_S between (the GIL let go: the scheduler's
 # thread takes it at once).
 FOLD_PAGES = 2048
@@ -88,7 +94,7 @@ class IndexPublisher:
         self._q: queue.Queue = queue.Queue(maxsize=QUEUE_MAX)
         self._pages_lock = threading.Lock()
         self._queued_pages = 0  # page hashes in the queue's events (bounded by QUEUE_PAGES)
-        self._held: OrderedDict = OrderedDict()
+        self._held: dict = {}
         self._stop = threading.Event()
         self._client = None
         self._write = None  # WRITE_LUA, registered on the first batch (redis-py reloads it on NOSCRIPT)
@@ -96,7 +102,7 @@ class IndexPublisher:
         self._overflowed = threading.Event()  # a removal was dropped: start over (_forget_all)
         # removals not sent because Redis failed (withdrawn first when it is back: review, session
         # 23, they were dropped and the pages stayed claimed); bounded, the oldest age out instead
-        self._unsent: OrderedDict = OrderedDict()
+        self._unsent: dict = {}
         self.stats = {"published_pages": 0, "removed_pages": 0, "dropped_events": 0, "errors": 0,
                       "batches": 0, "refreshes": 0, "resyncs": 0, "lost_index": 0}  # fmt: skip
         self.connected = False
@@ -207,8 +213,8 @@ class IndexPublisher:
         for op, hs in items:
             if op == "s":
                 for h in hs:
+                    held.pop(h, None)  # (to the end: the newest)
                     held[h] = None
-                    held.move_to_end(h)
                     removed.pop(h, None)
                     stored[h] = None
             elif op == "r":
@@ -221,8 +227,7 @@ class IndexPublisher:
                     removed[h] = None
                 stored.clear()
                 held.clear()
-        while len(held) > HELD_MAX:
-            held.popitem(last=False)
+        _trim(held)
         return list(stored), list(removed)
 
     def _fold_queued(self) -> list:
@@ -242,13 +247,12 @@ class IndexPublisher:
         n = 0
         for hs in lists:
             for h in hs:
+                u.pop(h, None)
                 u[h] = None
-                u.move_to_end(h)
                 n += 1
                 if n % FOLD_PAGES == 0:  # (up to HELD_MAX pages: with pauses, as _fold_queued)
                     time.sleep(FOLD_PAUSE_S)
-        while len(u) > HELD_MAX:
-            u.popitem(last=False)
+        _trim(u)
 
     def _send(self, stored, removed) -> None:
         c = self._client
@@ -306,10 +310,15 @@ class IndexPublisher:
                 forgotten = []
                 now = time.monotonic()
                 if self._resync or now - last_refresh >= self.ttl_s / 2:
-                    # refresh (also after reconnecting): everything held, in batches
-                    keys = list(self._held.keys())
-                    for i in range(0, max(1, len(keys)), BATCH_PAGES):
-                        self._send(keys[i : i + BATCH_PAGES], removed if i == 0 else [])
+                    # refresh (also after reconnecting): everything held, in batches, read a
+                    # batch at a time (nothing else changes the held set meanwhile: this thread's)
+                    it = iter(self._held)
+                    part = list(islice(it, BATCH_PAGES))
+                    self._send(part, removed)  # (once with nothing held: the heartbeat)
+                    while len(part) == BATCH_PAGES:
+                        part = list(islice(it, BATCH_PAGES))
+                        if part:
+                            self._send(part, [])
                     removed, stored = [], []
                     last_refresh, self._resync = now, False
                     self.stats["refreshes"] += 1
@@ -331,3 +340,11 @@ class IndexPublisher:
                 continue
             if not items:
                 self._stop.wait(0.05)
+
+
+def _trim(d: dict) -> None:
+    """Forget ``d``'s oldest keys past HELD_MAX (a dict keeps them in insertion order)."""
+    excess = len(d) - HELD_MAX
+    if excess > 0:
+        for h in list(islice(d, excess)):
+            del d[h]
