@@ -1,5 +1,5 @@
 """The fleet serves one set of weights: a worker whose weights differ from what the router last
-broadcast is out of the routing set, with its reason in ``/router/stats`` (session 41).
+broadcast is out of the routing set, with its reason in ``/router/stats`` (session 40).
 
 Before: (a) a worker restarted after a weight update it took came back on its launch weights,
 owed nothing, and was routed to beside peers on the new weights; (b) a worker that refused (4xx)

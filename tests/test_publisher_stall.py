@@ -1,5 +1,5 @@
 """With Redis down, the index publisher's thread folds its queue into its held set in slices,
-letting go of the GIL between them (session 41).
+letting go of the GIL between them (session 40).
 
 In one go (up to QUEUE_PAGES, 2^20 pages) the fold held the GIL for about 0.5 s, and a scheduler
 call (``on_store``) that had to take the GIL back waited out the switch interval each time: 60-165

@@ -37,7 +37,7 @@ HELD_MAX = 1 << 21  # page hashes remembered for refresh (bounded; oldest forgot
 # pages took 0.45 s in one C call (the refresh's copy of the held set every TTL/2, GIL held: every
 # scheduler step waited), a dict's 0.02 s; and an OrderedDict is a container the cyclic GC walks
 # (45 ms of every full collection in the scheduler's process at 2^20 pages), a dict of bytes to
-# None is not tracked at all (session 41, bench/publisher_stall.py).
+# None is not tracked at all (session 40, bench/publisher_stall.py).
 # One batch's writes, run by Redis: the pages to withdraw (HDEL), then those to claim (HSET +
 # EXPIRE). As pipelined commands they cost 7.5 us of Python per claimed page and 3.3 per removed
 # one in the scheduler's process (review, session 23: a refresh of 2^21 held pages took 17 s of
@@ -68,7 +68,7 @@ BATCH_PAGES = 4096
 # With Redis down the thread folds everything queued into its held set (up to QUEUE_PAGES): in
 # one go, that held the GIL for about 0.5 s, and a scheduler call that had to take the GIL back
 # (``on_store``: the queue's and the count's locks, when the thread held them) waited out the
-# switch interval (5 ms) each time: 60-165 ms at worst on one core (session 41, bench/publisher_stall.py).
+# switch interval (5 ms) each time: 60-165 ms at worst on one core (session 40, bench/publisher_stall.py).
 # It folds FOLD_PAGES at a time and sleeps FOLD_PAUSE_S between (the GIL let go: the scheduler's
 # thread takes it at once).
 FOLD_PAGES = 2048

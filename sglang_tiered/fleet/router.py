@@ -159,17 +159,8 @@ OWED_MAX = 4096
 # at the next health check, not dropped.
 OWED_ROUTES = frozenset(("/cache/invalidate", "/flush_cache", "/update_weights_from_disk", "/update_weight_version",
                          "/load_lora_adapter", "/unload_lora_adapter"))  # fmt: skip
-# Calls that change one server's weights, adapters or memory with what only that server can take
-# (tensors or IPC handles of its own process, a process group it joins, its own sleep): through the
-# router they reached the least busy worker alone, and the fleet served mixed weights with nothing
-# said (session 40). Refused with a 400 that says to call each worker.
-ONE_SERVER_UPDATES = frozenset(("/update_weights_from_tensor", "/update_weights_from_distributed",
-                                "/update_weights_from_ipc", "/load_lora_adapter_from_tensors",
-                                "/begin_weight_update", "/end_weight_update", "/init_weights_update_group",
-                                "/destroy_weights_update_group", "/release_memory_occupation",
-                                "/resume_memory_occupation"))  # fmt: skip
 SUPERSEDING = frozenset(("/flush_cache", "/update_weights_from_disk", "/update_weight_version"))
-# The fleet serves one set of weights (session 41): what the router last broadcast of these and a
+# The fleet serves one set of weights (session 40): what the router last broadcast of these and a
 # worker took (``Router.fleet_weights``: the body's ``model_path``, its ``weight_version`` or
 # ``new_version``, as SGLang's /model_info then reports them) is compared with each worker's
 # /model_info at its health checks, and a worker that reports other weights (restarted on its
