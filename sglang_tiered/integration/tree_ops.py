@@ -36,46 +36,13 @@ def _match_len(node_key: RadixKey, key: RadixKey, off: int, n: int, ps: int) -> 
     return node_key.match_at(key, off, page_size=ps)
 
 
-def match(cache, node: TreeNode, key: RadixKey):
-    """``RadixCache._match_prefix_helper(node, key)``: (values on the matched path, last node)."""
+def _walk(cache, node: TreeNode, key: RadixKey, n: int, value):
+    """SGLang's match walk from ``node`` over ``key[:n]``: each node on the path stamped, a partly
+    matched one split. Returns (tokens matched, last node); each matched node's value is appended
+    to ``value`` unless it is None."""
     access_time = time.monotonic()
     node.last_access_time = access_time
     ps = cache.page_size
-    n = len(key)
-    child_key = key.child_key_at(0, ps)
-    value = []
-    off = 0
-    while off < n and child_key in node.children:
-        child = node.children[child_key]
-        child.last_access_time = access_time
-        prefix_len = _match_len(child.key, key, off, n, ps)
-        if prefix_len < len(child.key):
-            new_node = cache._split_node(child.key, child, prefix_len)
-            value.append(new_node.value)
-            node = new_node
-            break
-        value.append(child.value)
-        node = child
-        off += prefix_len
-        if off < n:
-            child_key = key.child_key_at(off, ps)
-    return value, node
-
-
-def match_prefix(cache, key: RadixKey) -> MatchResult:
-    """``RadixCache.match_prefix`` for a plain (non-bigram) key on an enabled cache: ``match``
-    on the key's page-aligned length, without SGLang's aligned copy of the key, the list of the
-    path's values and the sum of their lengths (the result holds only the length): the path's
-    length is the walk's offset. The same nodes, splits and access times; the same result."""
-    ps = cache.page_size
-    n = len(key)
-    if ps > 1:
-        n = n // ps * ps
-    if n == 0:
-        return cache._empty_match_result
-    node = cache.root_node
-    access_time = time.monotonic()
-    node.last_access_time = access_time
     child_key = key.child_key_at(0, ps)
     off = 0
     while off < n and child_key in node.children:
@@ -84,12 +51,37 @@ def match_prefix(cache, key: RadixKey) -> MatchResult:
         prefix_len = _match_len(child.key, key, off, n, ps)
         if prefix_len < len(child.key):
             node = cache._split_node(child.key, child, prefix_len)
-            off += prefix_len
-            break
+            if value is not None:
+                value.append(node.value)
+            return off + prefix_len, node
+        if value is not None:
+            value.append(child.value)
         node = child
         off += prefix_len
         if off < n:
             child_key = key.child_key_at(off, ps)
+    return off, node
+
+
+def match(cache, node: TreeNode, key: RadixKey):
+    """``RadixCache._match_prefix_helper(node, key)``: (values on the matched path, last node)."""
+    value = []
+    _, node = _walk(cache, node, key, len(key), value)
+    return value, node
+
+
+def match_prefix(cache, key: RadixKey) -> MatchResult:
+    """``RadixCache.match_prefix`` for a plain (non-bigram) key on an enabled cache: the walk on
+    the key's page-aligned length, without SGLang's aligned copy of the key, the list of the
+    path's values and the sum of their lengths (the result holds only the length): the path's
+    length is the walk's offset. The same nodes, splits and access times; the same result."""
+    ps = cache.page_size
+    n = len(key)
+    if ps > 1:
+        n = n // ps * ps
+    if n == 0:
+        return cache._empty_match_result
+    off, node = _walk(cache, cache.root_node, key, n, None)
     return MatchResult(device_prefix_len=off, last_device_node=node, last_host_node=node, best_match_node=node)
 
 
