@@ -811,7 +811,9 @@ class Router:
             except Exception as exc:  # noqa: BLE001 - still owed: the next health check tries again
                 status, text = 502, f"{type(exc).__name__}: {exc}"
             if status >= 500 or (status == 400 and path == "/flush_cache"):  # (a flush: not idle yet)
-                ws.owed_status = status
+                # (what a broadcast answers for it while it is queued behind this: a 5xx, so the
+                # call is owed too; a flush's 400 read as a refusal of the call, owed to nobody)
+                ws.owed_status = status if status >= 500 else 503
                 now = time.monotonic()
                 if now - ws.owed_warned_at >= 60.0:  # (the reason it stays out of the routing set)
                     ws.owed_warned_at = now
