@@ -483,6 +483,9 @@ class Router:
         self.fleet_weights: dict = {}
         self._weights_busy = 0
         self._weights_epoch = 0
+        # (the weight broadcast ``fleet_weights`` comes from, by its epoch: an owed delivery of a
+        # later one that no worker took in the broadcast itself, owed to all, sets them then)
+        self._fleet_epoch = 0
         self._seeds: dict = {}  # CacheKey -> {namespace memo: seed} (bounded)
         self._memory_seeds: dict = {}
         self._ckey_task = None
@@ -726,13 +729,7 @@ class Router:
         took = [ws for ws, (_, st, _) in zip(targets, res) if 200 <= st < 300]
         if not took:
             return False  # (refused by all, or none reached: the fleet is as it was)
-        body = _parse_body(raw)
-        body = body if isinstance(body, dict) else {}
-        if request.path == "/update_weights_from_disk":
-            want = {"model_path": body.get("model_path"), "weight_version": body.get("weight_version")}
-        else:
-            want = {"weight_version": body.get("new_version")}
-        self.fleet_weights.update({k: v for k, v in want.items() if isinstance(v, str)})
+        self._take_weights(request.path, raw, self._weights_epoch)
         for ws in took:
             ws.weights_refused = None
         for ws, (u, st, text) in zip(targets, res):
@@ -740,6 +737,20 @@ class Router:
                 self._refused_weights(ws, request.path, st, text)
                 doc[self._worker_name(request, u)]["out_of_routing"] = ws.weights_refused
         return True
+
+    def _take_weights(self, path: str, raw: bytes, epoch: int) -> None:
+        """A worker took the weight update ``raw`` (``path``) of the broadcast ``epoch``: the
+        fleet's weights are what it asked for, unless they come from a later broadcast."""
+        if epoch < self._fleet_epoch:
+            return
+        body = _parse_body(raw)
+        body = body if isinstance(body, dict) else {}
+        if path == "/update_weights_from_disk":
+            want = {"model_path": body.get("model_path"), "weight_version": body.get("weight_version")}
+        else:
+            want = {"weight_version": body.get("new_version")}
+        self.fleet_weights.update({k: v for k, v in want.items() if isinstance(v, str)})
+        self._fleet_epoch = epoch
 
     def _refused_weights(self, ws: "WorkerState", path: str, status: int, text: str) -> None:
         """``ws`` refused a weight update its peers took: out of the routing set until it takes one."""
@@ -758,14 +769,14 @@ class Router:
                 or list(self.workers.values()))  # fmt: skip
 
     def _owe(self, ws: "WorkerState", raw: bytes, plain: bytes, headers: list, method: str = "POST",
-             path_qs: str = "/cache/invalidate") -> None:  # fmt: skip
+             path_qs: str = "/cache/invalidate", epoch: int = 0) -> None:  # fmt: skip
         """``ws`` did not take the invalidation ``raw`` (``plain``: without its generation, for a
         server that refuses the field), or another of ``OWED_ROUTES`` (``method`` ``path_qs``,
         ``plain`` its body as well): kept for it, and it leaves the routing set until ``_pay``
         delivers it (``OWED_MAX``)."""
         key = self._owed_scope(plain, headers, path_qs.split("?", 1)[0])
         ws.owed.pop(key, None)  # (a newer one of the same scope replaces it: generations only move up)
-        ws.owed[key] = (raw, plain, headers, method, path_qs)
+        ws.owed[key] = (raw, plain, headers, method, path_qs, epoch)  # (epoch: a weight broadcast's)
         self.stats.owed_invalidations += 1
         if len(ws.owed) > OWED_MAX:
             ws.owed.popitem(last=False)
@@ -800,7 +811,7 @@ class Router:
 
         while ws.owed:
             key, entry = next(iter(ws.owed.items()))
-            raw, plain, headers, method, path_qs = entry
+            raw, plain, headers, method, path_qs, epoch = entry
             path = path_qs.split("?", 1)[0]
             timeout = owed_timeout(path)
             try:
@@ -830,6 +841,10 @@ class Router:
                 self.stats.owed_delivered += 1
                 if path in WEIGHT_ROUTES:
                     ws.weights_refused = None
+                    # (owed to every worker, no one took it in the broadcast: the fleet's now;
+                    # a health check that read /model_info before this does not judge by it)
+                    self._take_weights(path, raw, epoch)
+                    self._weights_epoch += 1
             else:
                 self.stats.owed_refused += 1
                 if path in WEIGHT_ROUTES:  # (its peers took it: the fleet's weights are not its)
@@ -1571,7 +1586,8 @@ class Router:
             if owable and (took or not [st for st in refused if not (flush and st == 400)]):
                 for ws, (u, st, _) in zip(targets, res):
                     if st >= 500:  # it did not take it: kept for it, out of the routing set meanwhile
-                        self._owe(ws, raw, plain, headers, request.method, request.path_qs)
+                        self._owe(ws, raw, plain, headers, request.method, request.path_qs,
+                                  self._weights_epoch if weights else 0)  # fmt: skip
                         ws.owed_status = st
                         doc[self._worker_name(request, u)]["owed"] = True
             return web.json_response(doc, status=status)

@@ -1,0 +1,52 @@
+"""A weight update every worker missed and then took on delivery is the fleet's weights (review,
+session 41).
+
+``fleet_weights`` (what ``/model_info`` is compared with at each health check) moved only when a
+worker took a weight update in the broadcast itself. With every worker down (or queued behind what
+it owes) the update was owed to all, delivered when each came back, and ``fleet_weights`` still
+named the weights before it: every worker then reported "other weights than the fleet's" and was
+out of the routing set, for good, until the next weight broadcast. Stub aiohttp workers on
+127.0.0.1, the real Router app in front of them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from sglang_tiered.fleet.router import Router
+from tests.test_fleet_hardening import _serve
+from tests.test_fleet_owed import _until
+from tests.test_fleet_weights_consistency import _on_port, _worker
+
+
+def test_an_update_owed_to_every_worker_and_delivered_is_the_fleets_weights():
+    async def main():
+        r0, u0 = await _serve(_worker("w0"))
+        r1, u1 = await _serve(_worker("w1"))
+        ports = [int(u.rsplit(":", 1)[1]) for u in (u0, u1)]
+        router = Router([u0, u1], None, load_poll_s=0, model_path="", health_interval_s=0.1)
+        rr, url = await _serve(router.app())
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/update_weights_from_disk", json={"model_path": "/m/v2"}) as resp:
+                    assert resp.status == 200, await resp.text()
+                await r0.cleanup()
+                await r1.cleanup()  # the whole fleet is down
+                async with s.post(url + "/update_weights_from_disk", json={"model_path": "/m/v3"}) as resp:
+                    doc = await resp.json()
+                assert resp.status == 502 and doc[u0].get("owed") and doc[u1].get("owed"), doc
+                r0 = await _on_port(_worker("w0"), ports[0])
+                r1 = await _on_port(_worker("w1"), ports[1])
+                await _until(lambda: not router.workers[u0].owed and not router.workers[u1].owed)
+                await asyncio.sleep(0.5)  # (health checks read /model_info: /m/v3 on both)
+                assert router.fleet_weights.get("model_path") == "/m/v3", router.fleet_weights
+                for u in (u0, u1):
+                    w = router.workers[u]
+                    assert w.healthy and w.weights_differ is None, (u, w.weights_differ)
+        finally:
+            await rr.cleanup()
+            await r0.cleanup()
+            await r1.cleanup()
+
+    asyncio.run(main())
