@@ -50,3 +50,39 @@ def test_an_update_owed_to_every_worker_and_delivered_is_the_fleets_weights():
             await r1.cleanup()
 
     asyncio.run(main())
+
+
+def test_an_update_owed_to_every_worker_and_refused_by_each_takes_none_out():
+    """The same, the update refused (4xx) by each worker on delivery: no worker took it, the
+    fleet's weights are as they were, and no worker is out of the routing set for refusing it (as
+    when the broadcast itself was refused by all). Before, each was out, "refused an update its
+    peers took", until the next weight broadcast."""
+
+    async def main():
+        r0, u0 = await _serve(_worker("w0"))
+        r1, u1 = await _serve(_worker("w1"))
+        ports = [int(u.rsplit(":", 1)[1]) for u in (u0, u1)]
+        router = Router([u0, u1], None, load_poll_s=0, model_path="", health_interval_s=0.1)
+        rr, url = await _serve(router.app())
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/update_weights_from_disk", json={"model_path": "/m/v2"}) as resp:
+                    assert resp.status == 200, await resp.text()
+                await r0.cleanup()
+                await r1.cleanup()
+                async with s.post(url + "/update_weights_from_disk", json={"model_path": "/m/bad"}) as resp:
+                    assert resp.status == 502
+                r0 = await _on_port(_worker("w0", launch="/m/v2", refuse=True), ports[0])
+                r1 = await _on_port(_worker("w1", launch="/m/v2", refuse=True), ports[1])
+                await _until(lambda: not router.workers[u0].owed and not router.workers[u1].owed)
+                await asyncio.sleep(0.5)
+                assert router.fleet_weights.get("model_path") == "/m/v2", router.fleet_weights
+                for u in (u0, u1):
+                    w = router.workers[u]
+                    assert w.healthy and w.weights_refused is None and w.weights_differ is None, (u, w.weights_refused)
+        finally:
+            await rr.cleanup()
+            await r0.cleanup()
+            await r1.cleanup()
+
+    asyncio.run(main())

@@ -847,8 +847,8 @@ class Router:
                     self._weights_epoch += 1
             else:
                 self.stats.owed_refused += 1
-                if path in WEIGHT_ROUTES:  # (its peers took it: the fleet's weights are not its)
-                    self._refused_weights(ws, path, status, text)
+                if path in WEIGHT_ROUTES and epoch <= self._fleet_epoch:  # (a peer took it: the
+                    self._refused_weights(ws, path, status, text)  # fleet's weights are not its)
                 logger.warning("router: %s refused the %s it was owed (%d: %s); dropped",
                                ws.url, path, status, text[:200])  # fmt: skip
         return True
