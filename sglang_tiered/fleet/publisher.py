@@ -267,8 +267,9 @@ class IndexPublisher:
         # tree its own (``field``): on the server's one, the tree that wrote it first after the
         # loss found it gone and every other tree found it back, and kept its claims lost
         pipe.set(alive_key(field), now, ex=max(1, int(self.ttl_s)), get=True)
-        if field != sid:  # (readers look at the server's)
-            pipe.set(alive_key(sid), now, ex=max(1, int(self.ttl_s)))
+        if field != sid:  # (readers look at the server's; refreshed only while it exists: set
+            # again here after a loss, the first tree, whose own heartbeat it is, found it back)
+            pipe.set(alive_key(sid), now, ex=max(1, int(self.ttl_s)), xx=True)
         if self.key_json:
             pipe.set(ckey_key(sid), self.key_json, ex=max(1, int(self.ttl_s)))
         if (removed or stored) and self._write is None:
