@@ -1,9 +1,9 @@
 """Publish the page hashes a server holds to the fleet hint index (Redis), off the request path.
 
 Runs in the scheduler process of the first rank of each tree (TP rank 0; attention-TP rank 0 of
-each DP rank under DP attention, and of each data-parallel replica: ``build.hint_rank``). The scheduler thread only appends to a bounded queue
-(``on_store`` / ``on_remove`` / ``on_clear``: a ``put_nowait``; a full queue drops the event and
-counts it). A dropped store only leaves a page unclaimed; a dropped removal (or clear) makes the
+each DP rank under DP attention, and of each data-parallel replica: ``build.hint_rank``). The
+scheduler thread only appends to a bounded queue (``on_store`` / ``on_remove`` / ``on_clear``: a
+``put_nowait``; a full queue drops the event and counts it). A dropped store only leaves a page unclaimed; a dropped removal (or clear) makes the
 thread start over (``resyncs``): it discards what is queued, withdraws every claim it holds and
 forgets them, and publishes again only what is stored after (otherwise the page would stay in the
 held set, refreshed every TTL/2: a stale claim kept alive for ever). Locality until the held pages
