@@ -1,5 +1,5 @@
 """A weight update every worker missed and then took on delivery is the fleet's weights (review,
-session 41).
+session 40).
 
 ``fleet_weights`` (what ``/model_info`` is compared with at each health check) moved only when a
 worker took a weight update in the broadcast itself. With every worker down (or queued behind what

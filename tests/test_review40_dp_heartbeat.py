@@ -1,5 +1,5 @@
 """The server's first tree sees the index lost whichever tree writes first after the loss (review,
-session 41).
+session 40).
 
 Each tree checks a heartbeat of its own for a lost index (session 40); the first tree's own is the
 server's, which every other tree also writes (readers look at it). After Redis lost its data, a

@@ -1,5 +1,5 @@
 """A worker that refused an owed flush (400: requests still running) is still queued behind it,
-not refusing the next fleet-wide call (review, session 41).
+not refusing the next fleet-wide call (review, session 40).
 
 ``_pay`` keeps such a flush owed and records the worker's answer in ``owed_status``, which the
 broadcast answers for a worker queued behind what it owes. A 400 there read as the worker refusing
