@@ -156,6 +156,7 @@ def test_a_worker_that_never_answers_owes_the_call_instead_of_holding_the_answer
     from sglang_tiered.fleet import router as router_mod
 
     monkeypatch.setattr(router_mod, "OWED_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(router_mod, "OWED_FLUSH_S", 1.0)
     lsock = socket.socket()
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(16)
@@ -240,6 +241,52 @@ def test_one_server_weight_calls_are_refused_not_sent_to_one_worker():
             assert seen == []
         finally:
             await rr.cleanup()
+            await r0.cleanup()
+
+    asyncio.run(main())
+
+
+def test_a_flush_is_given_its_own_wait_and_the_time_to_persist(monkeypatch):
+    """A flush through the router is bounded by OWED_FLUSH_S plus the wait its ``timeout`` query
+    asks SGLang for (with T1 on a flush first copies the device tree to host memory). Before, it
+    had OWED_TIMEOUT_S (10 s) like an invalidation: a slow flush answered the client 502 and was
+    owed to a worker that had taken it (review, session 40)."""
+    from sglang_tiered.fleet import router as router_mod
+
+    monkeypatch.setattr(router_mod, "OWED_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(router_mod, "OWED_FLUSH_S", 0.3)
+    assert router_mod.owed_timeout("/flush_cache?timeout=2").total == 2.3
+    assert router_mod.owed_timeout("/flush_cache?timeout=nan").total == 0.3
+    assert router_mod.owed_timeout("/cache/invalidate").total == 0.3
+
+    def slow_worker(log):
+        app = web.Application()
+
+        async def flush(req):
+            await asyncio.sleep(1.0)  # (a flush persisting a big tree to T1)
+            log.append(req.query.get("timeout"))
+            return web.json_response({"success": True})
+
+        app.router.add_route("*", "/flush_cache", flush)
+        app.router.add_get("/health", lambda _: web.json_response({}))
+        return app
+
+    async def main():
+        log: list = []
+        r0, u0 = await _serve(slow_worker(log))
+        r1, u1 = await _serve(slow_worker(log))
+        router = Router([u0, u1], None, load_poll_s=0, model_path="", health_interval_s=30)
+        rr, url = await _serve(router.app(), shutdown_timeout=1)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=8)) as s:
+                async with s.post(url + "/flush_cache?timeout=2") as resp:
+                    doc = await resp.json()
+            assert resp.status == 200, doc
+            assert log == ["2", "2"]
+            assert not router.workers[u0].owed and not router.workers[u1].owed
+        finally:
+            await rr.cleanup()
+            await r1.cleanup()
             await r0.cleanup()
 
     asyncio.run(main())

@@ -154,7 +154,8 @@ OWED_MAX = 4096
 # adapters, routed to again beside peers on the new ones). A newer call of one of SUPERSEDING
 # replaces an owed older one (a flush, a full load, a version label: the last one is what counts);
 # every adapter load and unload is kept, in order. The call, and its delivery, wait up to
-# OWED_SLOW_S for a weight or adapter load (a checkpoint read), OWED_TIMEOUT_S for the others
+# OWED_SLOW_S for a weight or adapter load (a checkpoint read), OWED_FLUSH_S plus its own wait for a
+# flush (with T1 on it first copies the device tree to host memory), OWED_TIMEOUT_S for the others
 # (past it, owed); a flush SGLang refuses on delivery (400: requests still running) is tried again
 # at the next health check, not dropped.
 OWED_ROUTES = frozenset(("/cache/invalidate", "/flush_cache", "/update_weights_from_disk", "/update_weight_version",
@@ -170,6 +171,7 @@ SUPERSEDING = frozenset(("/flush_cache", "/update_weights_from_disk", "/update_w
 WEIGHT_ROUTES = frozenset(("/update_weights_from_disk", "/update_weight_version"))
 OWED_TIMEOUT_S = 10.0
 OWED_SLOW_S = 3600.0
+OWED_FLUSH_S = 120.0
 # A compressed request body is decoded to at most this many bytes (413 past it; ``max_body_mb``
 # when lower): a 1 MiB gzip upload that decodes to 1.1 GiB held the event loop for 12-16 s and
 # took the router to 2.1 GiB (review, session 32). SGLang itself does not decode request bodies.
@@ -813,7 +815,7 @@ class Router:
             key, entry = next(iter(ws.owed.items()))
             raw, plain, headers, method, path_qs, epoch = entry
             path = path_qs.split("?", 1)[0]
-            timeout = owed_timeout(path)
+            timeout = owed_timeout(path_qs)
             try:
                 if path == "/cache/invalidate":
                     status, text = await self._invalidate_one(ws, raw, plain, headers, timeout)
@@ -1547,7 +1549,7 @@ class Router:
             # good and was never owed the call (session 40); past the bound it owes it (one that
             # took an invalidation and answered late takes it again: its T2 generation moves once
             # more, off its peers', a cost in T2 sharing and never a page served stale)
-            timeout = owed_timeout(request.path) if owable else None
+            timeout = owed_timeout(request.path_qs) if owable else None
 
             async def one(ws):
                 try:
@@ -1835,12 +1837,25 @@ def forward_headers(headers, decoded: bool, tenant_header: Optional[str]) -> lis
     return out
 
 
-def owed_timeout(path: str):
-    """How long a call of an owed route (``OWED_ROUTES``) is given, sent or delivered."""
+def owed_timeout(path_qs: str):
+    """How long a call of an owed route (``OWED_ROUTES``) is given, sent or delivered (``path_qs``:
+    its path and query). A flush is given OWED_FLUSH_S plus the wait its ``timeout`` query asks
+    SGLang for (until the server is idle): with T1 on, a flush first copies the device tree to host
+    memory; at OWED_TIMEOUT_S a big pool's flush answered the client 502 (review, session 40)."""
     import aiohttp
+    from urllib.parse import parse_qs
 
-    slow = path in ("/update_weights_from_disk", "/load_lora_adapter")
-    return aiohttp.ClientTimeout(total=OWED_SLOW_S if slow else OWED_TIMEOUT_S)
+    path, _, qs = path_qs.partition("?")
+    if path in ("/update_weights_from_disk", "/load_lora_adapter"):
+        return aiohttp.ClientTimeout(total=OWED_SLOW_S)
+    if path == "/flush_cache":
+        try:
+            wait = float(parse_qs(qs).get("timeout", ["0"])[-1])
+        except ValueError:  # (SGLang answers it a 422)
+            wait = 0.0
+        wait = min(max(wait, 0.0), OWED_SLOW_S) if wait == wait else 0.0
+        return aiohttp.ClientTimeout(total=OWED_FLUSH_S + wait)
+    return aiohttp.ClientTimeout(total=OWED_TIMEOUT_S)
 
 
 def tenant_digest(tenant: Optional[str]) -> Optional[str]:
