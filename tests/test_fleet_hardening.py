@@ -36,6 +36,21 @@ async def _serve(app, **runner_kw):
     return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
 
 
+async def _serve_on(app, port: int):
+    """Start ``app`` on 127.0.0.1:``port`` (a worker back on its port): its runner."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+async def _down(app):
+    """A worker that was up once and is down now: (its port, its base URL)."""
+    runner, url = await _serve(app)
+    await runner.cleanup()
+    return int(url.rsplit(":", 1)[1]), url
+
+
 def _echo_worker(hits: list):
     """A stub worker: answers with the headers it got (every copy of a repeated one) and the body's
     length, and sets two cookies; ``hits`` collects what each request carried."""

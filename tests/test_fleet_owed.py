@@ -16,7 +16,7 @@ import aiohttp
 from aiohttp import web
 
 from sglang_tiered.fleet.router import OWED_MAX, Router
-from tests.test_fleet_hardening import _serve
+from tests.test_fleet_hardening import _down, _serve, _serve_on
 
 
 def _worker(name: str, log: list, state: dict):
@@ -111,13 +111,7 @@ def test_a_worker_that_was_down_gets_the_call_when_it_comes_back():
     async def main():
         log: list = []
         r0, u0 = await _serve(_worker("w0", log, {}))
-        runner = web.AppRunner(_worker("w1", log, {}))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        u1 = f"http://127.0.0.1:{port}"
-        await runner.cleanup()  # w1 is down
+        port, u1 = await _down(_worker("w1", log, {}))  # w1 is down
         router = Router([u0, u1], None, load_poll_s=0, model_path="", health_interval_s=0.1)
         rr, url = await _serve(router.app())
         try:
@@ -129,9 +123,7 @@ def test_a_worker_that_was_down_gets_the_call_when_it_comes_back():
                     assert resp.status == 502 and doc[u1]["owed"] is True, doc
                 assert len(router.workers[u1].owed) == 2
                 assert set(await _gen(s, url, 4)) == {"w0"}
-                runner = web.AppRunner(_worker("w1", log, {}))  # back, on the same port
-                await runner.setup()
-                await web.TCPSite(runner, "127.0.0.1", port).start()
+                runner = await _serve_on(_worker("w1", log, {}), port)  # back, on the same port
                 await _until(lambda: router.workers[u1].healthy)
                 took = [d for w, k, d, *_ in log if w == "w1" and k == "invalidate"]
                 assert took == [{"tenant": "b", "generation": 11}, {"tenant": "a", "generation": 12}], took

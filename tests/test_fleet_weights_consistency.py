@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from sglang_tiered.fleet.router import Router
-from tests.test_fleet_hardening import _serve
+from tests.test_fleet_hardening import _serve, _serve_on
 from tests.test_fleet_owed import _until
 
 
@@ -62,13 +62,6 @@ def _worker(name: str, launch: str = "/m/v1", refuse: bool = False):
     return app
 
 
-async def _on_port(app, port: int):
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner
-
-
 def test_a_worker_restarted_on_its_launch_weights_after_an_update_is_not_routed_to():
     """Both workers take /m/v2 (label v2); w1 restarts on /m/v1 (its launch weights, label
     'default'): it answers /health and owes nothing, but no request reaches it while it reports
@@ -88,7 +81,7 @@ def test_a_worker_restarted_on_its_launch_weights_after_an_update_is_not_routed_
                     assert resp.status == 200, await resp.text()
                 assert set(await _gen(s, url, 4)) == {"w0", "w1"}
                 await r1.cleanup()  # w1 restarts: back on its launch weights
-                r1 = await _on_port(_worker("w1"), port)
+                r1 = await _serve_on(_worker("w1"), port)
                 await _until(lambda: router.workers[u1].weights_differ is not None)
                 await asyncio.sleep(0.3)  # (health checks: it answers, owes nothing)
                 assert not router.workers[u1].owed
@@ -135,7 +128,7 @@ def test_a_worker_that_refuses_a_weight_update_its_peers_took_leaves_the_routing
                     w1 = (await resp.json())["workers"][u1]
                 assert w1["healthy"] is False and "refused" in w1["weights_differ"], w1
                 await r1.cleanup()
-                r1 = await _on_port(_worker("w1"), port)  # (its checkpoint is there now)
+                r1 = await _serve_on(_worker("w1"), port)  # (its checkpoint is there now)
                 async with s.post(url + "/update_weights_from_disk", json={"model_path": "/m/v1"}) as resp:
                     assert resp.status == 200, await resp.text()
                 await _until(lambda: router.workers[u1].healthy)

@@ -15,7 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from sglang_tiered.fleet.router import Router
-from tests.test_fleet_hardening import _serve
+from tests.test_fleet_hardening import _down, _serve, _serve_on
 from tests.test_fleet_owed import _gen, _until
 
 ROUTES = ("/flush_cache", "/update_weights_from_disk", "/update_weight_version", "/load_lora_adapter",
@@ -54,13 +54,7 @@ def test_a_worker_down_through_flush_weights_and_adapter_calls_gets_them_before_
     async def main():
         log: list = []
         r0, u0 = await _serve(_worker("w0", log, {}))
-        runner = web.AppRunner(_worker("w1", log, {}))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        u1 = f"http://127.0.0.1:{port}"
-        await runner.cleanup()  # w1 is down
+        port, u1 = await _down(_worker("w1", log, {}))  # w1 is down
         router = Router([u0, u1], None, load_poll_s=0, model_path="", health_interval_s=0.1)
         rr, url = await _serve(router.app())
         calls = [("GET", "/flush_cache", None), ("POST", "/update_weights_from_disk", {"model_path": "/m/v1"}),
@@ -78,9 +72,7 @@ def test_a_worker_down_through_flush_weights_and_adapter_calls_gets_them_before_
                         doc = await resp.json()
                     assert resp.status == 502 and doc[u1].get("owed") is True, (path, doc)
                 assert set(await _gen(s, url, 4)) == {"w0"}
-                runner = web.AppRunner(_worker("w1", log, state1))  # back, on the same port
-                await runner.setup()
-                await web.TCPSite(runner, "127.0.0.1", port).start()
+                runner = await _serve_on(_worker("w1", log, state1), port)  # back, on the same port
                 await _until(lambda: any(e[:2] == ("w1", "/flush_cache") for e in log))
                 await asyncio.sleep(0.4)
                 assert not router.workers[u1].healthy and router.workers[u1].owed  # (the flush is still owed)

@@ -10,12 +10,11 @@ Router app in front of them."""
 
 from __future__ import annotations
 
-from aiohttp import web
 import aiohttp
 import asyncio
 
 from sglang_tiered.fleet.router import Router
-from tests.test_fleet_hardening import _serve
+from tests.test_fleet_hardening import _down, _serve, _serve_on
 from tests.test_fleet_owed import _until
 from tests.test_review40_fleet_owed_routes import _worker
 
@@ -24,13 +23,7 @@ def test_a_worker_behind_an_owed_flush_it_refused_still_owes_the_next_calls():
     async def main():
         log: list = []
         r0, u0 = await _serve(_worker("w0", log, {}))
-        runner = web.AppRunner(_worker("w1", log, {}))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        u1 = f"http://127.0.0.1:{port}"
-        await runner.cleanup()  # w1 is down
+        port, u1 = await _down(_worker("w1", log, {}))  # w1 is down
         router = Router([u0, u1], None, load_poll_s=0, model_path="", health_interval_s=0.1)
         rr, url = await _serve(router.app())
         state1: dict = {"/flush_cache": 400}  # back, but busy: the owed flush is refused for now
@@ -38,9 +31,7 @@ def test_a_worker_behind_an_owed_flush_it_refused_still_owes_the_next_calls():
             async with aiohttp.ClientSession() as s:
                 async with s.post(url + "/flush_cache") as resp:
                     assert resp.status == 502 and (await resp.json())[u1].get("owed") is True
-                runner = web.AppRunner(_worker("w1", log, state1))
-                await runner.setup()
-                await web.TCPSite(runner, "127.0.0.1", port).start()
+                runner = await _serve_on(_worker("w1", log, state1), port)
                 await _until(lambda: any(e[:2] == ("w1", "/flush_cache") for e in log))
                 async with s.post(url + "/cache/invalidate", json={"tenant": "t", "generation": 7}) as resp:
                     doc = await resp.json()
