@@ -70,22 +70,26 @@ def name_hash(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little") >> 2
 
 
+# a salt literally "default": a digest under its own person (no name's name_hash, bar a collision)
+_DEFAULT_SALT_TAG = int.from_bytes(hashlib.blake2b(DEFAULT.encode(), digest_size=8, person=b"tiered-rsalt").digest(),
+                                   "little") >> 2
+
+
 def tenant_tag(cache_salt) -> int:
     """T1's and T2's tenant tag of a request or node with ``cache_salt``: ``name_hash`` of its
     tenant (``tenant_of``), but a salt literally ``default`` has one of its own: it shared the
     untagged requests' tag, so T1 pages either lost to an invalidation were counted on the other's
     stats row (a helper's audit, session 40; its KV was always its own). ``{"tenant": "default"}``
     still drops both (``Invalidation.invalidate``): one name for the two."""
-    if cache_salt == DEFAULT:  # (a digest under its own person: no name's name_hash, bar a collision)
-        digest = hashlib.blake2b(DEFAULT.encode(), digest_size=8, person=b"tiered-rsalt").digest()
-        return int.from_bytes(digest, "little") >> 2
+    if cache_salt == DEFAULT:
+        return _DEFAULT_SALT_TAG
     return name_hash(tenant_of(cache_salt))
 
 
 def tenant_tags(tenant_hash: int) -> tuple[int, ...]:
     """The tier tags an invalidation of the tenant named by ``tenant_hash`` (``name_hash`` of the
     HTTP ``tenant``) drops: ``default`` names the untagged requests and a salt so named."""
-    return (tenant_hash, tenant_tag(DEFAULT)) if tenant_hash == name_hash(DEFAULT) else (tenant_hash,)
+    return (tenant_hash, _DEFAULT_SALT_TAG) if tenant_hash == name_hash(DEFAULT) else (tenant_hash,)
 
 
 @dataclass
