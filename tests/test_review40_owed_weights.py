@@ -15,9 +15,9 @@ import asyncio
 import aiohttp
 
 from sglang_tiered.fleet.router import Router
-from tests.test_fleet_hardening import _serve
+from tests.test_fleet_hardening import _serve, _serve_on
 from tests.test_fleet_owed import _until
-from tests.test_fleet_weights_consistency import _on_port, _worker
+from tests.test_fleet_weights_consistency import _worker
 
 
 def test_an_update_owed_to_every_worker_and_delivered_is_the_fleets_weights():
@@ -36,8 +36,8 @@ def test_an_update_owed_to_every_worker_and_delivered_is_the_fleets_weights():
                 async with s.post(url + "/update_weights_from_disk", json={"model_path": "/m/v3"}) as resp:
                     doc = await resp.json()
                 assert resp.status == 502 and doc[u0].get("owed") and doc[u1].get("owed"), doc
-                r0 = await _on_port(_worker("w0"), ports[0])
-                r1 = await _on_port(_worker("w1"), ports[1])
+                r0 = await _serve_on(_worker("w0"), ports[0])
+                r1 = await _serve_on(_worker("w1"), ports[1])
                 await _until(lambda: not router.workers[u0].owed and not router.workers[u1].owed)
                 await asyncio.sleep(0.5)  # (health checks read /model_info: /m/v3 on both)
                 assert router.fleet_weights.get("model_path") == "/m/v3", router.fleet_weights
@@ -72,8 +72,8 @@ def test_an_update_owed_to_every_worker_and_refused_by_each_takes_none_out():
                 await r1.cleanup()
                 async with s.post(url + "/update_weights_from_disk", json={"model_path": "/m/bad"}) as resp:
                     assert resp.status == 502
-                r0 = await _on_port(_worker("w0", launch="/m/v2", refuse=True), ports[0])
-                r1 = await _on_port(_worker("w1", launch="/m/v2", refuse=True), ports[1])
+                r0 = await _serve_on(_worker("w0", launch="/m/v2", refuse=True), ports[0])
+                r1 = await _serve_on(_worker("w1", launch="/m/v2", refuse=True), ports[1])
                 await _until(lambda: not router.workers[u0].owed and not router.workers[u1].owed)
                 await asyncio.sleep(0.5)
                 assert router.fleet_weights.get("model_path") == "/m/v2", router.fleet_weights
