@@ -175,12 +175,15 @@ class StoreQueue:
             if self._call(part):
                 self.stats.inline_pages += len(ps)
 
-    def cancel_where(self, pred) -> int:
+    def cancel_where(self, pred, *, wait: bool = True) -> int:
         """Cancel every pending job for which ``pred(job)`` holds (e.g. an invalidated tenant),
-        waiting for one in flight. Returns pages cancelled."""
+        waiting for one in flight (``wait``; T1's jobs read device pages the caller is about to
+        free). ``wait=False``: a job in flight is left to finish, for a writer whose jobs hold
+        copies (T2: review, session 41, its invalidations waited seconds for a slow store's put on
+        the scheduler thread). Returns pages cancelled."""
         n = 0
         with self._cv:
-            while any(j.state == RUNNING and pred(j) for j in set(self._page_job.values())):
+            while wait and any(j.state == RUNNING and pred(j) for j in set(self._page_job.values())):
                 self._cv.wait()
             for job in {id(j): j for j in self._page_job.values()}.values():
                 if job.state == QUEUED and pred(job):
@@ -252,6 +255,10 @@ class StoreQueue:
             if ok:
                 self.stats.stored_pages += len(job.pages)
             job.state = DONE
+            # written: its payload goes now. A finished job stays in ``_lo`` until it is compacted
+            # (past 64 entries), and with it, before session 41, its payload: for T2 the run's
+            # page copies, up to 64 runs of them beyond the queue's bound (review, session 41)
+            job.ctx = None
             self._cv.notify_all()
 
     def _call(self, job: StoreJob) -> bool:

@@ -53,7 +53,8 @@
 * **Limits.** TP = 1 only (ranks of a TP > 1 server would have to agree on every probe, which needs
   a collective on the request path; T2 turns off there with a warning), and one pipeline stage
   (keys name no stage). Host memory beside T1: three staging buffers of ``max_run_pages`` objects
-  and up to ``queue_pages`` pages copied out for the store queue, beside T1's size
+  and up to ``queue_pages`` pages copied out for the store queue plus a run of victims not yet
+  offered to it, beside T1's size
   (``t2_host_bytes``): T2 is built only where the host has that memory available (session 24;
   before, it was neither counted nor checked), and ``/cache/stats`` reports it (``host_bytes``).
 """
@@ -290,8 +291,10 @@ class _Staging:
 def t2_host_bytes(layout: PoolLayout, cfg: T2Config) -> int:
     """Host memory T2 takes beside T1 at most: three staging buffers of ``max_run_pages``
     objects (two for reads, one for writes), one object (the re-read of an object found bad),
-    and ``queue_pages`` pages copied out of T1 for the store queue."""
-    return (3 * cfg.max_run_pages + 1) * object_bytes(layout) + cfg.queue_pages * layout.page_bytes
+    ``queue_pages`` pages copied out of T1 for the store queue, and up to a run
+    (``max_run_pages``) of T1's victims copied out and not yet offered to it, beside a full queue
+    (review, session 41: they were not counted)."""
+    return (3 * cfg.max_run_pages + 1) * object_bytes(layout) + (cfg.queue_pages + cfg.max_run_pages) * layout.page_bytes
 
 
 def layout_digest(layout: PoolLayout) -> bytes:
@@ -709,6 +712,10 @@ class T2Tier:
         if stored:
             self.breaker.ok()
             self.write_breaker.ok()
+            if data.gen != self.generation(job.tenant):
+                # invalidated while this put was in flight (an invalidation does not wait for it):
+                # its objects went in after that removal; removed now (space only: never read)
+                self._remove_async(self._old_generations(job.tenant, self.generation(job.tenant)))
 
     # ------------------------------------------------------------------ invalidation
     def invalidate(self, *, tenant: int | None = None, everything: bool = False, generation: int | None = None) -> int:
@@ -741,7 +748,11 @@ class T2Tier:
         self._append_generation(None if everything else tenant, gen)
         # victims copied out of T1 before now, not yet offered: under the old generation, dropped
         self._victims = [v for v in self._victims if not (everything or v[1] == tenant)]
-        self.queue.cancel_where(lambda j: everything or j.tenant == tenant)
+        # not waiting for a put in flight (review, session 41: the scheduler thread waited for it,
+        # up to its whole deadline with the store slow): its pages are copies, written under the
+        # generation they were taken at (``_Run.gen``), which this server never reads again; a put
+        # that lands after the removal below is taken by its retry after the lease
+        self.queue.cancel_where(lambda j: everything or j.tenant == tenant, wait=False)
         scope = None if everything else tenant
         self._remove_with_retry(self._old_generations(scope, gen), ("gen", scope))
         return gen
