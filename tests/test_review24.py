@@ -151,8 +151,9 @@ def test_t2_is_built_only_where_its_host_memory_is_available(monkeypatch):
     cfg = parse_t2_url("mooncake://127.0.0.1:1?max_run_pages=4&queue_pages=64&mode=on")
     cache = _cache()
     need = t2_host_bytes(cache.t1.host.pool.layout, cfg)
-    # (+ 1 object: the re-read of an object found bad, session 39)
-    assert need == (3 * 4 + 1) * (cache.t1.host.pool.layout.page_bytes + 2 * 64) + 64 * cache.t1.host.pool.layout.page_bytes
+    # (+ 1 object: the re-read of an object found bad, session 39; + a run of victims not yet
+    # queued, session 41)
+    assert need == (3 * 4 + 1) * (cache.t1.host.pool.layout.page_bytes + 2 * 64) + (64 + 4) * cache.t1.host.pool.layout.page_bytes
     monkeypatch.setattr(t2s, "_mem_available", lambda: need)  # less than need / 0.9
     decision = t2s.build_t2(cache, types.SimpleNamespace(tp_size=1), cfg)
     assert decision.startswith("off: T2 needs") and "host memory" in decision and made == []

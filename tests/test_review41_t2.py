@@ -6,6 +6,12 @@
    under the generation they were taken at). With the store slow, every request waited for the
    put's whole deadline (``timeout_ms`` + the run's bytes at ``min_gbps``: 5.6 s for a run of 256
    2-MiB pages at the defaults).
+2. Memory beyond the bound: a written store job kept its payload (T2: the run's page copies) in
+   the queue's drop heap until it was compacted (up to 64 runs beyond ``queue_pages``), and
+   ``t2_host_bytes`` did not count the run of victims copied out and not yet queued.
+3. The start-up probe (``measure_t2_gbps``) removed its objects right after reading them, which
+   Mooncake refuses for the read's lease: each server start left a run of objects in the store
+   (real Mooncake, loopback namespace: ``tests/t2_review41_scenario.py``).
 """
 
 from __future__ import annotations
@@ -148,3 +154,22 @@ def test_host_bytes_count_the_victims_beside_a_full_queue():
     finally:
         store.gate.set()
         t2.close()
+
+
+# ---------------------------------------------------------------------- 3. the start-up probe's objects
+def test_the_start_up_probe_leaves_no_objects_in_the_store(tmp_path):
+    """``measure_t2_gbps`` removed its probe objects right after reading them, which Mooncake
+    refuses for the lease that read took: every server start left a run of objects (``max_run_pages``
+    of this model's size: 256 x 2 MiB for an 8B model at the defaults) in the fleet's store."""
+    import json
+    import sys
+
+    from tests.netns import run_in_netns
+    from tests.test_t2 import _need_netns
+
+    _need_netns()
+    out = tmp_path / "r.json"
+    r = run_in_netns([sys.executable, "-m", "tests.t2_review41_scenario", str(out)], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep == {"probe_left": 0, "refused_left": 0}, rep

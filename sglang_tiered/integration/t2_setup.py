@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import time
 
 import torch
@@ -44,9 +45,17 @@ def measure_t2_gbps(t2: T2Tier, pages: int | None = None) -> tuple[float, float]
     t0 = time.perf_counter()
     got = t2.client.get(keys, [r.ptr + i * ob for i in range(n)], [ob] * n)
     tr = time.perf_counter() - t0
-    if any(x != ob for x in got) or not torch.equal(r.buf[:n], w.buf[:n]):
-        raise RuntimeError("T2 probe read back other bytes than written")
-    t2.client.remove_regex(f"^{tag}/")
+    pattern = f"^{re.escape(tag)}/"
+    try:
+        if any(x != ob for x in got) or not torch.equal(r.buf[:n], w.buf[:n]):
+            raise RuntimeError("T2 probe read back other bytes than written")
+    finally:
+        removed = t2.client.remove_regex(pattern)
+        if not (isinstance(removed, int) and removed >= n):
+            # the get just leased them: Mooncake refuses to remove them for ``lease_ms``. Removed
+            # again after it (review, session 41: they stayed in the fleet's store, a run of this
+            # model's objects per server start, until the master evicted them)
+            t2.remove_after_lease(pattern, ("probe", tag))
     return n * ob / tw / 1e9, n * ob / tr / 1e9
 
 
@@ -111,7 +120,7 @@ def build_t2(cache, ctx, cfg: T2Config) -> str:
         w_gbps, r_gbps = measure_t2_gbps(t2)
     except Exception as exc:  # noqa: BLE001 - T2 is an optimisation: serve without it
         if t2 is not None:
-            t2.close()
+            t2.close(after_s=t2._lease_s() if t2._retries else 0.0)  # (a probe's removal pending)
         decision = f"off: {cfg.url} unavailable ({exc})"
         logger.warning("sglang-tiered: T2 %s", decision)
         return decision
@@ -123,7 +132,7 @@ def build_t2(cache, ctx, cfg: T2Config) -> str:
                 + (f" vs break-even {be:.2f} GB/s ({why})" if be is not None else f" ({why})")
                 + (" [mode=on]" if cfg.mode == "on" else ""))  # fmt: skip
     if not on:
-        t2.close()
+        t2.close(after_s=t2._lease_s())  # (once the probe's objects can be removed)
         logger.info("sglang-tiered: T2 %s", decision)
         return decision
     t2.decision = decision

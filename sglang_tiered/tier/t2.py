@@ -1022,7 +1022,22 @@ class T2Tier:
         )  # fmt: skip
         return snap
 
-    def close(self) -> None:
+    def remove_after_lease(self, pattern: str, scope) -> None:
+        """Remove the objects matching ``pattern`` once the lease a read just took on them is over
+        (the start-up probe's: ``measure_t2_gbps``)."""
+        self._keep_timer(scope, threading.Timer(self._lease_s(), self._remove_async, args=(pattern,)))
+
+    def close(self, after_s: float = 0.0) -> None:
+        """Stop the tier. ``after_s``: the removals pending run first (a tier refused at start-up,
+        whose probe objects can be removed only after their lease), then the tier closes; it takes
+        no victims meanwhile."""
+        if after_s > 0 and not self._closed:
+            if self.pool.victim_listener == self.on_victim:
+                self.pool.victim_listener = None
+            th = threading.Timer(after_s + 0.5, self.close)
+            th.daemon = True
+            th.start()
+            return
         self._closed = True
         if self.pool.victim_listener == self.on_victim:
             self.pool.victim_listener = None
