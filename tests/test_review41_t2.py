@@ -173,3 +173,37 @@ def test_the_start_up_probe_leaves_no_objects_in_the_store(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep == {"probe_left": 0, "refused_left": 0}, rep
+
+
+def test_the_start_up_probe_has_a_deadline():
+    """``measure_t2_gbps`` called the store directly: a master that accepts and does not answer
+    (SIGSTOP) held the launch for as long as Mooncake's own RPCs wait. Now its put and get run
+    with the tier's deadlines, and a missed one is a failed probe (T2 off, the launch goes on)."""
+    import pytest
+
+    from sglang_tiered.integration.t2_setup import measure_t2_gbps
+    from tests.test_review39_t2 import HungStore
+
+    store = HungStore()
+    t2 = _tier(store, timeout_ms=50)
+    box: dict = {}
+
+    def probe():
+        try:
+            box["r"] = measure_t2_gbps(t2)
+        except Exception as exc:  # noqa: BLE001
+            box["e"] = exc
+
+    th = threading.Thread(target=probe, daemon=True)
+    t0 = time.monotonic()
+    th.start()
+    th.join(5)
+    try:
+        assert not th.is_alive(), "the start-up probe waited on a store that does not answer"
+        assert time.monotonic() - t0 < 2 and isinstance(box.get("e"), RuntimeError), box
+        with pytest.raises(RuntimeError):
+            raise box["e"]
+    finally:
+        store.gate.set()
+        th.join(5)
+        t2.close()

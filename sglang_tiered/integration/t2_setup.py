@@ -37,25 +37,31 @@ def measure_t2_gbps(t2: T2Tier, pages: int | None = None) -> tuple[float, float]
     gen = torch.Generator()  # not the default one: SGLang's sampling RNG, seeded by --random-seed
     gen.manual_seed(0)
     w.buf[:n].random_(0, 255, generator=gen)
-    t0 = time.perf_counter()
-    res = t2.client.put(keys, [w.ptr + i * ob for i in range(n)], [ob] * n)
-    tw = time.perf_counter() - t0
-    if any(x != 0 for x in res):
-        raise RuntimeError(f"T2 probe put failed: {sorted(set(res))}")
-    t0 = time.perf_counter()
-    got = t2.client.get(keys, [r.ptr + i * ob for i in range(n)], [ob] * n)
-    tr = time.perf_counter() - t0
     pattern = f"^{re.escape(tag)}/"
+    # through the tier's helpers, with its deadlines (review, session 41: called directly, a store
+    # that accepted and did not answer held the launch for as long as Mooncake's own RPCs wait)
+    size = n * ob
     try:
+        t0 = time.perf_counter()
+        res = t2._call("probe put", t2.client.put, keys, [w.ptr + i * ob for i in range(n)], [ob] * n,
+                       nbytes=size, staging=w)  # fmt: skip
+        tw = time.perf_counter() - t0
+        if res is None or len(res) != n or any(x != 0 for x in res):
+            raise RuntimeError(f"T2 probe put failed: {'no answer' if res is None else sorted(set(res))}")
+        t0 = time.perf_counter()
+        got = t2._call("probe get", t2.client.get, keys, [r.ptr + i * ob for i in range(n)], [ob] * n,
+                       nbytes=size, staging=r)  # fmt: skip
+        tr = time.perf_counter() - t0
+        if got is None:
+            raise RuntimeError("T2 probe get failed: no answer")
         if any(x != ob for x in got) or not torch.equal(r.buf[:n], w.buf[:n]):
             raise RuntimeError("T2 probe read back other bytes than written")
     finally:
-        removed = t2.client.remove_regex(pattern)
-        if not (isinstance(removed, int) and removed >= n):
-            # the get just leased them: Mooncake refuses to remove them for ``lease_ms``. Removed
-            # again after it (review, session 41: they stayed in the fleet's store, a run of this
-            # model's objects per server start, until the master evicted them)
-            t2.remove_after_lease(pattern, ("probe", tag))
+        # off this thread too; once more after the lease the get just took on them (Mooncake
+        # refuses to remove them before: review, session 41, they stayed in the fleet's store, a
+        # run of this model's objects per server start, until the master evicted them)
+        t2._remove_async(pattern)
+        t2.remove_after_lease(pattern, ("probe", tag))
     return n * ob / tw / 1e9, n * ob / tr / 1e9
 
 
@@ -120,7 +126,7 @@ def build_t2(cache, ctx, cfg: T2Config) -> str:
         w_gbps, r_gbps = measure_t2_gbps(t2)
     except Exception as exc:  # noqa: BLE001 - T2 is an optimisation: serve without it
         if t2 is not None:
-            t2.close(after_s=t2._lease_s() if t2._retries else 0.0)  # (a probe's removal pending)
+            t2.close(after_s=t2._lease_s())  # (once the probe's objects can be removed)
         decision = f"off: {cfg.url} unavailable ({exc})"
         logger.warning("sglang-tiered: T2 %s", decision)
         return decision
