@@ -751,7 +751,9 @@ class T2Tier:
         # not waiting for a put in flight (review, session 41: the scheduler thread waited for it,
         # up to its whole deadline with the store slow): its pages are copies, written under the
         # generation they were taken at (``_Run.gen``), which this server never reads again; a put
-        # that lands after the removal below is taken by its retry after the lease
+        # that lands after the removal below removes its objects itself (``_put_job``). Until it
+        # returns, its pages' new-generation copies are not queued (the queue keeps the first
+        # offer of a page): a store lost, never a wrong one
         self.queue.cancel_where(lambda j: everything or j.tenant == tenant, wait=False)
         scope = None if everything else tenant
         self._remove_with_retry(self._old_generations(scope, gen), ("gen", scope))
