@@ -11,7 +11,9 @@
    ``t2_host_bytes`` did not count the run of victims copied out and not yet queued.
 3. The start-up probe (``measure_t2_gbps``) removed its objects right after reading them, which
    Mooncake refuses for the read's lease: each server start left a run of objects in the store
-   (real Mooncake, loopback namespace: ``tests/t2_review41_scenario.py``).
+   (real Mooncake, loopback namespace: ``tests/t2_review41_scenario.py``). And it called the store
+   directly, without the tier's deadlines: with the master stopped (SIGSTOP) each call held the
+   launch 30 s on a real master.
 """
 
 from __future__ import annotations
