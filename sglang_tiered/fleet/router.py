@@ -159,8 +159,20 @@ OWED_MAX = 4096
 # (past it, owed); a flush SGLang refuses on delivery (400: requests still running) is tried again
 # at the next health check, not dropped.
 OWED_ROUTES = frozenset(("/cache/invalidate", "/flush_cache", "/update_weights_from_disk", "/update_weight_version",
-                         "/load_lora_adapter", "/unload_lora_adapter"))  # fmt: skip
+                         "/load_lora_adapter", "/unload_lora_adapter", "/pause_generation",
+                         "/continue_generation"))  # fmt: skip
 SUPERSEDING = frozenset(("/flush_cache", "/update_weights_from_disk", "/update_weight_version"))
+ADAPTER_ROUTES = frozenset(("/load_lora_adapter", "/unload_lora_adapter"))  # (``Router.fleet_adapters``)
+# Pausing and continuing (session 41) are owed too, as one scope: the later call replaces an owed
+# earlier one, so a worker is owed the fleet's last word (paused, or generating). A worker that
+# missed /continue_generation (down, or no answer in time) stayed paused for good: SGLang holds
+# every request it gets while paused (``generate_request`` waits on ``is_pause_cond``) and its
+# /health still answers 200, so it was routed to and each request there hung. One that missed a
+# pause (restarted meanwhile: a new server is not paused) served while its peers were paused, e.g.
+# across a weight update the pause was for. ``/abort_request`` is never owed: a worker that missed
+# it while down lost its requests with its process, and an ``abort_all`` delivered later would
+# abort requests sent after the call.
+PAUSE_ROUTES = frozenset(("/pause_generation", "/continue_generation"))
 # The fleet serves one set of weights (session 40): what the router last broadcast of these and a
 # worker took (``Router.fleet_weights``: the body's ``model_path``, its ``weight_version`` or
 # ``new_version``, as SGLang's /model_info then reports them) is compared with each worker's
@@ -172,6 +184,17 @@ WEIGHT_ROUTES = frozenset(("/update_weights_from_disk", "/update_weight_version"
 OWED_TIMEOUT_S = 10.0
 OWED_SLOW_S = 3600.0
 OWED_FLUSH_S = 120.0
+# Every fleet-wide call is bounded (``owed_timeout``; before session 41 /abort_request,
+# /pause_generation and /continue_generation were not, and one hung worker held the caller for
+# good). By what SGLang 0.5.23 does (tokenizer_manager.py): /abort_request only queues the abort
+# for the scheduler and answers (OWED_TIMEOUT_S); /pause_generation in its default mode ("abort")
+# aborts everything and then waits, 1 s at a time, until ``model_update_lock`` is free, i.e. until
+# the requests in flight have left and a weight update that holds it has finished (a checkpoint
+# read), and its other modes wait for the scheduler's reply; /continue_generation waits for
+# ``is_pause_cond``, which a pause still waiting holds: both get OWED_SLOW_S, as a weight update.
+# A call to a worker that stops answering altogether (``health_misses`` failed health checks in a
+# row while it waits: SGLang's /health answers at once, paused or not) ends sooner: that worker's
+# part of the answer is a 504 naming it (``Router._hang_up``), and an owed route is owed to it.
 # A compressed request body is decoded to at most this many bytes (413 past it; ``max_body_mb``
 # when lower): a 1 MiB gzip upload that decodes to 1.1 GiB held the event loop for 12-16 s and
 # took the router to 2.1 GiB (review, session 32). SGLang itself does not decode request bodies.
@@ -179,6 +202,13 @@ MAX_DECODED_MB = 16.0
 # The decisions log keeps a client's ``x-request-id`` up to this many characters (a 64 KiB id
 # per request made the 4,096 kept decisions 300 MiB: review, session 32)
 RID_CHARS = 128
+
+
+def _adapter_name(raw: bytes):
+    """The ``lora_name`` of an adapter call's body (None when it has none)."""
+    body = _parse_body(raw)
+    name = body.get("lora_name") if isinstance(body, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def _parse_body(raw: bytes):
@@ -363,6 +393,7 @@ class WorkerState:
     first_miss_at: float = 0.0  # when the health checks began to miss (``missed`` went from 0 to 1)
     answered_at: float = 0.0  # when the worker last answered a proxied request (its status line)
     waiting: dict = field(default_factory=dict)  # handler tasks waiting for its answer (-> None)
+    calls: set = field(default_factory=set)  # its parts of fleet-wide broadcasts in flight (``_hang_up``)
     # fleet-wide calls it did not take (``OWED_ROUTES``): their scope (``Router._owed_scope``) ->
     # (body, that body without the generation, headers, method, path and query), oldest first
     owed: OrderedDict = field(default_factory=OrderedDict)
@@ -372,6 +403,11 @@ class WorkerState:
     # update its peers took that it refused (4xx), until it takes one: out of the routing set
     weights_differ: Optional[str] = None
     weights_refused: Optional[str] = None
+    weights_resent: int = -1  # the fleet weight epoch last owed to it for differing (``_check_weights``)
+    # (``Router.fleet_adapters``) the adapters the fleet took that it lacks and refused when they were
+    # re-sent (name -> that load's entry): not sent again, and out of the routing set meanwhile
+    adapters_refused: dict = field(default_factory=dict)
+    adapters_missing: Optional[str] = None
 
     def load(self, max_age_s: float) -> tuple[float, float]:
         """(requests in flight, uncached prompt tokens queued): this router's counts, raised to
@@ -488,6 +524,16 @@ class Router:
         # (the weight broadcast ``fleet_weights`` comes from, by its epoch: an owed delivery of a
         # later one that no worker took in the broadcast itself, owed to all, sets them then)
         self._fleet_epoch = 0
+        # the weight calls the fleet's weights come from (path -> (body, headers, method, path and
+        # query, epoch)): owed again to a worker that reports other weights (session 41)
+        self.weight_calls: dict = {}
+        # the adapters loaded through the router that a worker took, in load order (name -> (body,
+        # headers, method, path and query)), less those unloaded since: owed again to a worker that
+        # does not list one at /v1/models (restarted: session 41); and the adapter broadcasts in
+        # flight, and a count of those done (as for weights)
+        self.fleet_adapters: OrderedDict = OrderedDict()
+        self._adapters_busy = 0
+        self._adapters_epoch = 0
         self._seeds: dict = {}  # CacheKey -> {namespace memo: seed} (bounded)
         self._memory_seeds: dict = {}
         self._ckey_task = None
@@ -680,6 +726,13 @@ class Router:
         if not ok and ws.missed == 0:
             ws.first_miss_at = time.monotonic()
         ws.missed = 0 if ok else ws.missed + 1
+        if ws.missed >= self.health_misses and ws.calls:
+            # it answers nothing: the broadcasts waiting on it answer its part now (``_hang_up``)
+            logger.warning("router: %s stopped answering; %d fleet-wide call(s) waiting on it answer 504",
+                           ws.url, len(ws.calls))  # fmt: skip
+            for task in list(ws.calls):
+                if task.cancel():
+                    self._abandoned.add(task)
         if ok and ws.owed:
             try:
                 await self._pay(ws)  # (before it routes again; what it still owes keeps it out)
@@ -687,7 +740,9 @@ class Router:
                 logger.exception("router: delivering %s's owed invalidations failed", ws.url)
         if ok and self.fleet_weights:
             await self._check_weights(ws)
-        off = ws.weights_refused or ws.weights_differ
+        if ok and not ws.owed and (self.fleet_adapters or ws.adapters_missing):
+            await self._check_adapters(ws)
+        off = ws.weights_refused or ws.weights_differ or ws.adapters_missing
         if ok and time.monotonic() >= ws.down_until and not ws.owed and off is None:
             ws.healthy = True
         elif ws.missed >= self.health_misses and ws.healthy:
@@ -718,12 +773,64 @@ class Router:
                         if info.get(k) != v)  # fmt: skip
         if off and ws.weights_differ is None:
             self.stats.weight_downs += 1
-            logger.warning("router: %s reports other weights than the fleet's (%s): out of the routing set "
-                           "until it reports the fleet's (send the update again through the router)",
+            logger.warning("router: %s reports other weights than the fleet's (%s): out of the routing set, "
+                           "and owed the fleet's last weight update, until it reports the fleet's",
                            ws.url, off)  # fmt: skip
         ws.weights_differ = off or None
+        if not off:
+            ws.weights_resent = -1
+        elif ws.weights_resent != self._fleet_epoch and not ws.owed and self.weight_calls:
+            # owed the calls the fleet's weights come from, oldest first, once per fleet update
+            # (session 41: before, it stayed out of the routing set until someone sent the update
+            # again by hand; one that still differs after taking them stays out, said in the log)
+            ws.weights_resent = self._fleet_epoch
+            for raw, headers, method, path_qs, epoch in sorted(self.weight_calls.values(), key=lambda c: c[4]):
+                self._owe(ws, raw, raw, headers, method, path_qs, epoch)
 
-    def _weights_broadcast(self, request, raw: bytes, targets: list, res: list, doc: dict) -> bool:
+    async def _check_adapters(self, ws: "WorkerState") -> None:
+        """Owe ``ws`` the loads of ``fleet_adapters`` its /v1/models does not list (in load order:
+        a worker restarted after a /load_lora_adapter came back without the adapter, and each
+        request naming it there was a 400; session 41). Meanwhile it owes them, so it is out of the
+        routing set. One it refused when re-sent (4xx: ``_pay``) is not sent again: it stays out
+        (``adapters_missing``) until the fleet's adapters change. Left as it was when the worker
+        does not say (no answer, not SGLang's), or an adapter broadcast ran meanwhile."""
+        import aiohttp
+
+        epoch = self._adapters_epoch
+        if self._adapters_busy:
+            return
+        try:
+            async with self._session.get(ws.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                doc = await r.json(content_type=None) if r.status == 200 else None
+        except Exception:  # noqa: BLE001 - not known: as it was
+            return
+        cards = doc.get("data") if isinstance(doc, dict) else None
+        if not isinstance(cards, list) or self._adapters_busy or epoch != self._adapters_epoch:
+            return
+        held = {c.get("id") for c in cards if isinstance(c, dict)}
+        refused = []
+        for name, entry in self.fleet_adapters.items():
+            if name in held:
+                ws.adapters_refused.pop(name, None)
+            elif ws.adapters_refused.get(name) is entry:
+                refused.append(name)
+            else:
+                raw, headers, method, path_qs = entry
+                self._owe(ws, raw, raw, headers, method, path_qs)
+        ws.adapters_missing = (f"lacks the fleet's adapter(s) {', '.join(refused)} and refused them when re-sent"
+                               if refused else None)  # fmt: skip
+
+    def _take_adapter(self, path: str, raw: bytes, headers, method: str, path_qs: str) -> None:
+        """A worker took the adapter call ``raw`` (``path``): ``fleet_adapters`` follows it."""
+        body = _parse_body(raw)
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not isinstance(name, str):
+            return
+        self.fleet_adapters.pop(name, None)  # (a load again of a name goes last, in load order)
+        if path == "/load_lora_adapter":
+            self.fleet_adapters[name] = (raw, list(headers), method, path_qs)
+
+    def _weights_broadcast(self, request, raw: bytes, targets: list, res: list, doc: dict, headers=()) -> bool:
         """After a ``WEIGHT_ROUTES`` broadcast: with a worker that took it, ``fleet_weights`` is
         what it asked for, and each worker that refused it (4xx) is out of the routing set until it
         takes one (said in its answer and /router/stats). True when a worker took it."""
@@ -731,7 +838,7 @@ class Router:
         took = [ws for ws, (_, st, _) in zip(targets, res) if 200 <= st < 300]
         if not took:
             return False  # (refused by all, or none reached: the fleet is as it was)
-        self._take_weights(request.path, raw, self._weights_epoch)
+        self._take_weights(request.path, raw, self._weights_epoch, headers, request.method, request.path_qs)
         for ws in took:
             ws.weights_refused = None
         for ws, (u, st, text) in zip(targets, res):
@@ -740,11 +847,14 @@ class Router:
                 doc[self._worker_name(request, u)]["out_of_routing"] = ws.weights_refused
         return True
 
-    def _take_weights(self, path: str, raw: bytes, epoch: int) -> None:
+    def _take_weights(self, path: str, raw: bytes, epoch: int, headers=(), method: str = "POST",
+                      path_qs: Optional[str] = None) -> None:  # fmt: skip
         """A worker took the weight update ``raw`` (``path``) of the broadcast ``epoch``: the
-        fleet's weights are what it asked for, unless they come from a later broadcast."""
+        fleet's weights are what it asked for, unless they come from a later broadcast; the call
+        is kept (``weight_calls``) to be owed to a worker that reports other weights."""
         if epoch < self._fleet_epoch:
             return
+        self.weight_calls[path] = (raw, list(headers), method, path_qs or path, epoch)
         body = _parse_body(raw)
         body = body if isinstance(body, dict) else {}
         if path == "/update_weights_from_disk":
@@ -796,6 +906,8 @@ class Router:
         call replaces the older), or a scope of its own (adapter loads and unloads: each kept)."""
         judged = ("authorization", self.tenant_header)
         judged = tuple(sorted((k.lower(), v) for k, v in headers if k.lower() in judged))
+        if path in PAUSE_ROUTES:  # (one scope: the fleet's last word, paused or generating)
+            return "/pause_generation", judged
         if path in SUPERSEDING:
             # (by whom too: with every worker down, a caller the workers will refuse replaced the
             # operator's owed call, and its delivery was refused and dropped)
@@ -845,12 +957,20 @@ class Router:
                     ws.weights_refused = None
                     # (owed to every worker, no one took it in the broadcast: the fleet's now;
                     # a health check that read /model_info before this does not judge by it)
-                    self._take_weights(path, raw, epoch)
+                    self._take_weights(path, raw, epoch, headers, method, path_qs)
                     self._weights_epoch += 1
+                if path in ADAPTER_ROUTES:
+                    ws.adapters_refused.pop(_adapter_name(raw), None)
+                    if epoch == -1:  # (owed to every worker, no one took it in the broadcast: the fleet's now)
+                        self._take_adapter(path, raw, headers, method, path_qs)
             else:
                 self.stats.owed_refused += 1
                 if path in WEIGHT_ROUTES and epoch <= self._fleet_epoch:  # (a peer took it: the
                     self._refused_weights(ws, path, status, text)  # fleet's weights are not its)
+                entry = self.fleet_adapters.get(_adapter_name(raw)) if path == "/load_lora_adapter" else None
+                if entry is not None and entry[0] == raw:  # (an adapter the fleet holds: not sent again)
+                    ws.adapters_refused[_adapter_name(raw)] = entry
+                    ws.adapters_missing = f"refused the fleet's adapter {_adapter_name(raw)} ({status}: {text[:200]})"
                 logger.warning("router: %s refused the %s it was owed (%d: %s); dropped",
                                ws.url, path, status, text[:200])  # fmt: skip
         return True
@@ -871,6 +991,26 @@ class Router:
         kw = {} if timeout is None else {"timeout": timeout}
         async with self._proxy.request(method, ws.url + path_qs, data=data, headers=headers, **kw) as up:
             return up.status, (await up.read()).decode("utf-8", "replace")[:1000]
+
+    async def _hang_up(self, ws: "WorkerState", request, coro, timeout) -> tuple[int, str]:
+        """``coro``, one worker's part of a fleet-wide broadcast: (url, status, body). Ended by
+        ``_check`` when the worker stops answering altogether while it waits (``health_misses``
+        failed health checks in a row): a 504 naming the worker, at once, rather than after the
+        call's bound (OWED_SLOW_S for a pause: an hour). Session 41: /pause_generation,
+        /continue_generation and /abort_request had no bound, and a frozen worker held the
+        caller for good."""
+        task = asyncio.ensure_future(coro)
+        ws.calls.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if task not in self._abandoned:  # (the caller left: its handler is cancelled)
+                raise
+            self._abandoned.discard(task)
+            return ws.url, 504, (f"worker {self._worker_name(request, ws.url)} stopped answering "
+                                 f"({ws.missed} health checks missed) before it answered {request.path}")  # fmt: skip
+        finally:
+            ws.calls.discard(task)
 
     def _abandon(self, ws: "WorkerState") -> None:
         """``ws`` answers nothing at all (no health check, no proxied request since the checks
@@ -1419,7 +1559,8 @@ class Router:
             "reasons": dict(s.reasons),
             "workers": {w: {"routed": x.routed, "inflight": x.inflight, "healthy": x.healthy,
                             "failures": x.failures, "polled_reqs": x.polled_reqs, "owed": len(x.owed),
-                            "weights_differ": x.weights_refused or x.weights_differ}
+                            "weights_differ": x.weights_refused or x.weights_differ,
+                            "adapters_missing": x.adapters_missing}
                         for w, x in self.workers.items()},  # fmt: skip
         }
 
@@ -1549,9 +1690,14 @@ class Router:
             # good and was never owed the call (session 40); past the bound it owes it (one that
             # took an invalidation and answered late takes it again: its T2 generation moves once
             # more, off its peers', a cost in T2 sharing and never a page served stale)
-            timeout = owed_timeout(request.path_qs) if owable else None
+            # (every fleet-wide route bounded, session 41: /abort_request, /pause_generation and
+            # /continue_generation had no bound, and a hung worker held the caller for good)
+            timeout = owed_timeout(request.path_qs)
 
             async def one(ws):
+                return await self._hang_up(ws, request, call(ws), timeout)
+
+            async def call(ws):
                 try:
                     if owable:
                         if ws.owed:
@@ -1565,16 +1711,26 @@ class Router:
                         if invalidate:
                             return (ws.url, *await self._invalidate_one(ws, raw, plain, headers, timeout))
                     return (ws.url, *await self._send(ws, request.method, request.path_qs, raw, headers, timeout))
+                except asyncio.TimeoutError:  # (aiohttp's too) the bound ran out: said so, naming it
+                    return ws.url, 504, (f"worker {self._worker_name(request, ws.url)}: no answer to "
+                                         f"{request.path} in {timeout.total:g} s")  # fmt: skip
                 except Exception as exc:  # noqa: BLE001
-                    return ws.url, 502, f"{type(exc).__name__}: {exc}"[:1000]
+                    return ws.url, 502, f"worker {self._worker_name(request, ws.url)}: {type(exc).__name__}: {exc}"[:1000]
 
             targets = list(self.workers.values())
             weights = request.path in WEIGHT_ROUTES and request.method == "POST"
+            adapter = request.path in ADAPTER_ROUTES and request.method == "POST"
             self._weights_busy += weights
+            self._adapters_busy += adapter
             try:
                 res = await asyncio.gather(*(one(ws) for ws in targets))
             finally:
                 self._weights_busy -= weights
+                self._adapters_busy -= adapter
+                self._adapters_epoch += adapter
+            adapter_took = adapter and any(200 <= st < 300 for _, st, _ in res)
+            if adapter_took:
+                self._take_adapter(request.path, raw, headers, request.method, request.path_qs)
             # a request one worker refuses (4xx) is refused by all: the client's fault, whatever
             # else a down worker says (before, a bad body with a worker down was a 502)
             refused = [st for _, st, _ in res if 400 <= st < 500]
@@ -1584,12 +1740,14 @@ class Router:
             # its own, and a worker down meanwhile still owes the flush; a 401 or 403 is not)
             flush = request.path == "/flush_cache"
             # (a weight update some worker took is owed to those down even when another refused it)
-            took = weights and self._weights_broadcast(request, raw, targets, res, doc)
+            took = weights and self._weights_broadcast(request, raw, targets, res, doc, headers)
             if owable and (took or not [st for st in refused if not (flush and st == 400)]):
                 for ws, (u, st, _) in zip(targets, res):
                     if st >= 500:  # it did not take it: kept for it, out of the routing set meanwhile
+                        # (epoch: a weight broadcast's; -1, an adapter call no worker took: the
+                        # fleet's once one takes it on delivery)
                         self._owe(ws, raw, plain, headers, request.method, request.path_qs,
-                                  self._weights_epoch if weights else 0)  # fmt: skip
+                                  self._weights_epoch if weights else -1 if adapter and not adapter_took else 0)
                         ws.owed_status = st
                         doc[self._worker_name(request, u)]["owed"] = True
             return web.json_response(doc, status=status)
@@ -1838,15 +1996,15 @@ def forward_headers(headers, decoded: bool, tenant_header: Optional[str]) -> lis
 
 
 def owed_timeout(path_qs: str):
-    """How long a call of an owed route (``OWED_ROUTES``) is given, sent or delivered (``path_qs``:
-    its path and query). A flush is given OWED_FLUSH_S plus the wait its ``timeout`` query asks
+    """How long a fleet-wide call (``FLEET_WIDE``: an owed route's, sent or delivered, and
+    /abort_request's) is given (``path_qs``: its path and query); see OWED_SLOW_S. A flush is given OWED_FLUSH_S plus the wait its ``timeout`` query asks
     SGLang for (until the server is idle): with T1 on, a flush first copies the device tree to host
     memory; at OWED_TIMEOUT_S a big pool's flush answered the client 502 (review, session 40)."""
     import aiohttp
     from urllib.parse import parse_qs
 
     path, _, qs = path_qs.partition("?")
-    if path in ("/update_weights_from_disk", "/load_lora_adapter"):
+    if path in ("/update_weights_from_disk", "/load_lora_adapter") or path in PAUSE_ROUTES:
         return aiohttp.ClientTimeout(total=OWED_SLOW_S)
     if path == "/flush_cache":
         try:
