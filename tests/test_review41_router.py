@@ -292,3 +292,63 @@ def test_a_worker_with_other_weights_is_owed_the_fleets_weight_calls_and_comes_b
             await r1.cleanup()
 
     asyncio.run(main())
+
+
+def _streamer(name: str, hits: list):
+    """A stub worker whose streamed /generate sends two events and half a third, then dies (its
+    connection aborted, as a killed process's is)."""
+    app = web.Application()
+
+    async def gen(req):
+        await req.read()
+        hits.append(name)
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(req)
+        await resp.write(b'data: {"text": "a"}\n\n')
+        await resp.write(b'data: {"text": "ab"}\n\n')
+        await resp.write(b'data: {"text": "ab')
+        await asyncio.sleep(0.05)
+        req.transport.abort()
+        await asyncio.sleep(1)
+        return resp
+
+    app.router.add_post("/generate", gen)
+    app.router.add_get("/health", lambda _: web.json_response({}))
+    return app
+
+
+def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_event_and_no_retry():
+    """The worker dies mid-stream: the client has the two whole events, then an error event naming
+    the worker (SGLang's ``data: {"error": ...}`` form), and the connection is cut without a clean
+    end (never a whole-looking answer); the request goes to no other worker (the tokens the client
+    has are not sent again). Before: the half event ``data: {"text": "ab`` and a transfer error."""
+
+    async def main():
+        hits: list = []
+        r0, u0 = await _serve(_streamer("w0", hits))
+        r1, u1 = await _serve(_streamer("w1", hits))
+        router = Router([u0, u1], None, load_poll_s=0, model_path="", health_interval_s=0.1)
+        rr, url = await _serve(router.app())
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/generate", json={"text": "x", "stream": True}) as resp:
+                    assert resp.status == 200
+                    got, cut = b"", False
+                    try:
+                        async for chunk in resp.content.iter_any():
+                            got += chunk
+                    except aiohttp.ClientPayloadError:
+                        cut = True
+            events = [e for e in got.decode().split("\n\n") if e]
+            assert cut and len(hits) == 1, (cut, hits)
+            assert events[:2] == ['data: {"text": "a"}', 'data: {"text": "ab"}'] and len(events) == 3, events
+            err = json.loads(events[2][len("data: "):])["error"]
+            assert err["code"] == 502 and "mid-stream" in err["message"], err
+            assert ({u0: "w0", u1: "w1"}[next(u for u in (u0, u1) if u in err["message"])]) == hits[0]
+            assert router.stats.failed == 1 and router.stats.retries == 0
+        finally:
+            await rr.cleanup()
+            await r0.cleanup()
+            await r1.cleanup()
+
+    asyncio.run(main())

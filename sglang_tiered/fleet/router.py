@@ -1338,6 +1338,7 @@ class Router:
         tried: list[str] = []
         d = ws = None
         again = False
+        sse = SSECut()
         session = self._session_of(body, tenant)
 
         def no_other() -> bool:
@@ -1408,9 +1409,18 @@ class Router:
                         resp.headers["x-sglang-tiered-worker"] = ws.url
                     if not await self._to_client(resp.prepare(request)):
                         return resp
-                    async for chunk in up.content.iter_any():
-                        if not await self._to_client(resp.write(chunk)):
+                    if sse.start(up):
+                        async for chunk in up.content.iter_any():
+                            chunk = sse.lines(chunk)
+                            if chunk and not await self._to_client(resp.write(chunk)):
+                                return resp
+                        chunk = sse.rest()
+                        if chunk and not await self._to_client(resp.write(chunk)):
                             return resp
+                    else:
+                        async for chunk in up.content.iter_any():
+                            if not await self._to_client(resp.write(chunk)):
+                                return resp
                     await self._to_client(resp.write_eof())
                     return resp
             except asyncio.CancelledError:
@@ -1431,6 +1441,13 @@ class Router:
                 ws.failures += 1
                 if resp is not None and resp.prepared:
                     self.stats.failed += 1  # bytes already went out: cannot retry transparently
+                    # (a stream: its last whole event, then an error event naming the worker, and
+                    # the connection cut without a clean end, as before: ``SSECut``)
+                    end = sse.failed(f"worker {self._worker_name(request, ws.url)} failed mid-stream "
+                                     f"({type(exc).__name__}); the answer is incomplete and was not sent "
+                                     f"again (part of it had reached the client)")  # fmt: skip
+                    if end:
+                        await self._to_client(resp.write(end))
                     raise
                 if unreachable(exc):
                     # nothing answers there: out of the routing set now (health checks bring it back)
@@ -1890,6 +1907,53 @@ class Router:
         app.on_startup.append(on_startup)
         app.on_cleanup.append(on_cleanup)
         return app
+
+
+class SSECut:
+    """A streamed answer (``text/event-stream``) as the client gets it, for a worker that dies
+    mid-stream (review, session 41). Whole lines go on as they come, a line the worker has not
+    ended yet waits for its end (SGLang writes each event whole: nothing waits then), so when the
+    worker's connection breaks, the client has whole events only, and gets one more:
+    ``data: {"error": ...}`` naming the worker (SGLang's own form of an error mid-stream: the
+    OpenAI SDK raises it as an APIError), before the connection is cut without a clean end, as
+    before. Before, the client got the half event the worker had written (``data: {"text": "ab``)
+    and then a transfer-encoding error, nothing said. Nothing is sent again: the tokens the client
+    already has are never duplicated by a retry elsewhere."""
+
+    def __init__(self):
+        self.on = False
+        self.held = b""
+        self.tail = b"\n\n"  # the last bytes the client got (an event ended: a blank line)
+
+    def start(self, up) -> bool:
+        """Whether ``up`` is a stream of events (then its chunks go through ``lines``)."""
+        self.on = up.headers.get("content-type", "").split(";", 1)[0].strip().lower() == "text/event-stream"
+        self.held, self.tail = b"", b"\n\n"
+        return self.on
+
+    def lines(self, chunk: bytes) -> bytes:
+        """What of ``chunk`` goes to the client now: through its last line end."""
+        chunk = self.held + chunk if self.held else chunk
+        cut = chunk.rfind(b"\n") + 1
+        out, self.held = chunk[:cut], chunk[cut:]
+        if out:
+            self.tail = (self.tail + out)[-4:]
+        return out
+
+    def rest(self) -> bytes:
+        """The end of a stream that ended cleanly: whatever waits goes."""
+        out, self.held = self.held, b""
+        return out
+
+    def failed(self, message: str) -> bytes:
+        """The bytes that end a stream whose worker failed: an event that is not ended yet ended
+        (the half line that waits is dropped), then the error event. Empty for an answer that is
+        not a stream."""
+        if not self.on:
+            return b""
+        ended = self.tail.endswith(b"\n\n") or self.tail.endswith(b"\r\n\r\n")
+        doc = {"error": {"message": message, "type": "worker_failed", "code": 502}}
+        return (b"" if ended else b"\n") + b"data: " + json.dumps(doc).encode() + b"\n\n"
 
 
 class UnreadableBody(ValueError):
