@@ -352,3 +352,67 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_event_and_no_r
             await r1.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_worker_frozen_mid_stream_ends_the_stream_once_its_health_checks_miss():
+    """The worker sends two events and then stops answering altogether (every route, /health too:
+    a stopped process): once its health checks miss, the client's stream ends with the two events
+    and an error event naming it, cut without a clean end, and no other worker gets the request.
+    Before: the client waited for ever (no read bound on a generation, and nothing looked)."""
+
+    async def main():
+        hits: list = []
+
+        def app(name):
+            a = web.Application()
+            frozen = asyncio.Event()  # (this worker's)
+
+            async def gen(req):
+                await req.read()
+                hits.append(name)
+                resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+                await resp.prepare(req)
+                await resp.write(b'data: {"text": "a"}\n\n')
+                await resp.write(b'data: {"text": "ab"}\n\n')
+                frozen.set()
+                await asyncio.Event().wait()
+
+            async def health(_):
+                if frozen.is_set():
+                    await asyncio.Event().wait()
+                return web.json_response({})
+
+            a.router.add_post("/generate", gen)
+            a.router.add_get("/health", health)
+            return a
+
+        r0, u0 = await _serve(app("w0"), shutdown_timeout=1)
+        r1, u1 = await _serve(app("w1"), shutdown_timeout=1)
+        router = Router([u0, u1], None, load_poll_s=0, model_path="", health_interval_s=0.1)
+        rr, url = await _serve(router.app(), shutdown_timeout=1)
+        try:
+            async with aiohttp.ClientSession() as s:
+
+                async def stream():
+                    got, cut = b"", False
+                    async with s.post(url + "/generate", json={"text": "x", "stream": True}) as resp:
+                        try:
+                            async for chunk in resp.content.iter_any():
+                                got += chunk
+                        except aiohttp.ClientPayloadError:
+                            cut = True
+                    return got, cut
+
+                got, cut = await asyncio.wait_for(stream(), 20)
+            events = [e for e in got.decode().split("\n\n") if e]
+            assert cut and len(hits) == 1, (cut, hits)
+            assert events[:2] == ['data: {"text": "a"}', 'data: {"text": "ab"}'] and len(events) == 3, events
+            err = json.loads(events[2][len("data: "):])["error"]
+            assert "stopped answering mid-stream" in err["message"] and (u0 in err["message"] or u1 in err["message"])
+            assert router.stats.failed == 1 and router.stats.abandoned == 1
+        finally:
+            await rr.cleanup()
+            await r0.cleanup()
+            await r1.cleanup()
+
+    asyncio.run(main())

@@ -394,6 +394,8 @@ class WorkerState:
     answered_at: float = 0.0  # when the worker last answered a proxied request (its status line)
     waiting: dict = field(default_factory=dict)  # handler tasks waiting for its answer (-> None)
     calls: set = field(default_factory=set)  # its parts of fleet-wide broadcasts in flight (``_hang_up``)
+    # handler tasks passing its answer on (status line received) -> when its last bytes came (``_check``)
+    streams: dict = field(default_factory=dict)
     # fleet-wide calls it did not take (``OWED_ROUTES``): their scope (``Router._owed_scope``) ->
     # (body, that body without the generation, headers, method, path and query), oldest first
     owed: OrderedDict = field(default_factory=OrderedDict)
@@ -732,6 +734,13 @@ class Router:
                            ws.url, len(ws.calls))  # fmt: skip
             for task in list(ws.calls):
                 if task.cancel():
+                    self._abandoned.add(task)
+        if ws.missed >= self.health_misses and ws.streams:
+            # answers it stopped sending mid-way: no byte since its checks began to miss (one
+            # still sending is alive, however slow its /health); ended for their clients by
+            # ``handle`` with an error event (session 41: before, the client waited for ever)
+            for task, last in list(ws.streams.items()):
+                if last < ws.first_miss_at and task.cancel():
                     self._abandoned.add(task)
         if ok and ws.owed:
             try:
@@ -1409,8 +1418,11 @@ class Router:
                         resp.headers["x-sglang-tiered-worker"] = ws.url
                     if not await self._to_client(resp.prepare(request)):
                         return resp
+                    streams = ws.streams
+                    streams[task] = time.monotonic()
                     if sse.start(up):
                         async for chunk in up.content.iter_any():
+                            streams[task] = time.monotonic()
                             chunk = sse.lines(chunk)
                             if chunk and not await self._to_client(resp.write(chunk)):
                                 return resp
@@ -1419,6 +1431,7 @@ class Router:
                             return resp
                     else:
                         async for chunk in up.content.iter_any():
+                            streams[task] = time.monotonic()
                             if not await self._to_client(resp.write(chunk)):
                                 return resp
                     await self._to_client(resp.write_eof())
@@ -1429,6 +1442,17 @@ class Router:
                     task.uncancel()
                     ws.failures += 1
                     self.stats.abandoned += 1
+                    if resp is not None and resp.prepared:
+                        # stopped mid-answer (``_check``: no byte since its checks began to miss):
+                        # the client's answer ends as a dying worker's does (session 41), never sent again
+                        self.stats.failed += 1
+                        logger.warning("router: %s stopped answering mid-answer; ending it", ws.url)
+                        end = sse.failed(f"worker {self._worker_name(request, ws.url)} stopped answering "
+                                         f"mid-stream ({ws.missed} health checks missed); the answer is "
+                                         f"incomplete and was not sent again (part of it had reached the client)")  # fmt: skip
+                        if end:
+                            await self._to_client(resp.write(end))
+                        raise WorkerStalled(ws.url)
                     logger.warning("router: %s stopped answering; %s", ws.url,
                                    "giving up" if attempt == 2 or no_other() else "retrying")  # fmt: skip
                     continue
@@ -1463,6 +1487,7 @@ class Router:
                 logger.warning("router: %s failed (%s); %s", ws.url, exc, "giving up" if last else "retrying")
             finally:
                 ws.waiting.pop(task, None)
+                ws.streams.pop(task, None)
                 ws.finished(started_at, pending)
         self.stats.failed += 1
         return web.json_response({"error": {"message": "no worker could serve the request"}}, status=502)
@@ -2150,6 +2175,11 @@ def serve(workers, redis_url=None, *, host="127.0.0.1", port=30100, **kw) -> Non
     web.run_app(router.app(), host=host, port=port, print=None, access_log=None, shutdown_timeout=2.0,
                 handler_cancellation=True, loop=event_loop(), backlog=LISTEN_BACKLOG,
                 max_line_size=MAX_HEADER_LINE, max_field_size=MAX_HEADER_LINE, max_headers=MAX_HEADERS)  # fmt: skip
+
+
+class WorkerStalled(Exception):
+    """A worker stopped sending an answer mid-way (``Router._check``): raised by the handler
+    after the client's last bytes, so aiohttp ends the client's connection without a clean end."""
 
 
 class WorkerUnreachable(Exception):
