@@ -416,3 +416,38 @@ def test_a_worker_frozen_mid_stream_ends_the_stream_once_its_health_checks_miss(
             await r1.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_worker_slow_on_v1_loads_does_not_hold_back_the_others_reports():
+    """w1 answers /v1/loads after 5 s (past the poll's bound): w0 is still polled every
+    ``load_poll_s``. Before, the polls went in rounds that waited for every worker, and w0 was
+    polled every 3 periods (its report up to 3 periods old for routing)."""
+
+    def app(slow: bool):
+        a = web.Application()
+
+        async def loads(_):
+            if slow:
+                await asyncio.sleep(5)
+            return web.json_response({"loads": [{"num_running_reqs": 0, "num_waiting_reqs": 0}]})
+
+        a.router.add_get("/v1/loads", loads)
+        a.router.add_get("/health", lambda _: web.json_response({}))
+        return a
+
+    async def main():
+        r0, u0 = await _serve(app(False))
+        r1, u1 = await _serve(app(True), shutdown_timeout=0.1)
+        router = Router([u0, u1], None, load_poll_s=0.1, model_path="", health_interval_s=0.1)
+        rr, url = await _serve(router.app())
+        try:
+            await asyncio.sleep(3.0)
+            # (w0 alone answers: 30 polls in 3 s at 0.1 s; in rounds held by w1's 0.2 s bound, 10)
+            assert router.stats.load_polls >= 18, router.stats
+            assert router.stats.load_poll_errors >= 5
+        finally:
+            await rr.cleanup()
+            await r0.cleanup()
+            await r1.cleanup()
+
+    asyncio.run(main())
