@@ -7,8 +7,8 @@ compute dtype, the model revision, and the versions of the code that computes th
 torch, sglang-tiered; ``SGLANG_TIERED_IDENTITY_VERSIONS``). The TP degree is *not* part of it: T1 stores pages in a
 TP-independent layout.
 
-The last six fields (``quantization``, ``model_dtype``, ``revision``, ``model_overrides``,
-``lora``, ``software``) were added later: they
+The optional fields (``quantization``, ``model_dtype``, ``revision``, ``model_overrides``,
+``lora``, ``software``, ``tenants``, ``compute``) were added later: they
 enter the hashed blob only when set (not ``None``), so a key that leaves them unset (``CacheKey()``,
 the simulator's and the benchmarks' key) has exactly the seeds and page hashes it had before.
 
@@ -52,6 +52,11 @@ class CacheKey:
     # gateway's header): a server without the header shares one T2 with it, and any of its
     # clients named a header tenant as its salt and read that tenant's pages (a helper's hunt)
     tenants: Optional[str] = None
+    # compute settings besides attention that change the KV computed for the same weights: the
+    # model implementation (Transformers' modeling code), deterministic (batch-invariant) kernels,
+    # TF32 matmuls, an RL on-policy target's numerics, ... (integration/identity.py ``compute_of``;
+    # a helper's hunt, session 41)
+    compute: Optional[str] = None
 
     def _identity(self) -> dict:
         """The fields that are hashed: every original field, and the optional ones that are set."""
@@ -83,7 +88,8 @@ class CacheKey:
         return hashlib.blake2b(b"sglang-tiered/v2|" + blob.encode(), digest_size=DIGEST_SIZE).digest()
 
 
-_OPTIONAL_FIELDS = ("quantization", "model_dtype", "revision", "model_overrides", "lora", "software", "tenants")
+_OPTIONAL_FIELDS = ("quantization", "model_dtype", "revision", "model_overrides", "lora", "software", "tenants",
+                   "compute")
 
 
 def _token_bytes(tokens) -> bytes:

@@ -119,10 +119,43 @@ def _before_release_memory(manager, *args, **kwargs):
     return None
 
 
+def _weights_tags(recv_req) -> bool:
+    """Whether a release/resume request covers the model weights (no tags: every memory type)."""
+    from sglang.srt.constants import GPU_MEMORY_TYPE_WEIGHTS
+
+    tags = getattr(recv_req, "tags", None)
+    return not tags or GPU_MEMORY_TYPE_WEIGHTS in tags
+
+
+def _weights_backed_up(manager) -> bool:
+    """Whether released weights come back as they were: ``--enable-weights-cpu-backup`` (the
+    memory saver copies them to host memory at the release, load_model_utils.py:307). Without it
+    the resume maps fresh memory and the weights hold whatever it held until a weight update
+    loads them again."""
+    sched = getattr(manager, "scheduler", None) or manager
+    sa = getattr(sched, "server_args", None)
+    if sa is None:
+        try:
+            from sglang.srt.runtime_context import get_server_args
+
+            sa = get_server_args()
+        except Exception:  # noqa: BLE001 - unknown: take it as not backed up (the safe side)
+            return False
+    return getattr(sa, "enable_weights_cpu_backup", False) is True
+
+
 def _after_resume_memory(result, manager, *args, **kwargs):
+    """The KV pool is mapped again; and weights resumed without a CPU backup are not the weights
+    the identity names (fresh memory until the next weight update: the RL sleep/wake cycle). KV a
+    request computes in between was kept under the old identity: T2 served it to every server on
+    those weights, a named T1 after a restart (a helper's hunt, session 41). The resume is taken
+    as a weight update: T1 dropped, the identity re-seeded to this server's own."""
     cache = _tiered_cache(manager)
-    if cache is not None and _kv_tags(args[0] if args else kwargs.get("recv_req")):
+    req = args[0] if args else kwargs.get("recv_req")
+    if cache is not None and _kv_tags(req):
         cache.kv_released = False
+    if cache is not None and _weights_tags(req) and not _weights_backed_up(manager):
+        cache.on_weights_updated(source="resume_memory_occupation (weights without a CPU backup)")
     return result
 
 

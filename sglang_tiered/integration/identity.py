@@ -5,7 +5,8 @@ the same weights: ``--kv-cache-dtype`` (with ``auto``, the compute dtype), onlin
 (``--quantization``, ``--modelopt-quant``, the KV scales of ``--quantization-param-path``), the
 compute dtype itself (always: with an explicit ``--kv-cache-dtype`` the KV dtype alone no longer
 shows it), ``--revision``, ``--json-model-override-args`` (it can change any layer: norm eps,
-activation, ...) and the files of the ``--lora-paths`` adapters (SGLang names an adapter by its
+activation, ...), the other compute settings of ``compute_of`` (``--model-impl``,
+``--enable-deterministic-inference``, ...; session 41) and the files of the ``--lora-paths`` adapters (SGLang names an adapter by its
 name and path only, so a retrained adapter at the same path kept its page hashes; review, session
 18). A named T1 kept across restarts, or a T2 shared by a fleet, can so never serve KV computed
 under other settings.
@@ -50,7 +51,72 @@ def quantization_of(sa, mc) -> str | None:
     scales = getattr(sa, "quantization_param_path", None)
     if scales:
         parts.append("kv_scales=" + _file_tag(scales))
+    restore = getattr(sa, "modelopt_checkpoint_restore_path", None)
+    if modelopt and restore:
+        # ModelOpt quantizes with the scales of this saved checkpoint in place of a calibration
+        # (model_loader/loader.py:3690-3692): another checkpoint, other quantized weights. Before
+        # session 41 only the method was named (a helper's hunt)
+        parts.append("modelopt_restore=" + files_digest(sa, str(restore), what="ModelOpt checkpoint"))
     return "|".join(parts) or None
+
+
+def model_impl_of(sa, mc) -> str:
+    """The model implementation SGLang runs: ``sglang``, ``transformers`` or ``mindspore``, as
+    it resolved ``--model-impl`` (``auto`` is SGLang's own code where it has the architecture,
+    else Transformers'; model_loader/utils.py:228-238, ``get_resolved_model_impl``). Where the
+    model config cannot be resolved here, the flag itself, with ``auto`` taken as SGLang's code
+    (the identity it had before session 41)."""
+    try:
+        from sglang.srt.model_loader.utils import get_resolved_model_impl
+
+        impl = get_resolved_model_impl(mc)
+        return str(getattr(impl, "value", impl)).lower()
+    except Exception:  # noqa: BLE001 - not a real ModelConfig (tests), or another SGLang
+        raw = str(getattr(getattr(sa, "model_impl", None), "value", getattr(sa, "model_impl", None)) or "auto")
+        return "sglang" if raw.lower() == "auto" else raw.lower()
+
+
+def compute_of(sa, mc) -> str | None:
+    """Compute settings besides the attention backend (``attention_impl``) that change the KV a
+    server computes for the same weights and tokens; None when all are at their defaults (the
+    key, and every page hash, is then what it was before session 41). Before, none was in the
+    identity, and servers that differ in one shared KV through T2 or a named T1 (a helper's hunt,
+    session 41):
+
+    * ``--model-impl``, as resolved: Transformers' modeling code (with its own version: it is not
+      in ``software_of``) computes the q/k/v projections, RoPE and norms in place of SGLang's.
+    * ``--enable-deterministic-inference``: batch-invariant matmul, norm and softmax kernels
+      (model_runner.py:842-846) and fixed attention splits; KV from a peer without it would also
+      make the server's output depend on where its cache hit came from, which the mode forbids.
+    * ``--rl-on-policy-target``: the training system's numerics (fp32 RMSNorm: layernorm.py:539).
+    * ``--enable-tf32-matmul``: float32 matmuls in TF32 (model_runner.py:438).
+    * ``--enable-fused-qk-norm-rope``: q/k norm and RoPE of the keys in one fused kernel.
+    * ``--triton-attention-reduce-in-fp32``: the triton attention's reduction dtype.
+    * ``--mm-attention-backend``, on a multimodal model: the vision encoder computes the image
+      embeddings that an image's pad tokens stand for (their ids are a digest of the input)."""
+    parts = []
+    impl = model_impl_of(sa, mc)
+    if impl != "sglang":
+        if impl == "transformers":
+            from importlib import metadata
+
+            try:
+                impl += "@" + metadata.version("transformers")
+            except metadata.PackageNotFoundError:
+                pass
+        parts.append(f"impl={impl}")
+    for name, tag in (("enable_deterministic_inference", "deterministic"), ("enable_tf32_matmul", "tf32"),
+                      ("enable_fused_qk_norm_rope", "fused-qk-norm-rope"),
+                      ("triton_attention_reduce_in_fp32", "triton-reduce-fp32")):  # fmt: skip
+        if getattr(sa, name, None) is True:
+            parts.append(tag)
+    target = getattr(sa, "rl_on_policy_target", None)
+    if target:
+        parts.append(f"rl={target}")
+    mm_attn = getattr(sa, "mm_attention_backend", None)
+    if mm_attn and getattr(mc, "is_multimodal", False) is True:
+        parts.append(f"mm-attn={mm_attn}")
+    return ";".join(parts) or None
 
 
 def overrides_of(sa) -> str | None:
@@ -238,6 +304,7 @@ def cache_key_from_context(ctx, *, versions: bool = True, tenant_header: str | N
         lora=lora_of(sa),
         software=software_of() if versions else None,
         tenants=f"header:{tenant_header.lower()}" if tenant_header else None,
+        compute=compute_of(sa, mc),
     )
     logger.info("sglang-tiered: cache identity %s", key)
     return key
