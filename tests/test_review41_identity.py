@@ -149,3 +149,36 @@ def test_a_kv_only_cycle_keeps_the_identity_and_t1():
     cache, old, seed = _cycle(False, ["kv_cache"])
     assert cache.hashes.seed(None, None) == seed
     assert cache.driver.run(old + [7]).cached_len == 40
+
+
+# ---------------------------------------------------------------- live: a named T1 across restarts
+@pytest.mark.server
+def test_a_named_t1_is_not_served_to_another_model_implementation(tiny_model_path, tmp_path):
+    """Live (the tiny model): a server on SGLang's model code leaves a prompt's KV in a named T1
+    (``/flush_cache`` demotes it); the next server on that T1 runs ``--model-impl transformers``.
+    Before session 41 the two had one identity, and the second was served the first's KV as a T1
+    hit (``cached_tokens`` 304 of 320) where it computes the KV with other code."""
+    import json
+
+    from sglang_tiered.dev.server import Server, ServerSpec
+    from sglang_tiered.tier.host_pool import SHM_DIR
+
+    name = f"r41impl{tmp_path.name[-6:]}".replace("_", "")
+    ids = [(j * 37) % 1900 + 10 for j in range(320)]
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+    env = {"SGLANG_TIERED_HOST": "on", "SGLANG_TIERED_HOST_RATIO": "4", "SGLANG_TIERED_HOST_NAME": name}
+    try:
+        first = ServerSpec(model_path=tiny_model_path, max_total_tokens=2048, dtype="float32", env=env)
+        with Server(first, tmp_path / "sglang.log") as server:
+            assert server.generate(body)["meta_info"]["cached_tokens"] == 0
+            assert server.request("POST", "/flush_cache")[0] == 200  # into T1
+        other = ServerSpec(model_path=tiny_model_path, max_total_tokens=2048, dtype="float32", env=env,
+                           extra_args=["--model-impl", "transformers"])  # fmt: skip
+        with Server(other, tmp_path / "transformers.log") as server:
+            out = server.generate(body)
+            assert out["meta_info"]["cached_tokens"] == 0, json.dumps(out["meta_info"])
+            # (its own KV is its own: the same prompt again is a device hit)
+            assert server.generate(body)["meta_info"]["cached_tokens"] >= 304
+    finally:
+        for p in SHM_DIR.glob(f"sglang-tiered-{name}*"):
+            p.unlink()
