@@ -118,6 +118,15 @@ def _text_of(message: Any) -> str:
     return _str(message)
 
 
+def _prompt_text(prompt: Any) -> str:
+    """Text of a system or user prompt: a string, or OpenAI content parts as a message's content
+    is read (its text parts only). Before session 41 a list of parts counted as its ``repr``: 29
+    characters of keys a text part, and a base64 image's whole data URL, so one 100 KB image in
+    ``user_prompt`` made a 'large context' (25,000 tokens) that the same image in the history
+    did not (review, session 41)."""
+    return prompt if isinstance(prompt, str) else _text_of({"content": prompt})
+
+
 def _prior_turns(history: Sequence[Any]) -> int:
     """Prior turns = user messages in the history (or messages, if they carry no roles)."""
     history = [_as_message(m) for m in history]
@@ -201,9 +210,9 @@ class KVCacheLayeringPolicy:
             raise TypeError(f"role must be a str or None, got {type(role).__name__}")
         history = list(message_history or [])
         rag = rag_context if isinstance(rag_context, str) else "".join(_str(d) for d in (rag_context or []))
-        prefix_tokens = self.estimate_tokens(_str(system_prompt))
+        prefix_tokens = self.estimate_tokens(_prompt_text(system_prompt))
         history_tokens = sum(self.estimate_tokens(_text_of(m)) for m in history)
-        context_tokens = prefix_tokens + history_tokens + self.estimate_tokens(_str(user_prompt)) + self.estimate_tokens(rag)
+        context_tokens = prefix_tokens + history_tokens + self.estimate_tokens(_prompt_text(user_prompt)) + self.estimate_tokens(rag)
         turns = _prior_turns(history)
         t_prefix, t_ctx, t_turns = self.min_prefix_tokens, self.min_context_tokens, self.min_history_turns
         signals = {
@@ -228,8 +237,12 @@ class KVCacheLayeringPolicy:
             reasons.append(f"large context: ~{context_tokens} >= {t_ctx} tokens")
             score += 1.0
         strong = score > 0
+        # any signal at half its threshold, prior turns too, as the docstring and README say (before
+        # session 41 the turns were left out: 2 of KV_CACHE_MIN_HISTORY_TURNS=4 with a reuse-heavy
+        # role was skipped as a clear one-off; at the default threshold, 1, nothing changes)
         borderline = (prefix_tokens >= BORDERLINE_FRACTION * t_prefix
-                      or context_tokens >= BORDERLINE_FRACTION * t_ctx)  # fmt: skip
+                      or context_tokens >= BORDERLINE_FRACTION * t_ctx
+                      or turns >= BORDERLINE_FRACTION * t_turns)  # fmt: skip
         signals["borderline"] = borderline and not strong
         worthy = strong
         if signals["reuse_heavy_role"]:
