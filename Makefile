@@ -57,7 +57,8 @@ soak: env
 		SGLANG_TIERED_FUZZ_SAMPLING=$${FUZZ_SAMPLING:-3000} \
 		$(PY) -m pytest -q tests/test_e2e_hardening.py $(PYTEST_ARGS)
 
-# Unit and property tests only (no server processes).
+# Unit and property tests only (no SGLang server processes; the fleet and T2 tests among them start a
+# throwaway redis-server and mooncake_master on 127.0.0.1 where installed).
 test-fast: env
 	@$(PY) -m pytest -m "not server" $(PYTEST_ARGS)
 
