@@ -1,6 +1,6 @@
 """Workload-family benchmark: tiered against every SGLang RadixCache eviction policy (driven through
 SGLang's own classes, same call order, same process) and Belady, over a seeded generated family
-(``sglang_tiered.workload_family``) plus the Mooncake conversation trace and the multi-tenant
+(``sglang_tiered.dev.workload_family``) plus the Mooncake conversation trace and the multi-tenant
 workload, at 0.5/1/2/5/10/20 % of each workload's unique pages.
 
     .venv/bin/python bench/workload_family.py                       # 200 workloads + 2 traces
