@@ -206,6 +206,11 @@ class KVCacheLayeringPolicy:
                 message_history is None or isinstance(message_history, Iterable)):
             # one string counted each character as a turn, one message dict its keys (session 39)
             raise TypeError(f"message_history must be a list of messages, got {type(message_history).__name__}")
+        if isinstance(rag_context, (bytes, bytearray, Mapping)) or not (
+                rag_context is None or isinstance(rag_context, (str, Iterable))):
+            # a number was "'int' object is not iterable", bytes counted their byte values' digits
+            # and one mapping its keys (review, session 41), as message_history's shapes were
+            raise TypeError(f"rag_context must be a string or a list of documents, got {type(rag_context).__name__}")
         if role is not None and not isinstance(role, str):
             raise TypeError(f"role must be a str or None, got {type(role).__name__}")
         history = list(message_history or [])

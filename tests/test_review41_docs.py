@@ -68,3 +68,16 @@ def test_client_decisions_are_deterministic_monotone_and_json_safe(sys_p, user, 
     out = fold_kv_hint(body, d1)
     assert body == before and json.loads(json.dumps(out)) == out
     assert out == {**before, "kv_transfer_params": {"other": 1, "lmcache.skip_save": d1.skip_save}}
+
+
+def test_client_rag_context_of_another_shape_is_a_clear_error():
+    """``rag_context`` is a string or a list of documents, as ``message_history`` is a list:
+    before, a number raised "'int' object is not iterable", a mapping counted its keys (9,000
+    characters under "text" were 1 token) and bytes the digits of their byte values."""
+    import pytest
+
+    for bad in (1, 2.5, {"text": "x" * 9000}, b"x" * 9000):
+        with pytest.raises(TypeError, match="rag_context"):
+            POLICY.decide(user_prompt="hi", rag_context=bad)
+    assert POLICY.decide(rag_context=("x" * 9000,)).signals["rag_tokens"] == 2250  # any sequence
+    assert POLICY.decide(rag_context=iter(["x" * 400])).signals["rag_tokens"] == 100
