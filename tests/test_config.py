@@ -18,6 +18,7 @@ ENV_READERS = {
     "sglang_tiered/tier/host_pool.py",  # SGLANG_TIERED_T1_OWNER: launcher -> scheduler ownership token
     "sglang_tiered/client.py",  # the client library's KV_CACHE_* knobs, in the client's process
     "sglang_tiered/dev/server.py",  # passes the environment on to the server processes it starts
+    "kernels/kv_pages.py",  # TRITON_INTERPRET: Triton's own switch, read as Triton reads it (session 41)
 }
 
 
@@ -56,7 +57,9 @@ def test_every_field_has_a_variable_and_a_comment():
 
 def test_only_config_reads_the_environment():
     readers = set()
-    for p in (ROOT / "sglang_tiered").rglob("*.py"):
+    # kernels/ ships as sglang_tiered.kernels: part of the package (it was left out of this walk
+    # before session 41, and read TRITON_INTERPRET unlisted)
+    for p in [*(ROOT / "sglang_tiered").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")]:
         for n in ast.walk(ast.parse(p.read_text())):
             if isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv") and getattr(n.value, "id", "") == "os":
                 readers.add(str(p.relative_to(ROOT)))
