@@ -597,12 +597,14 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
         self._win_hits += device_hit_pages
 
     def observe(self, page_hashes: list[bytes], device_hit_pages: int, *, whole: list | None = None,
-                start: int = 0, tail: int = 0, limit: int | None = None) -> None:
+                start: int = 0, tail: int = 0, limit: int | None = None, reserve: int = 0,
+                decode: tuple | None = None) -> None:
         """Count the request's pages in the sketch (once per request) and feed the duel.
         ``whole``: all the request's page hashes when ``page_hashes`` is its part from ``start``
         on (a later chunk); ``tail``: 1 when a partial last page also took a slot (the tree
         shadows replay SGLang's allocation exactly); ``limit``: the most pages SGLang's match
-        of it could reach (``TreeShadow.run``; None: all)."""
+        of it could reach (``TreeShadow.run``; None: all); ``reserve``, ``decode``: a decoding
+        request's extra page at its prefill and its decode steps (``TreeShadow.run``)."""
         self.count_request(len(page_hashes), device_hit_pages)
         # (hot path: a few list comprehensions per request, no per-page calls; a mask of 0 means
         # every page, and the list is passed on as it is: nothing below writes to it)
@@ -622,7 +624,7 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
             t = self._shard_t
             if self._lru_tree:
                 self._safety_tree(page_hashes if whole is None else whole, start, tail, device_hit_pages,
-                                  len(page_hashes), limit)  # fmt: skip
+                                  len(page_hashes), limit, reserve, decode)  # fmt: skip
             elif t >= 65536:
                 self._safety(page_hashes, device_hit_pages, len(page_hashes))
             else:

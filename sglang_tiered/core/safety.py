@@ -178,11 +178,13 @@ class SafetyDuel:
         """A request started with no other in flight (the cache tells: match_prefix)."""
         self._overlapping = False
 
-    def _safety_tree(self, pages: list, start: int, tail: int, real: int, n: int, limit: int | None = None) -> None:
+    def _safety_tree(self, pages: list, start: int, tail: int, real: int, n: int, limit: int | None = None,
+                     reserve: int = 0, decode: tuple | None = None) -> None:
         """The duel's per-request step with the tree shadows (every order's, or lru's alone):
         ``pages`` the request's page hashes from its first, ``pages[start:]`` (``n`` of them) this
-        step's references; ``limit`` the most pages SGLang's match could reach."""
-        hits = {o: t.run(pages, tail, start, limit) for o, t in self._stepped_trees()}
+        step's references; ``limit`` the most pages SGLang's match could reach; ``reserve``,
+        ``decode``: a decoding request's (``TreeShadow.run``)."""
+        hits = {o: t.run(pages, tail, start, limit, reserve, decode) for o, t in self._stepped_trees()}
         if self._overlapping:  # lru's shadow alone (see ``_overlapping``)
             hits["slru"] = hits["lfu"] = 0.0
         elif not self._tree:  # lru's tree alone: slru and lfu are the page models, hits scaled to pages
@@ -222,6 +224,15 @@ class SafetyDuel:
         self.stats.replayed_touches += 1
         for _, t in self._stepped_trees():
             t.touch(pages)
+
+    def decoded(self, pages: list, start: int, decode: tuple) -> None:
+        """A request's release after it decoded tokens that filled no page past what the duel saw
+        (``TreeShadow.run``'s ``decode``): the tree shadows replay its decode's evictions, and
+        nothing is booked (no page referenced). Session 41."""
+        if not self.replays_matches:
+            return
+        for _, t in self._stepped_trees():
+            t.run(pages, 0, start, None, 0, decode)
 
     def match_unstored(self, pages: list, real: int) -> None:
         """A request that stores nothing by its own choice (the no-store hint), at its first

@@ -441,13 +441,25 @@ class TreeShadow:
                 leaves.add(p)
                 self._push(p)
 
-    def run(self, pages: list, tail: int = 0, start: int = 0, limit: int | None = None) -> int:
+    def run(self, pages: list, tail: int = 0, start: int = 0, limit: int | None = None, reserve: int = 0,
+            decode: tuple | None = None) -> int:
         """One request: ``pages`` its full pages' hashes from its first page, ``tail`` 1 when a
         partial last page also needs a slot, ``start`` its pages counted before (an earlier
         chunk of the same request: not reuse), ``limit`` the most pages its match may reach
         (SGLang matches at most ``len - 1`` tokens, fewer for prompt logprobs: a fully cached
         page-aligned prompt recomputes its last page; None: all). Returns the pages of
-        ``pages[start:]`` it hit."""
+        ``pages[start:]`` it hit.
+
+        A request that decodes (session 41; the simulator's ``CacheDriver.decode``, a live
+        server): ``reserve`` 1 at its prefill, where SGLang's extend evicts for a page more than
+        its tokens (``alloc_paged_token_slots_extend``, page size over 1); ``decode`` =
+        ``(prompt_tokens, steps, page_size)`` at its release, whose ``pages[start:]`` are the
+        decoded tokens' full pages: each step evicts until a page is free while the prompt's
+        path is locked (``alloc_paged_token_slots_decode``), a page is taken at each page
+        boundary, then the pages are inserted. Without them the shadow evicted less than
+        SGLang's lru on decoding replays (tests/test_review41_bound.py)."""
+        if decode is not None:
+            return self._decoded(pages, start, *decode)
         self.clock += 1
         path: list = []
         capped = limit is not None and limit < len(pages)
@@ -463,52 +475,80 @@ class TreeShadow:
         # (most of them) takes and drops none, and re-files its last node, the one node of the
         # path that can be a leaf, as the unlock would (the same heap order: entries are
         # ordered by priority and creation order, never by their stamps)
-        locked = fits and need > self.cap - self.used
+        want = need + reserve if need else 0
+        locked = fits and want > self.cap - self.used
         if locked:
             self._set_lock(last, 1)
-            self._evict(need - (self.cap - self.used))
+            self._evict(want - (self.cap - self.used))
         if fits and need <= self.cap - self.used:
-            # SGLang's insert (touches the matched path and counts a hit on each node ending
-            # beyond ``start``), then checkpoint's re-match (touches it again). The path is locked
-            # since the match, so both walk the nodes of ``path``; only the last touch survives
-            # (two clock ticks: one per walk, as before).
-            self.clock += 2
-            t = self.clock
-            self.root.last = t
-            end = 0
-            for node in path:
-                node.last = t
-                end += len(node.key)
-                if end > start:
-                    node.hits += 1
-            tip, inserted = last, matched
-            if capped:  # SGLang's insert walks on over what is cached past the match's limit
-                more: list = []
-                inserted = self._walk(pages, t, more, last, matched)
-                for node in more:  # (unlocked: touched and counted as the path's, then re-filed)
-                    end += len(node.key)
-                    if end > start:
-                        node.hits += 1
-                    if node in self.leaves:
-                        self._push(node)
-                tip = more[-1] if more else last
-            if inserted < len(pages):
-                self.seq += 1
-                leaf = _Node(pages[inserted:], tip, t, 1 if len(pages) > start else 0, self.seq)
-                self.leaves.discard(tip)  # (an unlocked node the insert walked to: no longer a leaf)
-                tip.children[pages[inserted]] = leaf
-                self.used += len(leaf.key)
-                if self.track is not None:
-                    self.track.l_add(leaf.key)
-                if self.used >= self.cap:
-                    self.full = True
-                self.leaves.add(leaf)  # (``last`` is locked, the root or the ``tip`` dropped above)
-                self._push(leaf)
+            self._insert(pages, start, path, last, matched, capped)
         if locked:
             self._set_lock(last, -1)
         elif last in self.leaves:  # (touched: its priority moved; a locked one is re-filed by the unlock)
             self._push(last)
         return max(0, matched - start)
+
+    def _decoded(self, pages: list, start: int, n: int, steps: int, page: int) -> int:
+        """``run``'s release of a request that decoded ``steps`` tokens after its ``n``-token
+        prompt (``pages[:start]`` the prompt's full pages, inserted at its prefill; SGLang's lock
+        sits at their end). Replays the decode's evictions, then SGLang's insert of every full
+        page (touching the path, the decoded pages new). Returns 0 (nothing is matched)."""
+        self.clock += 1
+        path: list = []
+        matched = self._walk(pages[:start], self.clock, path)
+        last = path[-1] if path else self.root
+        self._set_lock(last, 1)
+        held = int(n % page > 0)  # pages the request holds outside the tree: its prompt's partial page
+        for pos in range(n, n + steps):
+            free = self.cap - self.used - held
+            if free < 1:
+                self._evict(1 - free)
+            if pos % page == 0:
+                held += 1
+        if matched == start:  # (a prompt the shadow could not hold has no path to extend)
+            self._insert(pages, start, path, last, matched, True)
+        self._set_lock(last, -1)
+        return 0
+
+    def _insert(self, pages: list, start: int, path: list, last: _Node, matched: int, capped: bool) -> None:
+        """SGLang's insert of ``pages`` after ``run``'s match (``path``, ending at ``last``,
+        ``matched`` pages; ``capped``: the match stopped short of them, the insert walks on)."""
+        # SGLang's insert (touches the matched path and counts a hit on each node ending
+        # beyond ``start``), then checkpoint's re-match (touches it again). The path is locked
+        # since the match, so both walk the nodes of ``path``; only the last touch survives
+        # (two clock ticks: one per walk, as before).
+        self.clock += 2
+        t = self.clock
+        self.root.last = t
+        end = 0
+        for node in path:
+            node.last = t
+            end += len(node.key)
+            if end > start:
+                node.hits += 1
+        tip, inserted = last, matched
+        if capped:  # SGLang's insert walks on over what is cached past the match's limit
+            more: list = []
+            inserted = self._walk(pages, t, more, last, matched)
+            for node in more:  # (unlocked: touched and counted as the path's, then re-filed)
+                end += len(node.key)
+                if end > start:
+                    node.hits += 1
+                if node in self.leaves:
+                    self._push(node)
+            tip = more[-1] if more else last
+        if inserted < len(pages):
+            self.seq += 1
+            leaf = _Node(pages[inserted:], tip, t, 1 if len(pages) > start else 0, self.seq)
+            self.leaves.discard(tip)  # (an unlocked node the insert walked to: no longer a leaf)
+            tip.children[pages[inserted]] = leaf
+            self.used += len(leaf.key)
+            if self.track is not None:
+                self.track.l_add(leaf.key)
+            if self.used >= self.cap:
+                self.full = True
+            self.leaves.add(leaf)  # (``last`` is locked, the root or the ``tip`` dropped above)
+            self._push(leaf)
 
     def touch(self, pages: list) -> int:
         """SGLang's match of a request that is then never inserted (turned away: too long for the

@@ -14,6 +14,7 @@ import hashlib
 import time
 from array import array
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from sglang.srt.managers.schedule_batch import ReqKvInfo
@@ -196,6 +197,8 @@ class CacheDriver:
         cache, alloc = self.cache, self.allocator
         self._n += 1
         req = SimReq(f"sim-{self._n}", token_ids, cache_salt=tenant, extra_key=extra_key, no_store=no_store)
+        if output_ids is not None:  # (as a live server's Req: the tiered cache then knows it decodes)
+            req.sampling_params = SimpleNamespace(max_new_tokens=len(output_ids))
         n = len(req.origin_input_ids)
         t0 = time.perf_counter()
         key = RadixKey(req.origin_input_ids, req.extra_key, cache_salt=req.cache_salt, limit=max_prefix_len)

@@ -100,7 +100,7 @@ class Admission:
             # (EAGLE: a page's hash takes the token after it too, as the tree's bigram key does)
             new = chain_page_hashes(prev, tokens[len(base) * ps : aligned + eagle], ps, eagle) if aligned > cpl else []
             hashes = base + new
-            n_admit = self._decide(req, first, counted or 0, base, new, hashes, int(up_to > aligned))
+            n_admit = self._decide(req, first, counted or 0, base, new, hashes, int(up_to > aligned), up_to)
         else:  # nothing reads a page hash: the same counts, no hashing (``hashes_read``)
             hashes, new = None, []
             n_base = 0 if anchor is cache.root_node else cpl // ps  # (len(base) above)
@@ -157,13 +157,26 @@ class Admission:
         cache.clock.now()
         return AdmissionPlan(anchor, cpl, cpl + k * ps, base + new, new[:k], before)
 
-    def _decide(self, req, first: bool, counted: int, base: list, new: list, hashes: list, tail: int) -> int:
+    def _decide(self, req, first: bool, counted: int, base: list, new: list, hashes: list, tail: int,
+                up_to: int = 0) -> int:
         """Count the request in the sketch (once per page) and ask the policy. Returns pages kept."""
         cache, policy = self.cache, self.cache.policy
         if first and new:
             policy.on_miss(new[0])  # ghost hit? (adapts the eviction order)
         # the key SGLang matched it by (first checkpoint only: later chunks are not matched again)
         key = cache.in_flight.get(req.rid) if first else None
+        # A request that decodes (session 41): SGLang's extend evicts for a page more than its
+        # tokens (page size over 1; every live request, a replay's with ``output_ids``: those have
+        # ``sampling_params``), and its decode evicts a page at a time before the release's
+        # checkpoint adopts the decoded tokens (past the prompt: ``up_to`` over its length). The
+        # tree shadows replay both (``TreeShadow.run``), or lru's yardstick evicted less than
+        # SGLang's lru (tests/test_review41_bound.py).
+        ps = cache.page_size
+        reserve = int(first and ps > 1 and getattr(req, "sampling_params", None) is not None)
+        dec = None
+        n = len(req.origin_input_ids)
+        if not first and up_to > n and not cache.is_eagle and counted == n // ps:
+            dec = (n, up_to - n, ps)
         if self._unseen(req, first, counted, len(hashes), tail):
             # SGLang's match reaches at most len - 1 tokens (fewer for prompt logprobs): the tree
             # shadows' walk stops there too, or lru's yardstick hit what SGLang's lru recomputes
@@ -171,8 +184,9 @@ class Admission:
             limit = None if key is None or key is SEEN else len(key) // cache.page_size
             # (a first checkpoint shows all its pages: the list itself, not a copy; nothing writes to it)
             policy.observe(hashes[counted:] if counted else hashes, max(0, len(base) - counted), whole=hashes,
-                           start=counted, tail=tail,
-                           limit=limit)  # fmt: skip
+                           start=counted, tail=tail, limit=limit, reserve=reserve, decode=dec)  # fmt: skip
+        elif dec is not None:  # decoded, no full page more: its evictions all the same
+            policy.decoded(hashes, counted, dec)
         victim_freq = cache.eviction.victim_frequency() if (new and policy.filtering) else None
         n_admit = policy.admit_pages(new, victim_freq)
         cache.tenant(req.cache_salt).rejected_pages += len(new) - n_admit
