@@ -174,6 +174,8 @@ def environment() -> dict:
     import torch
     from importlib.metadata import version
 
+    from sglang_tiered.core.keys import HASH_IMPL
+
     return {
         "git_sha": run("git", "rev-parse", "--short", "HEAD"),
         # os.cpu_count(), not nproc: nproc reports OMP_NUM_THREADS when that is set
@@ -181,6 +183,8 @@ def environment() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "sglang": version("sglang"),
+        # chain_page_hashes' path: "c" (the optional extension) or "python" (session 41)
+        "page_hash_impl": HASH_IMPL,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
 

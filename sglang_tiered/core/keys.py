@@ -17,12 +17,19 @@ the simulator's and the benchmarks' key) has exactly the seeds and page hashes i
 
 H is BLAKE2b-128 (hashlib: deterministic across processes and machines; Python's ``hash()`` is
 salted per process). Token ids are packed as little-endian int64 on every platform.
+
+``chain_page_hashes`` runs in the optional C extension ``_pagehash`` (BLAKE2b in C, one call per
+token run: the Python loop cost ~1.1 us a page, most of it interpreter overhead; issue #11,
+session 41) when it was built and ``SGLANG_TIERED_PURE_PYTHON`` is not ``1``; otherwise in
+``_chain_page_hashes_py``, the reference that the C path is tested against
+(tests/test_review41_pagehash.py). ``HASH_IMPL`` says which: ``"c"`` or ``"python"``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 import sys
 from array import array
@@ -105,12 +112,12 @@ def _token_bytes(tokens) -> bytes:
 _PAGE_HASH = hashlib.blake2b(digest_size=DIGEST_SIZE)  # copied per page: no parameter parsing
 
 
-def chain_page_hashes(prev: bytes, tokens, page_size: int = 16, overlap: int = 0) -> list[bytes]:
+def _chain_page_hashes_py(prev: bytes, tokens, page_size: int = 16, overlap: int = 0) -> list[bytes]:
     """Hashes of the full pages of ``tokens``, chained from ``prev`` (the seed or the last hash
     of the preceding pages). A trailing partial page is not hashed. ``overlap`` 1: each page also
     takes the token after it (an EAGLE tree's bigram keys: ``page_size`` positions span
     ``page_size + 1`` tokens, and two nodes that differ only in that token are different
-    entries; without it they had one hash: review, session 24)."""
+    entries; without it they had one hash: review, session 24). The pure-Python reference."""
     data = memoryview(_token_bytes(tokens))
     step = page_size * 8
     width = step + overlap * 8
@@ -124,6 +131,26 @@ def chain_page_hashes(prev: bytes, tokens, page_size: int = 16, overlap: int = 0
         h = x.digest()
         append(h)
     return out
+
+
+def _chain_page_hashes_c(prev: bytes, tokens, page_size: int = 16, overlap: int = 0) -> list[bytes]:
+    """``_chain_page_hashes_py`` with the per-page loop in C (``_pagehash.chain``). A run with no
+    full page returns ``[]`` without reaching C, as the reference does (whatever ``prev`` is);
+    a ``page_size`` < 1 or an ``overlap`` other than 0/1 raises ValueError."""
+    data = _token_bytes(tokens)
+    if len(data) < (page_size + overlap) * 8 and page_size >= 1 and overlap in (0, 1):
+        return []
+    return _chain(prev, data, page_size, overlap)
+
+
+try:
+    from sglang_tiered.core._pagehash import chain as _chain
+except ImportError:  # not built (no compiler: setup.py's extension is optional)
+    _chain = None
+
+# SGLANG_TIERED_PURE_PYTHON=1: the reference even where the extension is built
+HASH_IMPL = "c" if _chain is not None and os.environ.get("SGLANG_TIERED_PURE_PYTHON") != "1" else "python"
+chain_page_hashes = _chain_page_hashes_c if HASH_IMPL == "c" else _chain_page_hashes_py
 
 
 def rope_config_hash(rope_theta, rope_scaling, max_position_embeddings, partial_rotary=None) -> str:
