@@ -89,7 +89,7 @@ def test_lookup_script_reads_a_trees_field_as_its_server():
     """LOOKUP_LUA against holders_from_replies + longest_match with trees' fields (``id#rank``) mixed in."""
     redis = pytest.importorskip("redis")
     from sglang_tiered.fleet.index import (LOOKUP_LUA, alive_key, holder_field, holders_from_replies,
-                                           matched_from_lookup, page_key)  # fmt: skip
+                                           matched_from_lookup, page_key, servers_match)  # fmt: skip
     from sglang_tiered.fleet.routing import longest_match
 
     with _redis_server() as (_, port):
@@ -111,7 +111,9 @@ def test_lookup_script_reads_a_trees_field_as_its_server():
                         if rng.random() < 0.5 - 0.03 * i:
                             r.hset(page_key(h), holder_field(w, rank), str(int(now)))
             replies = [r.hgetall(page_key(h)) for h in hashes]
-            want = longest_match(hashes, holders_from_replies(replies, alive, ttl, now), 16, workers)
+            holders = holders_from_replies(replies, alive, ttl, now)
+            trees = sorted(set().union(*holders))  # (per tree, its best one per server: session 41)
+            want = servers_match(longest_match(hashes, holders, 16, trees))
             got = matched_from_lookup(lookup(keys=[alive_key(w) for w in workers] + [page_key(h) for h in hashes],
                                              args=[len(workers), now, ttl, *workers]), 16)  # fmt: skip
             assert got == want, (case, got, want)

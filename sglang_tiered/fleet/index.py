@@ -6,7 +6,8 @@ Layout (all keys under ``st:``):
   server's last publication of the page. The key's expiry is refreshed on every publication. A
   server with several trees (data-parallel replicas, DP attention ranks) publishes each tree's
   pages under a field of its own, ``<server id>#<rank>`` (``holder_field``): a reader counts it
-  as the server's. With one field, only the first tree published (its pages alone were seen), and
+  as the server's, each tree on its own (a server matches its best tree's prefix: session 41).
+  With one field, only the first tree published (its pages alone were seen), and
   trees sharing it would withdraw or clear each other's claims (session 40).
 * ``st:alive:<server id>``: heartbeat, expires after the TTL.
 * ``st:ckey:<server id>``: the server's ``CacheKey`` (JSON), so a router hashes prompts the same way.
@@ -59,38 +60,57 @@ def holder_of(field: str) -> str:
 
 def holders_from_replies(page_replies: Sequence[dict], alive: dict[str, bool], ttl_s: float,
                          now: float | None = None) -> list[set]:  # fmt: skip
-    """Per page, the set of live servers whose entry is fresh (``page_replies``: HGETALL results)."""
+    """Per page, the set of fresh fields (trees: ``holder_field``) of live servers (``page_replies``:
+    HGETALL results; ``alive``: by server id). A server with one tree: its id. ``longest_match``
+    over them gives each tree's prefix, ``servers_match`` each server's (its best tree's)."""
     now = time.time() if now is None else now
     out = []
     for rep in page_replies:
         s = set()
         for f, v in (rep or {}).items():
-            sid = holder_of(f.decode() if isinstance(f, bytes) else f)
+            f = f.decode() if isinstance(f, bytes) else f
+            sid = holder_of(f)
             try:
                 fresh = now - float(v) <= ttl_s
             except (TypeError, ValueError):
                 fresh = False
             if fresh and alive.get(sid, False):
-                s.add(sid)
+                s.add(f)
         out.append(s)
+    return out
+
+
+def servers_match(tree_matched: dict[str, int]) -> dict[str, int]:
+    """Per server id, its best tree's match (``tree_matched``: by field, ``holder_field``): a request
+    lands on one tree, so a server holds no more of a prompt than its best tree does."""
+    out: dict[str, int] = {}
+    for f, m in tree_matched.items():
+        sid = holder_of(f)
+        if m > out.get(sid, 0):
+            out[sid] = m
     return out
 
 
 # KEYS = n heartbeat keys, then page keys in prompt order; ARGV = n, now (unix s), ttl (s), then the
 # n server ids (same order as the heartbeats). Returns {server id, matched pages, ...} for every
 # live server holding at least the first page (a server counts for a page when its field is no
-# older than the TTL; a field ``<id>#<rank>``, one of its trees: ``holder_field``, counts as the
-# server's). Same rule as holders_from_replies + routing.longest_match. A page key that is
+# older than the TTL). A server with several trees (fields ``<id>#<rank>``: ``holder_field``)
+# matches its best tree's prefix: the walk follows each tree (field) on its own, and a server's
+# match is the longest of its trees'. Counted over all its trees together, a prefix whose first
+# pages one tree holds and later pages another counted as one long match, which no tree (the one
+# the request lands on) holds (review, session 41). Same rule as holders_from_replies +
+# routing.longest_match + servers_match. A page key that is
 # not a hash (WRONGTYPE) ends the match there: before session 37 it failed the script, which the
 # router took for Redis down, so one bad key cost every tenant the index for a second at a time.
 LOOKUP_LUA = """
 local n = tonumber(ARGV[1])
 local now = tonumber(ARGV[2])
 local ttl = tonumber(ARGV[3])
-local cur = {}
+local alive = {}
 for i = 1, n do
-  if redis.call('EXISTS', KEYS[i]) == 1 then cur[ARGV[3 + i]] = true end
+  if redis.call('EXISTS', KEYS[i]) == 1 then alive[ARGV[3 + i]] = true end
 end
+local cur = nil
 local matched = {}
 for j = n + 1, #KEYS do
   local h = redis.pcall('HGETALL', KEYS[j])
@@ -98,12 +118,13 @@ for j = n + 1, #KEYS do
   local nxt = {}
   local any = false
   for k = 1, #h, 2 do
-    local sid = h[k]
-    local cut = string.find(sid, '#', 1, true)
-    if cut then sid = string.sub(sid, 1, cut - 1) end
+    local f = h[k]
+    local sid = f
+    local cut = string.find(f, '#', 1, true)
+    if cut then sid = string.sub(f, 1, cut - 1) end
     local v = tonumber(h[k + 1])
-    if cur[sid] and v and now - v <= ttl then
-      nxt[sid] = true
+    if alive[sid] and (cur == nil or cur[f]) and v and now - v <= ttl then
+      nxt[f] = true
       any = true
       matched[sid] = j - n
     end
