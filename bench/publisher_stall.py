@@ -11,6 +11,12 @@ has to take the GIL back waits for the other thread's switch interval (5 ms) eac
 
     taskset -c 1 python -m bench.publisher_stall [--pages 1048576] [--seconds 3]
 
+``--event clear`` / ``--event forget`` (session 41): ``--pages`` page hashes are held instead
+(2^21, HELD_MAX, by default then), the thread's first round is let run (Redis refused, or with
+``--redis`` the refresh of them all), and the timed window starts with a clear (``on_clear``) or a
+dropped removal (the thread forgets everything it holds); ``--seconds`` covers the thread's work on
+it, and with ``--redis`` the withdrawals.
+
 Prints one JSON line: the calls' p50/p99/max in microseconds, how many, the steps' longest delay,
 and the publisher's stats.
 """
@@ -40,7 +46,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--redis", default=None, help="a live Redis (redis://...): the pages are held, not queued, and "
                                                   "the thread's first round re-publishes them all (a refresh)")
     ap.add_argument("--full-gc", action="store_true", help="also time gc.collect() with the pages held")
+    ap.add_argument("--event", choices=("clear", "forget"), default=None,
+                    help="the pages held; time a clear, or a forget-all after a dropped removal")
     a = ap.parse_args(argv)
+    if a.event and a.pages == ap.get_default("pages"):
+        a.pages = pub.HELD_MAX
     if a.gc_off:
         gc.disable()
 
@@ -58,9 +68,9 @@ def main(argv=None) -> dict:
         k = min(a.event_pages, a.pages - n)
         p.on_store([os.urandom(16) for _ in range(k)])
         n += k
-        if a.redis and n % 16384 < a.event_pages:
+        if (a.redis or a.event) and n % 16384 < a.event_pages:
             p._apply_local(p._drain(pub.QUEUE_PAGES))  # (held, as after a long run)
-    if a.redis:
+    if a.redis or a.event:
         p._apply_local(p._drain(pub.QUEUE_PAGES))
     queued = p.snapshot()["queued_pages"]
     gc_ms = None
@@ -70,6 +80,14 @@ def main(argv=None) -> dict:
         gc_ms = round((time.perf_counter() - t0) * 1e3, 1)
     t = threading.Thread(target=p._run, daemon=True)
     t.start()
+    if a.event:  # (the thread's first round over: Redis refused, or the refresh sent)
+        while not (p.stats["errors"] if not a.redis else p.stats["refreshes"]):
+            time.sleep(0.01)
+        time.sleep(0.2)
+        if a.event == "clear":
+            p.on_clear()
+        else:
+            p._overflowed.set()  # (as a dropped removal does: _put)
     times, steps = [], []
     end = time.perf_counter() + a.seconds
     i = 0
@@ -89,13 +107,15 @@ def main(argv=None) -> dict:
     p.close()
     srv.close()
     times.sort()
-    out = {"queued_pages": queued, "held_before": n if a.redis else 0, "redis": bool(a.redis), "stalled": a.stalled,
-           "gc": not a.gc_off, "full_gc_ms": gc_ms, "calls": len(times),
+    out = {"queued_pages": queued, "held_before": n if a.redis or a.event else 0, "redis": bool(a.redis), "stalled": a.stalled,
+           "gc": not a.gc_off, "full_gc_ms": gc_ms, "event": a.event, "calls": len(times),
            "p50_us": round(times[len(times) // 2] / 1e3, 1), "p99_us": round(times[int(len(times) * 0.99)] / 1e3, 1),
            "max_us": round(times[-1] / 1e3, 1), "over_1ms": sum(x > 1e6 for x in times),
            "step_delay_max_ms": round(max(steps) / 1e6, 1), "step_delays_over_10ms": sum(x > 1e7 for x in steps),
+           "unsent_after": len(p._unsent),
            "publisher": {k: v for k, v in p.snapshot().items() if k in ("held_pages", "dropped_events", "errors",
-                                                                         "queued_pages", "refreshes")}}  # fmt: skip
+                                                                         "queued_pages", "refreshes", "resyncs",
+                                                                         "removed_pages")}}  # fmt: skip
     print(json.dumps(out))
     return out
 

@@ -73,6 +73,12 @@ BATCH_PAGES = 4096
 # thread takes it at once).
 FOLD_PAGES = 2048
 FOLD_PAUSE_S = 0.0005
+# Nor does a clear or a forget-all (a dropped removal) touch the held set in one C call: ``list()``
+# of 2^21 held pages took 43 ms and ``clear()`` 32 ms (each a GIL hold the scheduler waited out),
+# and freeing the copy after the send as long. The held set is swapped for a fresh one and the old
+# one joins the withdrawals (``_unsent``: swapped in whole, or poured a page at a time), which the
+# connected round sends a batch at a time, taking each page out with ``popitem`` (review, session 41,
+# bench/publisher_stall.py --event).
 
 
 class IndexPublisher:
@@ -100,8 +106,10 @@ class IndexPublisher:
         self._write = None  # WRITE_LUA, registered on the first batch (redis-py reloads it on NOSCRIPT)
         self._resync = True  # publish the whole held set on the next (re)connection
         self._overflowed = threading.Event()  # a removal was dropped: start over (_forget_all)
-        # removals not sent because Redis failed (withdrawn first when it is back: review, session
-        # 23, they were dropped and the pages stayed claimed); bounded, the oldest age out instead
+        # withdrawals not sent yet: removals sent while Redis failed (withdrawn first when it is
+        # back: review, session 23, they were dropped and the pages stayed claimed), and the held set
+        # of a clear or a forget-all (session 41); a page held again by the time its batch goes out
+        # is not withdrawn. Bounded, the oldest age out instead
         self._unsent: dict = {}
         self.stats = {"published_pages": 0, "removed_pages": 0, "dropped_events": 0, "errors": 0,
                       "batches": 0, "refreshes": 0, "resyncs": 0, "lost_index": 0}  # fmt: skip
@@ -185,8 +193,9 @@ class IndexPublisher:
             n += k + 1
         return items
 
-    def _forget_all(self) -> list:
-        """After a dropped removal: discard the queue and the held set; return the pages to withdraw.
+    def _forget_all(self) -> None:
+        """After a dropped removal: discard the queue and the held set, whose pages join the
+        withdrawals (``_withdraw_held``).
 
         The flag is cleared before the queue is emptied, so every event queued before the drop
         (a store of the page whose removal was dropped, say) is discarded with it, and a drop
@@ -196,17 +205,50 @@ class IndexPublisher:
         # the bound and every later event was dropped, for good (review, session 23)
         while self._drain(QUEUE_PAGES + QUEUE_MAX):
             pass
-        forgotten = list(self._held)
-        self._held.clear()
+        self._withdraw_held()
         self.stats["resyncs"] += 1
-        return forgotten
+
+    def _withdraw_held(self) -> None:
+        """Start an empty held set; every page held joins the withdrawals (``_unsent``).
+
+        No C call touches more than one page (review, session 41): the old held set is swapped in
+        as the withdrawals when there are none, else the smaller of the two is poured into the
+        larger a page at a time (``popitem``, so it is freed as it goes), with a pause every
+        FOLD_PAGES (as ``_fold_queued``)."""
+        old, self._held = self._held, {}
+        u = self._unsent
+        if len(old) > len(u):
+            old, u = u, old
+            self._unsent = u
+        n = 0
+        while old:
+            u[old.popitem()[0]] = None
+            n += 1
+            if n % FOLD_PAGES == 0:
+                time.sleep(FOLD_PAUSE_S)
+        _trim(u)
+
+    def _take_unsent(self, n: int) -> list:
+        """Up to ``n`` withdrawals to send, taken out of ``_unsent`` one ``popitem`` at a time (a
+        page held again since is dropped: not withdrawn). Put back (``_keep_unsent``) if the send fails."""
+        u, held = self._unsent, self._held
+        part: list = []
+        while u and len(part) < n:
+            h = u.popitem()[0]
+            if h not in held:
+                part.append(h)
+        return part
 
     def _apply_local(self, items) -> tuple[list, list]:
         """Fold events into the held set; return (stored, removed) page hashes to send: each page's
         *last* event in the batch wins. ``_send`` issues all removals before all stores, so a page
         stored and then evicted within one batch (a short prompt under memory pressure, or any
         page during a flush) must be sent as removed only; sending it in both lists left it in the
-        index as held until its entry aged out (TTL), a claim the router then trusted."""
+        index as held until its entry aged out (TTL), a claim the router then trusted.
+
+        A clear moves the held set to the withdrawals (``_withdraw_held``), which the round sends
+        before these, each page unless held again by then (stored after the clear: session 41,
+        before, the held set was copied into ``removed`` and cleared, two C calls over it all)."""
         stored: dict = {}
         removed: dict = {}
         held = self._held
@@ -223,10 +265,9 @@ class IndexPublisher:
                     stored.pop(h, None)
                     removed[h] = None
             else:
-                for h in held:
-                    removed[h] = None
+                self._withdraw_held()
+                held = self._held
                 stored.clear()
-                held.clear()
         _trim(held)
         return list(stored), list(removed)
 
@@ -295,20 +336,21 @@ class IndexPublisher:
         last_refresh = 0.0
         while not self._stop.is_set():
             # withdrawn once, best effort: with Redis down they age out instead (never refreshed)
-            forgotten = self._forget_all() if self._overflowed.is_set() else []
+            if self._overflowed.is_set():
+                self._forget_all()
             items = self._drain(BATCH_PAGES)
             stored, removed = self._apply_local(items)
+            part: list = []  # withdrawals taken out of _unsent and not sent yet
             try:
                 if self._client is None:
                     self._client = self._connect()
                     self.connected = True
                     self._resync = True
-                if self._unsent:  # pages held again since are not withdrawn
-                    forgotten = [h for h in self._unsent if h not in self._held] + forgotten
-                    self._unsent.clear()
-                for i in range(0, len(forgotten), BATCH_PAGES):
-                    self._send([], forgotten[i : i + BATCH_PAGES])
-                forgotten = []
+                while self._unsent:  # a batch at a time (pages held again since are not withdrawn)
+                    part = self._take_unsent(BATCH_PAGES)
+                    if part:
+                        self._send([], part)
+                    part = []
                 now = time.monotonic()
                 if self._resync or now - last_refresh >= self.ttl_s / 2:
                     # refresh (also after reconnecting): everything held, in batches, read a
@@ -335,7 +377,7 @@ class IndexPublisher:
                 # fold everything queued into the held set meanwhile (the resync sends it all): a
                 # batch per back-off drained 4,096 pages per 2 s and the queue filled and dropped
                 more = self._fold_queued()
-                self._keep_unsent(forgotten, removed, more)
+                self._keep_unsent(part, removed, more)
                 self._stop.wait(backoff)
                 backoff = min(2.0, backoff * 2)
                 continue
@@ -344,8 +386,11 @@ class IndexPublisher:
 
 
 def _trim(d: dict) -> None:
-    """Forget ``d``'s oldest keys past HELD_MAX (a dict keeps them in insertion order)."""
+    """Forget ``d``'s oldest keys past HELD_MAX (a dict keeps them in insertion order), a page at a
+    time (up to HELD_MAX of them after ``_withdraw_held``: a list() of them, and freeing it, were
+    C calls over them all; review, session 41)."""
     excess = len(d) - HELD_MAX
     if excess > 0:
-        for h in list(islice(d, excess)):
-            del d[h]
+        gone = [h for h in islice(d, excess)]  # (a Python loop: the GIL can switch between pages)
+        while gone:
+            del d[gone.pop()]
