@@ -5,9 +5,17 @@ in-process byte store to inject faults)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import torch
 
 from sglang_tiered.tier.t2_config import T2Config
+
+
+# How long a master has to take a store client's setup (``probe_master``, from the child's import of
+# Mooncake on): a healthy one answers in well under a second.
+MASTER_PROBE_S = 10.0
 
 
 class MooncakeClient:
@@ -22,6 +30,9 @@ class MooncakeClient:
                 "SGLANG_TIERED_T2 needs Mooncake (pip install mooncake-transfer-engine, or "
                 f"mooncake-transfer-engine-non-cuda on CPU; it needs libibverbs1): {exc}"
             ) from exc
+        why = probe_master(cfg, MASTER_PROBE_S)  # (first: setup itself cannot be given a deadline)
+        if why:
+            raise RuntimeError(f"Mooncake store setup not tried: {why}")
         self.store = MooncakeDistributedStore()
         rc = self.store.setup(cfg.local_hostname, cfg.metadata, cfg.segment_mb << 20, cfg.buffer_mb << 20,
                               cfg.protocol, cfg.device, cfg.master)  # fmt: skip
@@ -50,3 +61,68 @@ class MooncakeClient:
             self.store.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+# The probe's child: the real setup (a small segment and buffer: only the master's answer is
+# asked for) and close. It says "i" once Mooncake is imported and "s" once the master took the
+# setup. argv: the T2Config's connection fields.
+_PROBE_CHILD = """
+import sys
+from mooncake.store import MooncakeDistributedStore
+print("i", flush=True)
+host, metadata, protocol, device, master = sys.argv[1:6]
+s = MooncakeDistributedStore()
+rc = s.setup(host, metadata, 16 << 20, 16 << 20, protocol, device, master)
+if rc:
+    print(f"setup returned {rc}", file=sys.stderr, flush=True)
+    sys.exit(3)
+print("s", flush=True)
+s.close()
+"""
+PROBE_START_S = 60.0  # the child's start and import (a loaded machine: not the master's time)
+
+
+def probe_master(cfg: T2Config, timeout_s: float) -> str | None:
+    """None when ``cfg.master`` takes a store client's setup within ``timeout_s``, else why not.
+
+    Run in a child process (review, session 41): ``MooncakeDistributedStore.setup`` holds the GIL
+    while it retries a master that accepts and does not answer (a stopped one: 20 tries of 30 s),
+    so no deadline in this process can fire and the launch stalled for about 10 minutes. The
+    deadline runs from the child's import of Mooncake to the setup's return (Python's start and the
+    import took 2-5 s on a loaded 2-core machine: PROBE_START_S); the child is killed past it. Its
+    close (the segment unmounted) is waited for as long again, then it is killed too."""
+    import select
+    import time
+
+    argv = [sys.executable, "-c", _PROBE_CHILD, cfg.local_hostname, cfg.metadata, cfg.protocol, cfg.device, cfg.master]
+    try:
+        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 bufsize=0)  # (unbuffered: a line read leaves the next for select)
+    except OSError as exc:
+        return f"could not run the master probe: {exc}"
+    try:
+        for mark, limit, late in ((b"i", PROBE_START_S, "did not start"),
+                                  (b"s", timeout_s, f"master {cfg.master} did not answer a store setup within {timeout_s:g} s")):  # fmt: skip
+            end = time.monotonic() + limit
+            while True:
+                left = end - time.monotonic()
+                if left <= 0 or not select.select([child.stdout], [], [], left)[0]:
+                    return f"the master probe {late}" if mark == b"i" else late
+                line = child.stdout.readline()
+                if not line:  # (exited)
+                    child.wait(5)
+                    err = child.stderr.read().decode(errors="replace").strip().splitlines()
+                    return f"master {cfg.master} refused a store setup ({(err[-1:] or [f'exit {child.returncode}'])[0][:200]})"
+                if line.strip() == mark:
+                    break
+        try:
+            child.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass  # (it answered the setup; its close is not ours to wait for)
+        return None
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(5)
+        child.stdout.close()
+        child.stderr.close()
