@@ -392,6 +392,7 @@ class WorkerState:
     errors_in_row: int = 0  # RETRY_STATUSES answers in a row
     first_miss_at: float = 0.0  # when the health checks began to miss (``missed`` went from 0 to 1)
     answered_at: float = 0.0  # when the worker last answered a proxied request (its status line)
+    heard_at: float = 0.0  # when its /health last answered at all, whatever the status (``_check``)
     waiting: dict = field(default_factory=dict)  # handler tasks waiting for its answer (-> None)
     calls: set = field(default_factory=set)  # its parts of fleet-wide broadcasts in flight (``_hang_up``)
     # handler tasks passing its answer on (status line received) -> when its last bytes came (``_check``)
@@ -717,9 +718,11 @@ class Router:
         """One health check of ``ws`` (``_health_loop``), and what it owes delivered."""
         import aiohttp
 
+        heard = False
         try:
             async with self._session.get(ws.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                 ok = r.status == 200
+                heard = True
         except Exception:  # noqa: BLE001
             ok = False
         # A worker leaves the routing set after `health_misses` failed checks in a row (a loaded
@@ -727,6 +730,8 @@ class Router:
         # once when a proxied request cannot connect (handle()).
         if not ok and ws.missed == 0:
             ws.first_miss_at = time.monotonic()
+        if heard:
+            ws.heard_at = time.monotonic()
         ws.missed = 0 if ok else ws.missed + 1
         if ws.missed >= self.health_misses and ws.calls:
             # it answers nothing: the broadcasts waiting on it answer its part now (``_hang_up``)
@@ -735,7 +740,7 @@ class Router:
             for task in list(ws.calls):
                 if task.cancel():
                     self._abandoned.add(task)
-        if ws.missed >= self.health_misses and ws.streams:
+        if ws.missed >= self.health_misses and ws.streams and self._silent(ws):
             # answers it stopped sending mid-way: no byte since its checks began to miss (one
             # still sending is alive, however slow its /health); ended for their clients by
             # ``handle`` with an error event (session 41: before, the client waited for ever)
@@ -1020,6 +1025,18 @@ class Router:
                                  f"({ws.missed} health checks missed) before it answered {request.path}")  # fmt: skip
         finally:
             ws.calls.discard(task)
+
+    @staticmethod
+    def _silent(ws: "WorkerState") -> bool:
+        """Whether ``ws`` has answered nothing at all since its health checks began to miss: no
+        /health answer of any status, no status line, no byte of any answer it streams. Only then
+        are its silent streams cut (``_check``). Review, session 41: they were cut by their own
+        silence alone, so a worker alive and answering /health 503 (SGLang's while it drains for
+        a graceful shutdown, the requests in flight finishing) or 500 lost every stream still
+        waiting for its first token (queued, or a long prefill) to an error event, while it was
+        computing them."""
+        t = ws.first_miss_at
+        return ws.heard_at < t and ws.answered_at < t and all(last < t for last in ws.streams.values())
 
     def _abandon(self, ws: "WorkerState") -> None:
         """``ws`` answers nothing at all (no health check, no proxied request since the checks
@@ -1959,29 +1976,48 @@ class SSECut:
     and then a transfer-encoding error, nothing said. Nothing is sent again: the tokens the client
     already has are never duplicated by a retry elsewhere."""
 
+    # A line longer than this goes on in parts as it comes (review, session 41: held whole, a
+    # worker's line without an end was buffered without bound, beside the client's copy)
+    HELD_MAX = 4 << 20
+
     def __init__(self):
         self.on = False
-        self.held = b""
+        # the line not ended yet, in the parts it came in: joined once, when its end comes (review,
+        # session 41: ``held + chunk`` at every chunk, and a rescan of it for a line end, copied
+        # an event of E bytes arriving in k parts k times: SGLang's non-incremental /generate
+        # stream repeats the whole text so far, and its logprobs, in each event)
+        self.held: list = []
+        self.held_bytes = 0
         self.tail = b"\n\n"  # the last bytes the client got (an event ended: a blank line)
 
     def start(self, up) -> bool:
         """Whether ``up`` is a stream of events (then its chunks go through ``lines``)."""
         self.on = up.headers.get("content-type", "").split(";", 1)[0].strip().lower() == "text/event-stream"
-        self.held, self.tail = b"", b"\n\n"
+        self.held, self.held_bytes, self.tail = [], 0, b"\n\n"
         return self.on
 
     def lines(self, chunk: bytes) -> bytes:
-        """What of ``chunk`` goes to the client now: through its last line end."""
-        chunk = self.held + chunk if self.held else chunk
+        """What of ``chunk`` goes to the client now: through its last line end (all of it once
+        the line not ended yet is past ``HELD_MAX``)."""
         cut = chunk.rfind(b"\n") + 1
-        out, self.held = chunk[:cut], chunk[cut:]
+        if not cut and self.held_bytes + len(chunk) <= self.HELD_MAX:
+            if chunk:
+                self.held.append(chunk)
+                self.held_bytes += len(chunk)
+            return b""
+        if not cut:
+            cut = len(chunk)
+        out = b"".join((*self.held, chunk[:cut])) if self.held else chunk[:cut]
+        rest = chunk[cut:]
+        self.held, self.held_bytes = ([rest], len(rest)) if rest else ([], 0)
         if out:
-            self.tail = (self.tail + out)[-4:]
+            self.tail = (self.tail + out[-4:])[-4:]
         return out
 
     def rest(self) -> bytes:
         """The end of a stream that ended cleanly: whatever waits goes."""
-        out, self.held = self.held, b""
+        out = b"".join(self.held)
+        self.held, self.held_bytes = [], 0
         return out
 
     def failed(self, message: str) -> bytes:
