@@ -144,6 +144,22 @@ def _weights_backed_up(manager) -> bool:
     return getattr(sa, "enable_weights_cpu_backup", False) is True
 
 
+def _weights_released(manager) -> bool:
+    """Whether a release of the weights released them at all: only the memory saver does
+    (``--enable-memory-saver``); without it SGLang's adapter is a no-op
+    (``_TorchMemorySaverAdapterNoop``: pause and resume do nothing, ``enabled`` False), the weights
+    stay mapped and intact through the cycle, and the resume is no weight update (review, session
+    41: such a cycle dropped T1 and re-seeded the identity to the server's own, off its fleet's T2
+    until a restart). Read from the manager's adapter, else ``server_args.enable_memory_saver``;
+    unknown: released (the safe side)."""
+    enabled = getattr(getattr(manager, "memory_saver_adapter", None), "enabled", None)
+    if isinstance(enabled, bool):
+        return enabled
+    sched = getattr(manager, "scheduler", None) or manager
+    saver = getattr(getattr(sched, "server_args", None), "enable_memory_saver", None)
+    return saver if isinstance(saver, bool) else True
+
+
 def _after_resume_memory(result, manager, *args, **kwargs):
     """The KV pool is mapped again; and weights resumed without a CPU backup are not the weights
     the identity names (fresh memory until the next weight update: the RL sleep/wake cycle). KV a
@@ -154,7 +170,7 @@ def _after_resume_memory(result, manager, *args, **kwargs):
     req = args[0] if args else kwargs.get("recv_req")
     if cache is not None and _kv_tags(req):
         cache.kv_released = False
-    if cache is not None and _weights_tags(req) and not _weights_backed_up(manager):
+    if cache is not None and _weights_tags(req) and _weights_released(manager) and not _weights_backed_up(manager):
         cache.on_weights_updated(source="resume_memory_occupation (weights without a CPU backup)")
     return result
 
