@@ -451,3 +451,38 @@ def test_a_worker_slow_on_v1_loads_does_not_hold_back_the_others_reports():
             await r1.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_worker_whose_weights_changed_past_the_router_is_not_sent_the_old_calls():
+    """The fleet takes /m/v2 through the router; then w1's weights change past it (an RL trainer's
+    own /update_weights_from_disk: /model_info says /ckpt/rl-7, weights the router never saw
+    before a broadcast). It is out of the routing set, and *not* sent the disk update again, which would
+    have undone the trainer's weights (the review of session 41's re-sending). Before: re-sent."""
+
+    async def main():
+        log: list = []
+        r0, u0 = await _serve(_worker("w0", log, {}))
+        s1: dict = {}
+        r1, u1 = await _serve(_worker("w1", log, s1))
+        router = Router([u0, u1], None, load_poll_s=0, model_path="", health_interval_s=0.1)
+        rr, url = await _serve(router.app())
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/update_weights_from_disk", json={"model_path": "/m/v2"}) as resp:
+                    assert resp.status == 200, await resp.text()
+                log.clear()
+                s1["info"]["model_path"] = "/ckpt/rl-7"  # changed past the router
+                await _until(lambda: router.workers[u1].weights_differ is not None)
+                await asyncio.sleep(0.6)  # several health checks
+                assert _calls(log, "w1") == [], log
+                assert not router.workers[u1].healthy
+                assert set(await _gen(s, url, 4)) == {"w0"}
+                s1["info"]["model_path"] = "/m/v2"  # back on the fleet's: routed again
+                await _until(lambda: router.workers[u1].weights_differ is None and router.workers[u1].healthy)
+                assert _calls(log, "w1") == [], log
+        finally:
+            await rr.cleanup()
+            await r0.cleanup()
+            await r1.cleanup()
+
+    asyncio.run(main())

@@ -181,6 +181,8 @@ PAUSE_ROUTES = frozenset(("/pause_generation", "/continue_generation"))
 # (4xx) an update its peers took is out until it takes one (its /model_info may not tell: a reload
 # from the same path). Before, both were routed to beside peers on the new weights, nothing said.
 WEIGHT_ROUTES = frozenset(("/update_weights_from_disk", "/update_weight_version"))
+WEIGHT_INFO = ("model_path", "weight_version")  # what /model_info says of the weights
+WEIGHTS_SEEN_MAX = 64  # (``Router._weights_seen``)
 OWED_TIMEOUT_S = 10.0
 OWED_SLOW_S = 3600.0
 OWED_FLUSH_S = 120.0
@@ -530,6 +532,13 @@ class Router:
         # the weight calls the fleet's weights come from (path -> (body, headers, method, path and
         # query, epoch)): owed again to a worker that reports other weights (session 41)
         self.weight_calls: dict = {}
+        # the weights workers reported just before each weight broadcast (their /model_info's
+        # WEIGHT_INFO, oldest first, at most WEIGHTS_SEEN_MAX): only a worker back on one of these
+        # (restarted on its launch weights, or one that missed updates) is owed the calls again; one
+        # on weights the router never saw was changed past it (an RL trainer's own update, say), and
+        # re-sending the old calls would undo that: it stays out of the routing set, said in the log
+        # (review, session 41)
+        self._weights_seen: dict = {}
         # the adapters loaded through the router that a worker took, in load order (name -> (body,
         # headers, method, path and query)), less those unloaded since: owed again to a worker that
         # does not list one at /v1/models (restarted: session 41); and the adapter broadcasts in
@@ -793,6 +802,12 @@ class Router:
         ws.weights_differ = off or None
         if not off:
             ws.weights_resent = -1
+        elif _weights_state(info) not in self._weights_seen:
+            if ws.weights_resent != -2:
+                ws.weights_resent = -2
+                logger.warning("router: %s reports weights the fleet never had before a weight update through "
+                               "this router (%s): changed past the router, so not sent the fleet's again; out of "
+                               "the routing set until it reports the fleet's", ws.url, off)  # fmt: skip
         elif ws.weights_resent != self._fleet_epoch and not ws.owed and self.weight_calls:
             # owed the calls the fleet's weights come from, oldest first, once per fleet update
             # (session 41: before, it stayed out of the routing set until someone sent the update
@@ -800,6 +815,26 @@ class Router:
             ws.weights_resent = self._fleet_epoch
             for raw, headers, method, path_qs, epoch in sorted(self.weight_calls.values(), key=lambda c: c[4]):
                 self._owe(ws, raw, raw, headers, method, path_qs, epoch)
+
+    async def _note_weights(self, targets: list) -> None:
+        """Before a weight broadcast: remember the weights each worker reports (``_weights_seen``).
+        One that does not answer in 2 s adds nothing."""
+        import aiohttp
+
+        async def one(ws):
+            try:
+                async with self._session.get(ws.url + "/model_info", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    return await r.json(content_type=None) if r.status == 200 else None
+            except Exception:  # noqa: BLE001 - not known
+                return None
+
+        for info in await asyncio.gather(*(one(ws) for ws in targets)):
+            if isinstance(info, dict):
+                state = _weights_state(info)
+                self._weights_seen.pop(state, None)
+                self._weights_seen[state] = None
+        while len(self._weights_seen) > WEIGHTS_SEEN_MAX:
+            del self._weights_seen[next(iter(self._weights_seen))]
 
     async def _check_adapters(self, ws: "WorkerState") -> None:
         """Owe ``ws`` the loads of ``fleet_adapters`` its /v1/models does not list (in load order:
@@ -1792,6 +1827,8 @@ class Router:
 
             targets = list(self.workers.values())
             weights = request.path in WEIGHT_ROUTES and request.method == "POST"
+            if weights:  # what each had before it (``_weights_seen``)
+                await self._note_weights(targets)
             adapter = request.path in ADAPTER_ROUTES and request.method == "POST"
             self._weights_busy += weights
             self._adapters_busy += adapter
@@ -2132,6 +2169,11 @@ def forward_headers(headers, decoded: bool, tenant_header: Optional[str]) -> lis
             continue
         out.append((k, v))
     return out
+
+
+def _weights_state(info: dict) -> tuple:
+    """The weights a worker's /model_info reports (``WEIGHT_INFO``), as a key."""
+    return tuple(repr(info.get(k)) for k in WEIGHT_INFO)
 
 
 def owed_timeout(path_qs: str):
