@@ -650,17 +650,23 @@ class Router:
                 continue
         return None
 
-    async def _page_size_from_workers(self) -> Optional[int]:
+    async def _get_json(self, url: str):
+        """``GET url``'s JSON answer within 2 s; None when there is none (no answer, not 200, not
+        JSON). Never raises: what a worker does not say is not known."""
         import aiohttp
 
+        try:
+            async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                return await r.json(content_type=None) if r.status == 200 else None
+        except Exception:  # noqa: BLE001 - not known
+            return None
+
+    async def _page_size_from_workers(self) -> Optional[int]:
         for w in self.workers:
-            try:
-                async with self._session.get(w + "/server_info", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    ps = (await r.json(content_type=None)).get("page_size") if r.status == 200 else None
-                if isinstance(ps, int) and not isinstance(ps, bool) and ps > 0:
-                    return ps
-            except Exception:  # noqa: BLE001
-                continue
+            info = await self._get_json(w + "/server_info")
+            ps = info.get("page_size") if isinstance(info, dict) else None
+            if isinstance(ps, int) and not isinstance(ps, bool) and ps > 0:
+                return ps
         return None
 
     def _learning(self) -> bool:
@@ -780,16 +786,10 @@ class Router:
         """``ws.weights_differ``: how ``ws``'s /model_info differs from ``fleet_weights`` (None:
         it does not). Left as it was when the worker does not say (no answer, not SGLang's), or a
         weight broadcast ran meanwhile (it may have read the weights before the update)."""
-        import aiohttp
-
         epoch = self._weights_epoch
         if self._weights_busy:
             return
-        try:
-            async with self._session.get(ws.url + "/model_info", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                info = await r.json(content_type=None) if r.status == 200 else None
-        except Exception:  # noqa: BLE001 - not known: as it was
-            return
+        info = await self._get_json(ws.url + "/model_info")
         if not isinstance(info, dict) or self._weights_busy or epoch != self._weights_epoch:
             return
         off = "; ".join(f"{k} {info.get(k)!r}, the fleet's {v!r}" for k, v in self.fleet_weights.items()
@@ -819,16 +819,7 @@ class Router:
     async def _note_weights(self, targets: list) -> None:
         """Before a weight broadcast: remember the weights each worker reports (``_weights_seen``).
         One that does not answer in 2 s adds nothing."""
-        import aiohttp
-
-        async def one(ws):
-            try:
-                async with self._session.get(ws.url + "/model_info", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    return await r.json(content_type=None) if r.status == 200 else None
-            except Exception:  # noqa: BLE001 - not known
-                return None
-
-        for info in await asyncio.gather(*(one(ws) for ws in targets)):
+        for info in await asyncio.gather(*(self._get_json(ws.url + "/model_info") for ws in targets)):
             if isinstance(info, dict):
                 state = _weights_state(info)
                 self._weights_seen.pop(state, None)
@@ -843,16 +834,10 @@ class Router:
         routing set. One it refused when re-sent (4xx: ``_pay``) is not sent again: it stays out
         (``adapters_missing``) until the fleet's adapters change. Left as it was when the worker
         does not say (no answer, not SGLang's), or an adapter broadcast ran meanwhile."""
-        import aiohttp
-
         epoch = self._adapters_epoch
         if self._adapters_busy:
             return
-        try:
-            async with self._session.get(ws.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                doc = await r.json(content_type=None) if r.status == 200 else None
-        except Exception:  # noqa: BLE001 - not known: as it was
-            return
+        doc = await self._get_json(ws.url + "/v1/models")
         cards = doc.get("data") if isinstance(doc, dict) else None
         if not isinstance(cards, list) or self._adapters_busy or epoch != self._adapters_epoch:
             return
@@ -871,9 +856,8 @@ class Router:
 
     def _take_adapter(self, path: str, raw: bytes, headers, method: str, path_qs: str) -> None:
         """A worker took the adapter call ``raw`` (``path``): ``fleet_adapters`` follows it."""
-        body = _parse_body(raw)
-        name = body.get("lora_name") if isinstance(body, dict) else None
-        if not isinstance(name, str):
+        name = _adapter_name(raw)
+        if name is None:
             return
         self.fleet_adapters.pop(name, None)  # (a load again of a name goes last, in load order)
         if path == "/load_lora_adapter":
@@ -970,8 +954,6 @@ class Router:
         """Deliver what ``ws`` owes, oldest first; True when it owes nothing now. A 2xx or a 4xx
         (never taken: dropped, with a warning) settles one; a 5xx or no answer stops until the
         next health check."""
-        import aiohttp
-
         while ws.owed:
             key, entry = next(iter(ws.owed.items()))
             raw, plain, headers, method, path_qs, epoch = entry
