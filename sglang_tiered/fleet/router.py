@@ -1468,20 +1468,15 @@ class Router:
                         return resp
                     streams = ws.streams
                     streams[task] = time.monotonic()
-                    if sse.start(up):
-                        async for chunk in up.content.iter_any():
-                            streams[task] = time.monotonic()
-                            chunk = sse.lines(chunk)
-                            if chunk and not await self._to_client(resp.write(chunk)):
-                                return resp
-                        chunk = sse.rest()
+                    sse.start(up)
+                    async for chunk in up.content.iter_any():
+                        streams[task] = time.monotonic()
+                        chunk = sse.lines(chunk)
                         if chunk and not await self._to_client(resp.write(chunk)):
                             return resp
-                    else:
-                        async for chunk in up.content.iter_any():
-                            streams[task] = time.monotonic()
-                            if not await self._to_client(resp.write(chunk)):
-                                return resp
+                    chunk = sse.rest()
+                    if chunk and not await self._to_client(resp.write(chunk)):
+                        return resp
                     await self._to_client(resp.write_eof())
                     return resp
             except asyncio.CancelledError:
@@ -2017,7 +2012,9 @@ class SSECut:
 
     def lines(self, chunk: bytes) -> bytes:
         """What of ``chunk`` goes to the client now: through its last line end (all of it once
-        the line not ended yet is past ``HELD_MAX``)."""
+        the line not ended yet is past ``HELD_MAX``); all of it for an answer that is not a stream."""
+        if not self.on:
+            return chunk
         cut = chunk.rfind(b"\n") + 1
         if not cut and self.held_bytes + len(chunk) <= self.HELD_MAX:
             if chunk:
