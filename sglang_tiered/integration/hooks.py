@@ -127,11 +127,9 @@ def _weights_tags(recv_req) -> bool:
     return not tags or GPU_MEMORY_TYPE_WEIGHTS in tags
 
 
-def _weights_backed_up(manager) -> bool:
-    """Whether released weights come back as they were: ``--enable-weights-cpu-backup`` (the
-    memory saver copies them to host memory at the release, load_model_utils.py:307). Without it
-    the resume maps fresh memory and the weights hold whatever it held until a weight update
-    loads them again."""
+def _server_args_of(manager):
+    """The server arguments of the scheduler behind ``manager`` (the scheduler's mixin, or one
+    holding it as ``scheduler``), else the process's runtime context's; None when neither says."""
     sched = getattr(manager, "scheduler", None) or manager
     sa = getattr(sched, "server_args", None)
     if sa is None:
@@ -139,9 +137,17 @@ def _weights_backed_up(manager) -> bool:
             from sglang.srt.runtime_context import get_server_args
 
             sa = get_server_args()
-        except Exception:  # noqa: BLE001 - unknown: take it as not backed up (the safe side)
-            return False
-    return getattr(sa, "enable_weights_cpu_backup", False) is True
+        except Exception:  # noqa: BLE001 - no context: not known
+            return None
+    return sa
+
+
+def _weights_backed_up(manager) -> bool:
+    """Whether released weights come back as they were: ``--enable-weights-cpu-backup`` (the
+    memory saver copies them to host memory at the release, load_model_utils.py:307). Without it
+    the resume maps fresh memory and the weights hold whatever it held until a weight update
+    loads them again. Unknown: not backed up (the safe side)."""
+    return getattr(_server_args_of(manager), "enable_weights_cpu_backup", False) is True
 
 
 def _weights_released(manager) -> bool:
@@ -155,8 +161,7 @@ def _weights_released(manager) -> bool:
     enabled = getattr(getattr(manager, "memory_saver_adapter", None), "enabled", None)
     if isinstance(enabled, bool):
         return enabled
-    sched = getattr(manager, "scheduler", None) or manager
-    saver = getattr(getattr(sched, "server_args", None), "enable_memory_saver", None)
+    saver = getattr(_server_args_of(manager), "enable_memory_saver", None)
     return saver if isinstance(saver, bool) else True
 
 
