@@ -23,6 +23,7 @@ from aiohttp import web
 from sglang_tiered.fleet.router import Router
 from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
 from tests.test_fleet_hardening import _serve
+from tests.test_review41_router import _read_stream
 
 
 def test_a_draining_worker_keeps_its_streams_that_wait_for_their_first_token():
@@ -56,18 +57,7 @@ def test_a_draining_worker_keeps_its_streams_that_wait_for_their_first_token():
         rr, url = await _serve(router.app(), shutdown_timeout=1)
         try:
             async with aiohttp.ClientSession() as s:
-
-                async def stream():
-                    got, cut = b"", False
-                    async with s.post(url + "/generate", json={"text": "x", "stream": True}) as resp:
-                        try:
-                            async for chunk in resp.content.iter_any():
-                                got += chunk
-                        except aiohttp.ClientPayloadError:
-                            cut = True
-                    return got, cut
-
-                got, cut = await asyncio.wait_for(stream(), 20)
+                _, got, cut = await asyncio.wait_for(_read_stream(s, url), 20)
             assert not cut and got == b'data: {"text": "a"}\n\ndata: [DONE]\n\n', (cut, got)
             assert router.workers[u0].missed >= router.health_misses  # (it was out of the routing set)
             assert router.stats.abandoned == 0 and router.stats.failed == 0

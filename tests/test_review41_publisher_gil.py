@@ -12,21 +12,13 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import threading
 import time
 
 from sglang_tiered.fleet import publisher as P
+from tests.test_publisher_stall import _closed_port
 
 STALL_BOUND_S = 0.04  # (process CPU: the old code 83-123 ms on the review machine, the new 0.3-7)
-
-
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _longest_gap(event: str, n: int) -> float:

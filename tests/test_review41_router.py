@@ -93,6 +93,19 @@ def _worker(name: str, log: list, state: dict, launch: str = "/m/v1"):
     return app
 
 
+async def _read_stream(s, url: str) -> tuple[int, bytes, bool]:
+    """A streamed /generate through the router: (status, the bytes the client got, whether its
+    connection was cut without a clean end)."""
+    got, cut = b"", False
+    async with s.post(url + "/generate", json={"text": "x", "stream": True}) as resp:
+        try:
+            async for chunk in resp.content.iter_any():
+                got += chunk
+        except aiohttp.ClientPayloadError:
+            cut = True
+    return resp.status, got, cut
+
+
 def _calls(log: list, name: str) -> list:
     """What ``name`` was sent, in order: paths (with the adapter's name for adapter calls)."""
     return [p + (f":{b['lora_name']}" if isinstance(b, dict) and "lora_name" in b else "")
@@ -331,14 +344,8 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_event_and_no_r
         rr, url = await _serve(router.app())
         try:
             async with aiohttp.ClientSession() as s:
-                async with s.post(url + "/generate", json={"text": "x", "stream": True}) as resp:
-                    assert resp.status == 200
-                    got, cut = b"", False
-                    try:
-                        async for chunk in resp.content.iter_any():
-                            got += chunk
-                    except aiohttp.ClientPayloadError:
-                        cut = True
+                status, got, cut = await _read_stream(s, url)
+                assert status == 200
             events = [e for e in got.decode().split("\n\n") if e]
             assert cut and len(hits) == 1, (cut, hits)
             assert events[:2] == ['data: {"text": "a"}', 'data: {"text": "ab"}'] and len(events) == 3, events
@@ -392,18 +399,7 @@ def test_a_worker_frozen_mid_stream_ends_the_stream_once_its_health_checks_miss(
         rr, url = await _serve(router.app(), shutdown_timeout=1)
         try:
             async with aiohttp.ClientSession() as s:
-
-                async def stream():
-                    got, cut = b"", False
-                    async with s.post(url + "/generate", json={"text": "x", "stream": True}) as resp:
-                        try:
-                            async for chunk in resp.content.iter_any():
-                                got += chunk
-                        except aiohttp.ClientPayloadError:
-                            cut = True
-                    return got, cut
-
-                got, cut = await asyncio.wait_for(stream(), 20)
+                _, got, cut = await asyncio.wait_for(_read_stream(s, url), 20)
             events = [e for e in got.decode().split("\n\n") if e]
             assert cut and len(hits) == 1, (cut, hits)
             assert events[:2] == ['data: {"text": "a"}', 'data: {"text": "ab"}'] and len(events) == 3, events
