@@ -93,11 +93,11 @@ def _worker(name: str, log: list, state: dict, launch: str = "/m/v1"):
     return app
 
 
-async def _read_stream(s, url: str) -> tuple[int, bytes, bool]:
-    """A streamed /generate through the router: (status, the bytes the client got, whether its
-    connection was cut without a clean end)."""
+async def _read_stream(s, url: str, path: str = "/generate", body=None) -> tuple[int, bytes, bool]:
+    """A streamed /generate (or ``path`` with ``body``) through the router: (status, the bytes the
+    client got, whether its connection was cut without a clean end)."""
     got, cut = b"", False
-    async with s.post(url + "/generate", json={"text": "x", "stream": True}) as resp:
+    async with s.post(url + path, json=body or {"text": "x", "stream": True}) as resp:
         try:
             async for chunk in resp.content.iter_any():
                 got += chunk

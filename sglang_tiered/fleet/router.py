@@ -76,6 +76,7 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import time
 from array import array
 from collections import Counter, OrderedDict, deque
@@ -1881,13 +1882,20 @@ class Router:
         return min(live[self._turn :] + live[: self._turn], key=lambda w: w.inflight)
 
     async def _pass_to(self, request, ws, raw, headers, sid):
-        """``passthrough``'s request to ``ws``; ``WorkerUnreachable`` when no connection could be made."""
+        """``passthrough``'s request to ``ws``; ``WorkerUnreachable`` when no connection could be made.
+        An answer the worker breaks off or stops sending mid-way ends as ``handle``'s do: a stream
+        with an error event in its own API (``SSECut``: /v1/messages, /v1/responses), then the
+        connection cut without a clean end (review, session 42: those streams were cut with no
+        error event, and one whose worker froze mid-way was left waiting for good)."""
         from aiohttp import web
 
         resp = None
+        sse = SSECut(sse_api(request.path))
+        task = asyncio.current_task()
         try:
             async with self._proxy.request(request.method, ws.url + request.path_qs, data=raw,
                                            headers=headers, allow_redirects=False) as up:  # fmt: skip
+                ws.answered_at = time.monotonic()
                 resp = response_for(up, ws.url)
                 if request.path == "/open_session" and up.status == 200:
                     # the session lives in this worker: its id (SGLang answers it as JSON) is
@@ -1909,25 +1917,54 @@ class Router:
                 # (a client that leaves is counted as gone, not as a failure: review, session 39)
                 if not await self._to_client(resp.prepare(request)):
                     return resp
+                streams = ws.streams  # (``_check`` ends it if the worker stops answering mid-way)
+                streams[task] = time.monotonic()
+                sse.start(up)
                 async for chunk in up.content.iter_any():
-                    if not await self._to_client(resp.write(chunk)):
+                    streams[task] = time.monotonic()
+                    chunk = sse.lines(chunk)
+                    if chunk and not await self._to_client(resp.write(chunk)):
                         return resp
+                chunk = sse.rest()
+                if chunk and not await self._to_client(resp.write(chunk)):
+                    return resp
                 await self._to_client(resp.write_eof())
                 return resp
         except asyncio.CancelledError:
-            raise
+            if task not in self._abandoned:  # (the client left)
+                raise
+            # (``_check``: no byte since the worker's checks began to miss; only an answer under
+            # way is in ``ws.streams``: its headers went to the client)
+            self._abandoned.discard(task)
+            task.uncancel()
+            ws.failures += 1
+            self.stats.abandoned += 1
+            self.stats.failed += 1
+            logger.warning("router: %s stopped answering mid-answer (%s); ending it", ws.url, request.path)
+            end = sse.failed(f"worker {self._worker_name(request, ws.url)} stopped answering mid-stream "
+                             f"({ws.missed} health checks missed); the answer is incomplete")  # fmt: skip
+            if end:
+                await self._to_client(resp.write(end))
+            raise WorkerStalled(ws.url)
         except Exception as exc:  # noqa: BLE001
             if resp is not None and resp.prepared:
                 # the answer started: end the client's connection without a clean end, as the
                 # worker's own failure would (returning here let aiohttp write the last chunk, so a
-                # body cut off by a dying worker reached the client as a whole one: review, session 29)
+                # body cut off by a dying worker reached the client as a whole one: review, session 29),
+                # a stream's after an error event (``SSECut``)
                 self.stats.failed += 1
+                end = sse.failed(f"worker {self._worker_name(request, ws.url)} failed mid-stream "
+                                 f"({type(exc).__name__}); the answer is incomplete")  # fmt: skip
+                if end:
+                    await self._to_client(resp.write(end))
                 raise
             if unreachable(exc):
                 raise WorkerUnreachable() from exc
             ws.failures += 1
             return web.json_response({"error": {"message": f"worker {self._worker_name(request, ws.url)}: "
                                                            f"{type(exc).__name__}"}}, status=502)  # fmt: skip
+        finally:
+            ws.streams.pop(task, None)
 
     def app(self):
         from aiohttp import web
@@ -1979,22 +2016,53 @@ class Router:
         return app
 
 
+def sse_api(path: str) -> str:
+    """Whose events a streamed answer on ``path`` carries, for the error event that ends it when
+    its worker fails (``SSECut``): Anthropic's (``/v1/messages``), OpenAI Responses'
+    (``/v1/responses``), or SGLang's ``data: {"error": ...}`` (every other stream)."""
+    if path == "/v1/messages":
+        return "anthropic"
+    if path == "/v1/responses":
+        return "responses"
+    return "openai"
+
+
+_SEQ = re.compile(rb'"sequence_number":\s*(-?\d+)')
+
+
+def _event_lines(out: bytes, name: bytes) -> int:
+    """How many ``event: <name>`` lines ``out`` (whole lines) holds. A data line is one line of
+    JSON, its newlines escaped: the name at a line's start is an event line, never an event's text."""
+    line = b"event: " + name + b"\n"
+    return out.count(b"\n" + line) + out.startswith(line)
+
+
 class SSECut:
     """A streamed answer (``text/event-stream``) as the client gets it, for a worker that dies
     mid-stream (review, session 41). Whole lines go on as they come, a line the worker has not
-    ended yet waits for its end (SGLang writes each event whole: nothing waits then), so when the
-    worker's connection breaks, the client has whole events only, and gets one more:
-    ``data: {"error": ...}`` naming the worker (SGLang's own form of an error mid-stream: the
-    OpenAI SDK raises it as an APIError), before the connection is cut without a clean end, as
-    before. Before, the client got the half event the worker had written (``data: {"text": "ab``)
-    and then a transfer-encoding error, nothing said. Nothing is sent again: the tokens the client
-    already has are never duplicated by a retry elsewhere."""
+    ended yet waits for its end (an event with ``event:`` lines: the event; SGLang writes each event
+    whole: nothing waits then), so when the
+    worker's connection breaks, the client has whole events only, and gets one more: an error
+    event naming the worker in the stream's own API (``sse_api``), before the connection is cut
+    without a clean end, as before. Before, the client got the half event the worker had written
+    (``data: {"text": "ab``) and then a transfer-encoding error, nothing said. Nothing is sent
+    again: the tokens the client already has are never duplicated by a retry elsewhere.
+
+    The error event is the one SGLang's own handler writes when its stream fails mid-way:
+    ``data: {"error": {...}}`` for /generate and the OpenAI routes (the OpenAI SDK raises it as an
+    APIError); for /v1/messages, the open content block's ``content_block_stop``, then
+    ``event: error`` with ``{"type": "error", "error": {"type": "api_error", "message": ...}}``
+    and ``message_stop`` (``_flush_on_error``); for /v1/responses, ``response.failed`` with the
+    stream's response (from its ``response.created``), its status ``failed`` and its ``error``,
+    numbered after the last event (review, session 42: those streams went through the router
+    with no error event at all, cut or left waiting)."""
 
     # A line longer than this goes on in parts as it comes (review, session 41: held whole, a
     # worker's line without an end was buffered without bound, beside the client's copy)
     HELD_MAX = 4 << 20
 
-    def __init__(self):
+    def __init__(self, api: str = "openai"):
+        self.api = api
         self.on = False
         # the line not ended yet, in the parts it came in: joined once, when its end comes (review,
         # session 41: ``held + chunk`` at every chunk, and a rescan of it for a line end, copied
@@ -2003,11 +2071,19 @@ class SSECut:
         self.held: list = []
         self.held_bytes = 0
         self.tail = b"\n\n"  # the last bytes the client got (an event ended: a blank line)
+        self._reset()
+
+    def _reset(self) -> None:
+        # Anthropic: message started; content blocks started and stopped (SGLang numbers them
+        # from 0, one open at a time). Responses: the last event's number; the stream's response.
+        self.started, self.blocks, self.stopped = False, 0, 0
+        self.seq, self.response = -1, None
 
     def start(self, up) -> bool:
         """Whether ``up`` is a stream of events (then its chunks go through ``lines``)."""
         self.on = up.headers.get("content-type", "").split(";", 1)[0].strip().lower() == "text/event-stream"
         self.held, self.held_bytes, self.tail = [], 0, b"\n\n"
+        self._reset()
         return self.on
 
     def lines(self, chunk: bytes) -> bytes:
@@ -2015,7 +2091,7 @@ class SSECut:
         the line not ended yet is past ``HELD_MAX``); all of it for an answer that is not a stream."""
         if not self.on:
             return chunk
-        cut = chunk.rfind(b"\n") + 1
+        cut = chunk.rfind(b"\n") + 1 if self.api == "openai" else self._event_end(chunk)
         if not cut and self.held_bytes + len(chunk) <= self.HELD_MAX:
             if chunk:
                 self.held.append(chunk)
@@ -2028,7 +2104,42 @@ class SSECut:
         self.held, self.held_bytes = ([rest], len(rest)) if rest else ([], 0)
         if out:
             self.tail = (self.tail + out[-4:])[-4:]
+            if self.api != "openai":
+                self._watch(out)
         return out
+
+    def _event_end(self, chunk: bytes) -> int:
+        """Where in ``chunk`` the last event ends (0: none does). An event with ``event:`` lines
+        goes on whole: its ``event:`` line alone, then the error event's blank line, reached the
+        OpenAI and Anthropic SDKs as an event with no data, which they fail to parse as JSON
+        before they get to the error."""
+        t = self.held[-1][-3:] if self.held else b""  # (an end across two chunks)
+        probe = t + chunk if t else chunk
+        a, b = probe.rfind(b"\n\n"), probe.rfind(b"\n\r\n")
+        return max(0, max(a + 2 if a >= 0 else 0, b + 3 if b >= 0 else 0) - len(t))
+
+    def _watch(self, out: bytes) -> None:
+        """What the error event of this stream's API needs to know of the events that went out."""
+        if self.api == "anthropic":
+            self.started = self.started or _event_lines(out, b"message_start") > 0
+            self.blocks += _event_lines(out, b"content_block_start")
+            self.stopped += _event_lines(out, b"content_block_stop")
+            return
+        at = out.rfind(b'"sequence_number":')
+        m = _SEQ.match(out, at) if at >= 0 else None
+        if m:
+            self.seq = int(m.group(1))
+        if self.response is None:
+            at = out.find(b"event: response.created\n")
+            if at >= 0 and (at == 0 or out[at - 1] == 10):
+                at = out.find(b"data: ", at)
+                end = out.find(b"\n", at)
+                try:
+                    doc = json.loads(out[at + 6 : end]) if 0 <= at < end else None
+                except ValueError:
+                    doc = None
+                if isinstance(doc, dict) and isinstance(doc.get("response"), dict):
+                    self.response = doc["response"]
 
     def rest(self) -> bytes:
         """The end of a stream that ended cleanly: whatever waits goes."""
@@ -2038,13 +2149,34 @@ class SSECut:
 
     def failed(self, message: str) -> bytes:
         """The bytes that end a stream whose worker failed: an event that is not ended yet ended
-        (the half line that waits is dropped), then the error event. Empty for an answer that is
-        not a stream."""
+        (the half line that waits is dropped), then the error event in the stream's API. Empty
+        for an answer that is not a stream."""
         if not self.on:
             return b""
         ended = self.tail.endswith(b"\n\n") or self.tail.endswith(b"\r\n\r\n")
+        return (b"" if ended else b"\n") + b"".join(self._error_events(message))
+
+    def _error_events(self, message: str) -> list:
+        def event(name: str, doc: dict) -> bytes:
+            return f"event: {name}\ndata: ".encode() + json.dumps(doc).encode() + b"\n\n"
+
+        if self.api == "anthropic":  # (SGLang's anthropic/serving.py, ``_flush_on_error``)
+            out = []
+            if self.blocks > self.stopped:
+                out.append(event("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1}))
+            out.append(event("error", {"type": "error", "error": {"type": "api_error", "message": message}}))
+            if self.started:
+                out.append(event("message_stop", {"type": "message_stop"}))
+            return out
+        if self.api == "responses":  # (SGLang's serving_responses.py: its stream's ``except``)
+            response = dict(self.response or {"id": "resp_unknown", "object": "response",
+                                              "created_at": int(time.time())})  # fmt: skip
+            response.update(status="failed", output=[], usage=None,
+                            error={"code": "server_error", "message": message})  # fmt: skip
+            return [event("response.failed", {"type": "response.failed", "sequence_number": self.seq + 1,
+                                              "response": response})]  # fmt: skip
         doc = {"error": {"message": message, "type": "worker_failed", "code": 502}}
-        return (b"" if ended else b"\n") + b"data: " + json.dumps(doc).encode() + b"\n\n"
+        return [b"data: " + json.dumps(doc).encode() + b"\n\n"]
 
 
 class UnreadableBody(ValueError):
