@@ -230,3 +230,57 @@ def test_a_stream_that_ends_cleanly_passes_through_unchanged():
 
     status, got, cut = asyncio.run(main())
     assert status == 200 and got == body and not cut
+
+
+# ---------------------------------------------------------------------- 2. a caller that leaves a broadcast
+def _flusher(name: str, log: list, delay: float = 0.0):
+    """A stub worker whose /flush_cache answers after ``delay`` s (logged when it is done)."""
+    app = web.Application()
+
+    async def flush(req):
+        await req.read()
+        await asyncio.sleep(delay)
+        log.append((name, req.path))
+        return web.json_response({"success": True})
+
+    app.router.add_post("/flush_cache", flush)
+    app.router.add_get("/health", lambda _: web.json_response({}))
+    return app
+
+
+def test_a_caller_that_leaves_a_flush_midway_leaves_it_owed_to_a_worker_that_missed_it():
+    """/flush_cache with w0 slow to answer (0.6 s) and w1 down; the caller gives up after 0.15 s
+    (the router cancels a leaving client's handler, as ``serve`` runs it). The broadcast still runs
+    to its end: w1 is owed the flush and gets it once it is back. Before: the caller's leaving
+    cancelled the broadcast, w1 was never owed it, and came back with its cache unflushed while w0
+    had flushed."""
+
+    async def main():
+        log: list = []
+        r0, u0 = await _serve(_flusher("w0", log, delay=0.6))
+        port1, u1 = await _down(_flusher("w1", log))
+        router = Router([u0, u1], None, load_poll_s=0, model_path="", health_interval_s=0.1)
+        rr, url = await _serve(router.app(), handler_cancellation=True)
+        r1 = None
+        try:
+            async with aiohttp.ClientSession() as s:
+                try:
+                    async with s.post(url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=0.15)) as r:
+                        await r.read()
+                    raise AssertionError("the flush answered within 0.15 s")
+                except asyncio.TimeoutError:
+                    pass  # (the caller left)
+            await _until(lambda: ("w0", "/flush_cache") in log, 5)
+            await _until(lambda: router.workers[u1].owed, 5)
+            assert not router.workers[u1].healthy
+            r1 = await _serve_on(_flusher("w1", log), port1)
+            await _until(lambda: ("w1", "/flush_cache") in log, 10)
+            await _until(lambda: router.workers[u1].healthy, 10)
+            assert not router._broadcasts
+        finally:
+            await rr.cleanup()
+            await r0.cleanup()
+            if r1 is not None:
+                await r1.cleanup()
+
+    asyncio.run(main())

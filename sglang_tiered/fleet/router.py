@@ -582,6 +582,7 @@ class Router:
         self._tokenizer_backoff_s = 5.0
         self._tokenizer_retry_at = 0.0
         self._abandoned: set = set()  # handler tasks _abandon cancelled (not their clients)
+        self._broadcasts: set = set()  # fleet-wide calls under way (``passthrough``: their callers may have left)
 
     # ------------------------------------------------------------------ setup
     async def start(self):
@@ -618,6 +619,8 @@ class Router:
 
     async def close(self):
         self._health_task.cancel()
+        for task in self._broadcasts:
+            task.cancel()
         for task in self._checks.values():
             task.cancel()
         for task in (self._poll_task, self._ckey_task):
@@ -1036,7 +1039,7 @@ class Router:
         try:
             return await task
         except asyncio.CancelledError:
-            if task not in self._abandoned:  # (the caller left: its handler is cancelled)
+            if task not in self._abandoned:  # (the router is closing: ``close``)
                 raise
             self._abandoned.discard(task)
             return ws.url, 504, (f"worker {self._worker_name(request, ws.url)} stopped answering "
@@ -1803,41 +1806,53 @@ class Router:
                 except Exception as exc:  # noqa: BLE001
                     return ws.url, 502, f"worker {self._worker_name(request, ws.url)}: {type(exc).__name__}: {exc}"[:1000]
 
-            targets = list(self.workers.values())
-            weights = request.path in WEIGHT_ROUTES and request.method == "POST"
-            if weights:  # what each had before it (``_weights_seen``)
-                await self._note_weights(targets)
-            adapter = request.path in ADAPTER_ROUTES and request.method == "POST"
-            self._weights_busy += weights
-            self._adapters_busy += adapter
-            try:
-                res = await asyncio.gather(*(one(ws) for ws in targets))
-            finally:
-                self._weights_busy -= weights
-                self._adapters_busy -= adapter
-                self._adapters_epoch += adapter
-            adapter_took = adapter and any(200 <= st < 300 for _, st, _ in res)
-            if adapter_took:
-                self._take_adapter(request.path, raw, headers, request.method, request.path_qs)
-            # a request one worker refuses (4xx) is refused by all: the client's fault, whatever
-            # else a down worker says (before, a bad body with a worker down was a 502)
-            refused = [st for _, st, _ in res if 400 <= st < 500]
-            status = min(refused) if refused else max(st for _, st, _ in res)
-            doc = {self._worker_name(request, u): {"status": st, "body": b} for u, st, b in res}
-            # (a flush has no body to refuse: one worker's 400, requests still running there, is
-            # its own, and a worker down meanwhile still owes the flush; a 401 or 403 is not)
-            flush = request.path == "/flush_cache"
-            # (a weight update some worker took is owed to those down even when another refused it)
-            took = weights and self._weights_broadcast(request, raw, targets, res, doc, headers)
-            if owable and (took or not [st for st in refused if not (flush and st == 400)]):
-                for ws, (u, st, _) in zip(targets, res):
-                    if st >= 500:  # it did not take it: kept for it, out of the routing set meanwhile
-                        # (epoch: a weight broadcast's; -1, an adapter call no worker took: the
-                        # fleet's once one takes it on delivery)
-                        self._owe(ws, raw, plain, headers, request.method, request.path_qs,
-                                  self._weights_epoch if weights else -1 if adapter and not adapter_took else 0)
-                        ws.owed_status = st
-                        doc[self._worker_name(request, u)]["owed"] = True
+            async def broadcast():
+                """The call to every worker, and what it leaves owed: (answer, status)."""
+                targets = list(self.workers.values())
+                weights = request.path in WEIGHT_ROUTES and request.method == "POST"
+                if weights:  # what each had before it (``_weights_seen``)
+                    await self._note_weights(targets)
+                adapter = request.path in ADAPTER_ROUTES and request.method == "POST"
+                self._weights_busy += weights
+                self._adapters_busy += adapter
+                try:
+                    res = await asyncio.gather(*(one(ws) for ws in targets))
+                finally:
+                    self._weights_busy -= weights
+                    self._adapters_busy -= adapter
+                    self._adapters_epoch += adapter
+                adapter_took = adapter and any(200 <= st < 300 for _, st, _ in res)
+                if adapter_took:
+                    self._take_adapter(request.path, raw, headers, request.method, request.path_qs)
+                # a request one worker refuses (4xx) is refused by all: the client's fault, whatever
+                # else a down worker says (before, a bad body with a worker down was a 502)
+                refused = [st for _, st, _ in res if 400 <= st < 500]
+                status = min(refused) if refused else max(st for _, st, _ in res)
+                doc = {self._worker_name(request, u): {"status": st, "body": b} for u, st, b in res}
+                # (a flush has no body to refuse: one worker's 400, requests still running there, is
+                # its own, and a worker down meanwhile still owes the flush; a 401 or 403 is not)
+                flush = request.path == "/flush_cache"
+                # (a weight update some worker took is owed to those down even when another refused it)
+                took = weights and self._weights_broadcast(request, raw, targets, res, doc, headers)
+                if owable and (took or not [st for st in refused if not (flush and st == 400)]):
+                    for ws, (u, st, _) in zip(targets, res):
+                        if st >= 500:  # it did not take it: kept for it, out of the routing set meanwhile
+                            # (epoch: a weight broadcast's; -1, an adapter call no worker took: the
+                            # fleet's once one takes it on delivery)
+                            self._owe(ws, raw, plain, headers, request.method, request.path_qs,
+                                      self._weights_epoch if weights else -1 if adapter and not adapter_took else 0)
+                            ws.owed_status = st
+                            doc[self._worker_name(request, u)]["owed"] = True
+                return doc, status
+
+            # Run to its end whatever the caller does (review, session 42: a caller that left
+            # cancelled it, with handler_cancellation, and the workers not answered yet never got
+            # the call: a flush or weight update some workers took and others never will, none of
+            # them owed); a worker that fails its part is owed it as for any caller.
+            job = asyncio.ensure_future(broadcast())
+            self._broadcasts.add(job)
+            job.add_done_callback(self._broadcast_done)
+            doc, status = await asyncio.shield(job)
             return web.json_response(doc, status=status)
         ws = self._least_busy(live)
         sid = pinned = None
@@ -1874,6 +1889,11 @@ class Router:
             finally:
                 cur.inflight -= 1
         raise AssertionError("unreachable")
+
+    def _broadcast_done(self, job) -> None:
+        self._broadcasts.discard(job)
+        if not job.cancelled() and job.exception() is not None:  # (its caller may have left: said here)
+            logger.error("router: a fleet-wide call failed", exc_info=job.exception())
 
     def _least_busy(self, live: list) -> "WorkerState":
         """The worker with the fewest of this router's requests in flight; ties go round in turn
