@@ -30,10 +30,10 @@ PORT = 50171
 
 
 def main(out):
-    tmp = pathlib.Path(tempfile.mkdtemp())
-    master = start_master(PORT, tmp / "m.log", lease_ms=1000)
     cfg = parse_t2_url(f"mooncake://127.0.0.1:{PORT}?segment_mb=16&buffer_mb=16&mode=on&timeout_ms=300"
                        "&lease_ms=1000&max_run_pages=4&queue_pages=64")  # fmt: skip
+    tmp = pathlib.Path(tempfile.mkdtemp())
+    master = start_master(PORT, tmp / "m.log", lease_ms=1000)
     rep = {}
     try:
         t2 = T2Tier(MooncakeClient(cfg), HostPool(LAYOUT), threading.RLock(), cfg=cfg, model_tag="m",

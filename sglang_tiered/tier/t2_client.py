@@ -5,6 +5,8 @@ in-process byte store to inject faults)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 
@@ -16,6 +18,10 @@ from sglang_tiered.tier.t2_config import T2Config
 # How long a master has to take a store client's setup (``probe_master``, from the child's import of
 # Mooncake on): a healthy one answers in well under a second.
 MASTER_PROBE_S = 10.0
+# The real setup's own bound, for a master that stops between the probe and it (review, session 42:
+# the probe passed, and the setup, holding the GIL, retried the stopped master for about 10 minutes).
+# Mooncake reads these from the environment when its client is made; an operator's own values win.
+SETUP_ENV = {"MC_RPC_TIMEOUT_MS": "5000", "MC_RPC_CONNECT_TIMEOUT_MS": "5000", "MC_STORE_CLIENT_SETUP_RETRIES": "2"}
 
 
 class MooncakeClient:
@@ -34,8 +40,9 @@ class MooncakeClient:
         if why:
             raise RuntimeError(f"Mooncake store setup not tried: {why}")
         self.store = MooncakeDistributedStore()
-        rc = self.store.setup(cfg.local_hostname, cfg.metadata, cfg.segment_mb << 20, cfg.buffer_mb << 20,
-                              cfg.protocol, cfg.device, cfg.master)  # fmt: skip
+        with _setup_env():
+            rc = self.store.setup(cfg.local_hostname, cfg.metadata, cfg.segment_mb << 20, cfg.buffer_mb << 20,
+                                  cfg.protocol, cfg.device, cfg.master)  # fmt: skip
         if rc:
             raise RuntimeError(f"Mooncake store setup failed (code {rc}) for master {cfg.master}")
 
@@ -61,6 +68,19 @@ class MooncakeClient:
             self.store.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+@contextlib.contextmanager
+def _setup_env():
+    """``SETUP_ENV`` in the environment while a store client is set up (those the operator set
+    are kept), then the environment as it was."""
+    added = {k: v for k, v in SETUP_ENV.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 # The probe's child: the real setup (a small segment and buffer: only the master's answer is
