@@ -84,6 +84,7 @@ class T2TierStats(msgspec.Struct, kw_only=True):
     fetch_seconds: float = 0.0  # exists + get + header checks + copy into T1
     read_gbps: Optional[float] = None
     bad_pages: int = 0  # short reads or wrong headers: misses
+    oversized_pages: int = 0  # objects larger than a page's object under our keys (foreign): misses, removed
     stale_pages: int = 0  # (before session 23: written before an invalidation here; now always 0)
     offered_pages: int = 0  # T1 victims queued for T2
     filtered_pages: int = 0  # T1 victims below min_freq
