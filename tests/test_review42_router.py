@@ -284,3 +284,21 @@ def test_a_caller_that_leaves_a_flush_midway_leaves_it_owed_to_a_worker_that_mis
                 await r1.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_stream_whose_last_event_went_out_gets_no_error_event():
+    """``SSECut.failed`` after the API's last event (``message_stop``; ``response.completed``):
+    nothing more (the client has the whole answer; an error after it would make the SDKs raise)."""
+    from types import SimpleNamespace
+
+    from sglang_tiered.fleet.router import SSECut
+
+    up = SimpleNamespace(headers={"content-type": "text/event-stream"})
+    for api, events, last in (("anthropic", ANTHROPIC_HEAD, ("message_stop", {"type": "message_stop"})),
+                              ("responses", RESPONSES_HEAD, ("response.completed", {"type": "response.completed",
+                                                                                    "sequence_number": 3}))):  # fmt: skip
+        cut = SSECut(api)
+        cut.start(up)
+        assert cut.lines(b"".join(_sse(e, d) for e, d in events)) and cut.failed("x")  # (not ended: an error)
+        cut.lines(_sse(*last))
+        assert cut.failed("x") == b"", api

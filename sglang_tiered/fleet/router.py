@@ -2047,6 +2047,7 @@ def sse_api(path: str) -> str:
     return "openai"
 
 
+RESPONSES_ENDS = (b"response.completed", b"response.incomplete", b"response.failed")
 _SEQ = re.compile(rb'"sequence_number":\s*(-?\d+)')
 
 
@@ -2098,6 +2099,7 @@ class SSECut:
         # from 0, one open at a time). Responses: the last event's number; the stream's response.
         self.started, self.blocks, self.stopped = False, 0, 0
         self.seq, self.response = -1, None
+        self.ended = False  # its last event went out (message_stop; response.completed, ...)
 
     def start(self, up) -> bool:
         """Whether ``up`` is a stream of events (then its chunks go through ``lines``)."""
@@ -2144,7 +2146,9 @@ class SSECut:
             self.started = self.started or _event_lines(out, b"message_start") > 0
             self.blocks += _event_lines(out, b"content_block_start")
             self.stopped += _event_lines(out, b"content_block_stop")
+            self.ended = self.ended or _event_lines(out, b"message_stop") > 0
             return
+        self.ended = self.ended or any(_event_lines(out, e) for e in RESPONSES_ENDS)
         at = out.rfind(b'"sequence_number":')
         m = _SEQ.match(out, at) if at >= 0 else None
         if m:
@@ -2171,7 +2175,7 @@ class SSECut:
         """The bytes that end a stream whose worker failed: an event that is not ended yet ended
         (the half line that waits is dropped), then the error event in the stream's API. Empty
         for an answer that is not a stream."""
-        if not self.on:
+        if not self.on or self.ended:  # (a stream whose last event went out has all it needs)
             return b""
         ended = self.tail.endswith(b"\n\n") or self.tail.endswith(b"\r\n\r\n")
         return (b"" if ended else b"\n") + b"".join(self._error_events(message))
