@@ -91,6 +91,13 @@ from sglang_tiered.fleet.routing import AffinityCachePolicy, Decision, FleetView
 
 logger = logging.getLogger("sglang_tiered.router")
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+# Anthropic's Messages and OpenAI's Responses: generations too, routed by ``handle`` as ROUTES are
+# (tenant, prompt tokens where the router can render them as the worker will: ``api_tokens``), with
+# its retry before the first byte and its bound on a worker frozen before its headers. Review,
+# session 42: they went through ``passthrough`` (least busy worker, no cache routing), and a
+# worker that closed the connection before answering failed the request, or, frozen before its
+# headers, held the client for good.
+API_ROUTES = ("/v1/messages", "/v1/responses")
 MAX_LOOKUP_PAGES = 512
 SLOW_LOOKUPS_DOWN = 3  # index lookups timing out in a row before the index is treated as down for 1 s
 MEMORY_KEY = CacheKey(model_id="sglang-tiered-router-memory")  # seeds the routing memory's page chain
@@ -1118,6 +1125,9 @@ class Router:
         tok = self.tokenizer
         if tok is None:
             return []
+        if path in API_ROUTES:
+            chat = api_chat_body(path, body)
+            return self.tokens_of("/v1/chat/completions", chat) if chat is not None else []
         if path == "/v1/chat/completions":
             msgs = body.get("messages")
             if isinstance(msgs, list):
@@ -1399,7 +1409,7 @@ class Router:
         tried: list[str] = []
         d = ws = None
         again = False
-        sse = SSECut()
+        sse = SSECut(sse_api(path))  # (a stream that fails mid-way ends in its own API's events)
         session = self._session_of(body, tenant)
 
         def no_other() -> bool:
@@ -1874,16 +1884,22 @@ class Router:
             cur.inflight += 1  # (before session 37 only handle() counted: every route here went to worker 0)
             try:
                 return await self._pass_to(request, ws, raw, headers, sid)
-            except WorkerUnreachable as exc:
+            except (WorkerUnreachable, WorkerSilent) as exc:
                 # nothing reached it: out of the routing set now (as handle() does), and one other
-                # worker tries (a session's close has no other)
+                # worker tries (a session's close has no other); the same for a worker that closed
+                # the connection before any answer, or answered nothing at all while its health
+                # checks missed (``_abandon``: session 42, the client waited for good), as
+                # ``handle``'s requests do (a closed connection does not take it out)
                 ws.failures += 1
-                ws.healthy = False
-                ws.down_until = time.monotonic() + 2.0
+                if isinstance(exc, WorkerUnreachable):
+                    ws.healthy = False
+                    ws.down_until = time.monotonic() + 2.0
                 others = [w for w in live if w is not ws and w.healthy]
                 if pinned is not None or not others or attempt == 1:
+                    why = exc.why if isinstance(exc, WorkerSilent) else type(exc.__cause__).__name__
+                    status = 504 if isinstance(exc, WorkerSilent) and exc.abandoned else 502
                     return web.json_response({"error": {"message": f"worker {self._worker_name(request, ws.url)}: "
-                                                                   f"{type(exc.__cause__).__name__}"}}, status=502)  # fmt: skip
+                                                                   f"{why}"}}, status=status)  # fmt: skip
                 self.stats.retries += 1
                 ws = self._least_busy(others)
             finally:
@@ -1902,19 +1918,23 @@ class Router:
         return min(live[self._turn :] + live[: self._turn], key=lambda w: w.inflight)
 
     async def _pass_to(self, request, ws, raw, headers, sid):
-        """``passthrough``'s request to ``ws``; ``WorkerUnreachable`` when no connection could be made.
+        """``passthrough``'s request to ``ws``; ``WorkerUnreachable`` when no connection could be made,
+        ``WorkerSilent`` when the worker gave no answer at all (closed first, or stopped answering).
         An answer the worker breaks off or stops sending mid-way ends as ``handle``'s do: a stream
         with an error event in its own API (``SSECut``: /v1/messages, /v1/responses), then the
         connection cut without a clean end (review, session 42: those streams were cut with no
         error event, and one whose worker froze mid-way was left waiting for good)."""
+        import aiohttp
         from aiohttp import web
 
         resp = None
         sse = SSECut(sse_api(request.path))
         task = asyncio.current_task()
+        ws.waiting[task] = None  # (``_abandon``: until its headers come)
         try:
             async with self._proxy.request(request.method, ws.url + request.path_qs, data=raw,
                                            headers=headers, allow_redirects=False) as up:  # fmt: skip
+                del ws.waiting[task]
                 ws.answered_at = time.monotonic()
                 resp = response_for(up, ws.url)
                 if request.path == "/open_session" and up.status == 200:
@@ -1957,8 +1977,12 @@ class Router:
             # way is in ``ws.streams``: its headers went to the client)
             self._abandoned.discard(task)
             task.uncancel()
-            ws.failures += 1
             self.stats.abandoned += 1
+            if resp is None:  # (``_abandon``: no answer yet; ``passthrough`` tries another worker)
+                logger.warning("router: %s stopped answering before it answered %s", ws.url, request.path)
+                raise WorkerSilent(f"stopped answering ({ws.missed} health checks missed) before it "
+                                   f"answered {request.path}", abandoned=True) from None  # fmt: skip
+            ws.failures += 1
             self.stats.failed += 1
             logger.warning("router: %s stopped answering mid-answer (%s); ending it", ws.url, request.path)
             end = sse.failed(f"worker {self._worker_name(request, ws.url)} stopped answering mid-stream "
@@ -1980,10 +2004,16 @@ class Router:
                 raise
             if unreachable(exc):
                 raise WorkerUnreachable() from exc
+            if resp is None and isinstance(exc, aiohttp.ServerDisconnectedError):
+                # closed before any answer (a worker that died with the request): another worker
+                # tries, as in ``handle`` (session 42: a 502)
+                self.stats.disconnects += 1
+                raise WorkerSilent(type(exc).__name__) from exc
             ws.failures += 1
             return web.json_response({"error": {"message": f"worker {self._worker_name(request, ws.url)}: "
                                                            f"{type(exc).__name__}"}}, status=502)  # fmt: skip
         finally:
+            ws.waiting.pop(task, None)
             ws.streams.pop(task, None)
 
     def app(self):
@@ -2027,13 +2057,102 @@ class Router:
         app.router.add_get("/router/decisions", decisions)
         app.router.add_get("/router/metrics", metrics)
         app.router.add_get("/health", health)
-        for r in ROUTES:
+        for r in ROUTES + API_ROUTES:
             app.router.add_post(r, self.handle)
         app.router.add_put("/generate", self.handle)  # (SGLang serves it on PUT too)
         app.router.add_route("*", "/{tail:.*}", self.passthrough)
         app.on_startup.append(on_startup)
         app.on_cleanup.append(on_cleanup)
         return app
+
+
+def _text_parts(content, kind: str = "text") -> Optional[list]:
+    """The texts of ``content`` when it is text alone (blocks of type ``kind``); None otherwise."""
+    if not isinstance(content, list):
+        return None
+    out = []
+    for block in content:
+        if not (isinstance(block, dict) and block.get("type") == kind and isinstance(block.get("text"), str)):
+            return None
+        out.append(block["text"])
+    return out
+
+
+def api_chat_body(path: str, body: dict) -> Optional[dict]:
+    """The chat request SGLang 0.5.23's handler turns an Anthropic Messages (``/v1/messages``:
+    ``anthropic/serving.py``, ``_convert_to_chat_completion_request``) or OpenAI Responses
+    (``/v1/responses``: ``serving_responses.py``, ``_construct_input_messages``) request into,
+    for its chat template, where the router can build it as the worker will: text messages and
+    system prompts only. None (routed by tenant affinity and load) for anything else: tools,
+    thinking, an output format or effort, images, tool calls and results, an inline system
+    message (its place depends on the model's template), a Responses ``previous_response_id``
+    (its history lives in the worker that answered it), reasoning, template kwargs, developer
+    messages or items other than plain messages. The prompt only steers routing: a chat request
+    built a little otherwise (a gpt-oss model's Harmony path) costs cache locality, never output."""
+    if not isinstance(body, dict):
+        return None
+    msgs = []
+    if path == "/v1/messages":
+        if body.get("tools") or any(body.get(k) is not None for k in ("thinking", "output_config")):
+            return None
+        system = body.get("system")
+        if isinstance(system, str):
+            parts = [system] if system.strip() else []
+        elif system is None:
+            parts = []
+        else:
+            parts = _text_parts(system)
+            if parts is None:
+                return None
+            parts = [t for t in parts if t]
+        if parts:
+            msgs.append({"role": "system", "content": "\n".join(parts)})
+        turns = body.get("messages")
+        if not isinstance(turns, list):
+            return None
+        for m in turns:
+            if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+                return None
+            content = m.get("content")
+            if isinstance(content, str):
+                msgs.append({"role": m["role"], "content": content})
+                continue
+            texts = _text_parts(content)
+            if texts is None:
+                return None
+            if len(texts) == 1:
+                msgs.append({"role": m["role"], "content": texts[0]})
+            elif texts:
+                msgs.append({"role": m["role"], "content": [{"type": "text", "text": t} for t in texts]})
+            elif m["role"] == "assistant":  # (SGLang: an empty assistant turn stays, as "")
+                msgs.append({"role": "assistant", "content": ""})
+        return {"messages": msgs}
+    if path == "/v1/responses":
+        if body.get("tools") or any(body.get(k) is not None for k in
+                                    ("previous_response_id", "reasoning", "chat_template_kwargs")):  # fmt: skip
+            return None
+        instructions = body.get("instructions")
+        if instructions:
+            if not isinstance(instructions, str):
+                return None
+            msgs.append({"role": "system", "content": instructions})
+        items = body.get("input")
+        if isinstance(items, str):
+            items = [{"role": "user", "content": items}]
+        if not isinstance(items, list):
+            return None
+        for m in items:
+            if (not isinstance(m, dict) or m.get("role") not in ("user", "assistant")
+                    or m.get("type", "message") != "message" or not set(m) <= {"role", "content", "type"}):  # fmt: skip
+                return None
+            content = m.get("content")
+            if not isinstance(content, str):
+                return None
+            if m["role"] == "assistant" and msgs and msgs[-1]["role"] == "assistant":
+                return None  # (SGLang merges consecutive assistant items into one turn)
+            msgs.append({"role": m["role"], "content": content})
+        return {"messages": msgs}
+    return None
 
 
 def sse_api(path: str) -> str:
@@ -2411,6 +2530,16 @@ class WorkerStalled(Exception):
 
 class WorkerUnreachable(Exception):
     """No connection could be made to a worker (``unreachable``; the cause is chained)."""
+
+
+class WorkerSilent(Exception):
+    """A worker gave ``passthrough`` no answer at all: it closed the connection before one, or
+    stopped answering altogether while the request waited (``abandoned``: ``Router._abandon``)."""
+
+    def __init__(self, why: str, abandoned: bool = False):
+        super().__init__(why)
+        self.why = why
+        self.abandoned = abandoned
 
 
 def unreachable(exc: BaseException) -> bool:
