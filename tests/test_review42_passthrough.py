@@ -217,9 +217,10 @@ def test_what_the_router_cannot_render_as_the_worker_routes_by_tenant_and_load(t
 
 def test_both_apis_are_routed_by_their_prompt_and_tenant(tiny_model_path):
     """Through the app: /v1/messages and /v1/responses are routing decisions with the prompt's
-    tokens and the tenant (``cache_salt``), as /v1/chat/completions is; the same conversation on
-    either API goes to the same worker, which holds its pages (the router's memory of what it
-    sent where). Before: no tokens, routed by load alone."""
+    tokens, as /v1/chat/completions is; the same conversation goes to the same worker, which holds
+    its pages (the router's memory of what it sent where). The tenant: a Responses
+    ``cache_salt``; none for /v1/messages, whose ``cache_salt`` SGLang's Anthropic request drops
+    (its pages are in the default namespace). Before: no tokens, routed by load alone."""
 
     async def main():
         hits: list = []
@@ -238,7 +239,8 @@ def test_both_apis_are_routed_by_their_prompt_and_tenant(tiny_model_path):
                 await r.cleanup()
 
     decisions, hits = asyncio.run(main())
-    assert len(decisions) == 4 and all(d["tokens"] > 0 and d["tenant"] for d in decisions), decisions
-    assert len({d["tokens"] for d in decisions}) == 1 and len({d["worker"] for d in decisions}) == 1, decisions
-    assert all(d["matched"] > 0 for d in decisions[1:]), decisions  # (the prompt's pages, remembered)
-    assert len({n for n, _ in hits}) == 1, hits
+    assert len(decisions) == 4 and all(d["tokens"] > 0 for d in decisions), decisions
+    assert [bool(d["tenant"]) for d in decisions] == [False, True, False, True], decisions
+    assert len({d["tokens"] for d in decisions}) == 1, decisions
+    for api in (decisions[0::2], decisions[1::2]):  # (each API's conversation: its own namespace)
+        assert api[0]["worker"] == api[1]["worker"] and api[1]["matched"] > 0, decisions

@@ -1358,6 +1358,8 @@ class Router:
             if not values:
                 return None
             return values[0].strip() or None  # (headers that are not UTF-8 were refused in handle)
+        if request.path == "/v1/messages":  # (SGLang's Anthropic request has no cache_salt: dropped,
+            return None  # served in the default namespace, and routed so: its pages are there)
         salt = body.get("cache_salt") if isinstance(body, dict) else None
         return salt if isinstance(salt, str) and salt else None
 
@@ -1384,7 +1386,7 @@ class Router:
             return web.json_response({"error": {"message": str(exc)}}, status=400)
         label = tenant_label(tenant) if tenant else None  # kept by the policy: bounded
         path = request.path
-        extra = body.get("extra_key") if isinstance(body, dict) else None
+        extra = body.get("extra_key") if isinstance(body, dict) and path != "/v1/messages" else None  # (as cache_salt)
         # (SGLang: empty is none; the servers' middleware namespaces a client's key)
         extra = client_extra_key(extra) if isinstance(extra, str) and extra else None
         lora = self.lora_namespace(path, body) if isinstance(body, dict) else None
