@@ -3,16 +3,22 @@ probationary and protected pages in LRU order, protected ones aged ``k`` x the m
 LRU cycle later (``k = 0`` is plain lru), and optionally TinyLFU admission. Used by
 ``AdaptivePolicy._duel`` (admit-all vs TinyLFU, and a plain-lru yardstick for the entry gate).
 
-Invariants: I1 ``len(prob) + len(prot) <= cap``; I2 the segments are disjoint.
+Invariants: I1 ``len(prob) + len(prot) <= cap``; I2 the segments are disjoint (``check``).
+
+``MiniCache`` is the optional C extension's (``_bookkeeping.MiniCache``: the per-page loop in C,
+issue #11, session 42) when it was built and ``SGLANG_TIERED_PURE_PYTHON`` is not ``1``;
+otherwise ``MiniCachePy`` below, the reference the C is tested against, decision for decision
+(tests/test_bookkeeping_c.py). ``MINI_IMPL`` says which: ``"c"`` or ``"python"``. The C one's
+``prob`` and ``prot`` are copies (OrderedDicts, for tests and checks), not the live segments.
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 
 
-
-class MiniCache:
+class MiniCachePy:
     """A page-level miniature of the device cache (for set dueling): probationary pages (reused
     by < 2 requests) and protected pages, each in LRU order, valued by the tick of their last use;
     the victim is whichever head is older once protected ones are shifted by ``boost``."""
@@ -28,6 +34,10 @@ class MiniCache:
 
     def full(self) -> bool:
         return len(self.prob) + len(self.prot) >= 0.75 * self.cap
+
+    def check(self) -> None:
+        assert len(self.prob) + len(self.prot) <= self.cap, "miniature over capacity"
+        assert not (self.prob.keys() & self.prot.keys()), "miniature segments overlap"
 
     def run(self, pages: list, tick: int, k: float, est) -> int:
         """One request's sampled pages in turn: a hit moves the page to the protected segment; a
@@ -68,3 +78,13 @@ class MiniCache:
             prob[h] = tick
         self.age = age
         return hits
+
+
+try:
+    from sglang_tiered.core._bookkeeping import MiniCache as _MiniCacheC
+except ImportError:  # not built (no compiler: setup.py's extension is optional)
+    _MiniCacheC = None
+
+# SGLANG_TIERED_PURE_PYTHON=1: the reference even where the extension is built
+MINI_IMPL = "c" if _MiniCacheC is not None and os.environ.get("SGLANG_TIERED_PURE_PYTHON") != "1" else "python"
+MiniCache = _MiniCacheC if MINI_IMPL == "c" else MiniCachePy

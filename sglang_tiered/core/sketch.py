@@ -9,15 +9,24 @@
 * Aging by events, never wall-clock time: after ``sample_size`` increments every counter is
   halved and the doorkeeper cleared. Every TP rank sees the same events in the same order and so
   holds the same sketch.
+
+``FrequencySketch`` is the optional C extension's (``_bookkeeping.FrequencySketch``: issue #11,
+session 42) when it was built and ``SGLANG_TIERED_PURE_PYTHON`` is not ``1``; otherwise
+``FrequencySketchPy`` below, the reference the C is tested against: same counters, same
+doorkeeper, same aging points (tests/test_bookkeeping_c.py). ``SKETCH_IMPL`` says which: ``"c"``
+or ``"python"``. Both expose ``rows`` and ``door`` as the live bytearrays. ``select`` (the pages
+a mask samples) is the C extension's too where it is used.
 """
 
 from __future__ import annotations
+
+import os
 
 MAX_COUNT = 15
 DEPTH = 4  # rows; the code below is unrolled for four
 
 
-class FrequencySketch:
+class FrequencySketchPy:
     def __init__(self, capacity: int, sample_factor: int = 10, sample_shift: int = 0):
         """``sample_shift``: the caller counts ``2**sample_shift`` times fewer pages than its
         default sample; the sketch ages after as many references as it would at that sample."""
@@ -85,9 +94,37 @@ class FrequencySketch:
                 r0, r1, r2, r3 = self.rows
         self.additions = adds
 
+    def increment_masked(self, pages, mask: int) -> None:
+        """Count the pages whose first hash byte ``& mask`` is 0 (the sampled ones), then the
+        last page if it was not one of them (a request's last page is always counted):
+        ``AdaptivePolicy.observe``'s counting in one call."""
+        if mask:
+            self.increment_all([h for h in pages if not h[0] & mask])
+            if pages and pages[-1][0] & mask:
+                self.increment(pages[-1])
+        else:
+            self.increment_all(pages)
+
     def age(self) -> None:
         half = bytes(v >> 1 for v in range(256))
         self.rows = [row.translate(half) for row in self.rows]
         self.door = bytearray(len(self.door))
         self.additions //= 2
         self.resets += 1
+
+
+def _select_py(pages, mask: int) -> list:
+    """The pages whose first hash byte ``& mask`` is 0 (a new list), the reference of the C one."""
+    return [h for h in pages if not h[0] & mask]
+
+
+try:
+    from sglang_tiered.core._bookkeeping import FrequencySketch as _FrequencySketchC
+    from sglang_tiered.core._bookkeeping import select as _select_c
+except ImportError:  # not built (no compiler: setup.py's extension is optional)
+    _FrequencySketchC = _select_c = None
+
+# SGLANG_TIERED_PURE_PYTHON=1: the reference even where the extension is built
+SKETCH_IMPL = "c" if _FrequencySketchC is not None and os.environ.get("SGLANG_TIERED_PURE_PYTHON") != "1" else "python"
+FrequencySketch = _FrequencySketchC if SKETCH_IMPL == "c" else FrequencySketchPy
+select = _select_c if SKETCH_IMPL == "c" else _select_py
