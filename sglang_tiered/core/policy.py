@@ -313,6 +313,7 @@ from sglang_tiered.core.protection import COLD, PROTECTED, UNPROTECTED, Protecti
 from sglang_tiered.core.safety import SafetyDuel
 from sglang_tiered.core.shadows import FIXED_ORDERS
 from sglang_tiered.core.sketch import FrequencySketch
+from sglang_tiered.core.sketch import select as select_pages
 from sglang_tiered.core.thrash import ThrashDetector
 
 __all__ = ["AdaptivePolicy", "PolicyConfig", "PolicyStats", "Mode", "EVICTION_ORDERS", "FIXED_ORDERS",
@@ -611,15 +612,12 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
         # (following the leader never follows adaptive; requests in flight together follow lru)
         duel = self._adapt and self._leader is None and not self._overlapping
         if self.sketch_read or duel:  # (neither: lru's order on a batching server, no T1)
-            m = self._sketch_mask
-            counted = [h for h in page_hashes if not h[0] & m] if m else page_hashes
             if self.sketch_read:
-                self.sketch.increment_all(counted)
-                if m and page_hashes and page_hashes[-1][0] & m:
-                    self.sketch.increment(page_hashes[-1])  # the request's last page is always counted
+                # the pages of the sketch's sample, and the request's last page always
+                self.sketch.increment_masked(page_hashes, self._sketch_mask)
             if duel:
-                dm = self._duel_mask  # a subset of the counted pages
-                self._duel([h for h in counted if not h[0] & dm] if dm else counted)
+                dm = self._duel_mask  # a subset of the counted pages (dm & sketch mask == sketch mask)
+                self._duel(select_pages(page_hashes, dm) if dm else page_hashes)
         if self._guard:
             t = self._shard_t
             if self._lru_tree:
@@ -723,8 +721,7 @@ class AdaptivePolicy(SafetyDuel, AdmissionDuel, ProtectionLearning, ThrashDetect
         assert -bk <= self.log_k <= bk and -bc <= self.log_c <= bc, "learned k or c out of bounds"
         assert 0.0 <= self.cycle <= max(1.0, float(self.tick)), "LRU cycle out of bounds"
         for m in self._minis:
-            assert len(m.prob) + len(m.prot) <= m.cap, "miniature over capacity"
-            assert not (m.prob.keys() & m.prot.keys()), "miniature segments overlap"
+            m.check()  # within capacity, segments disjoint (the C miniature: its structure too)
         sc = self.scores
         assert len(sc) == 4 and min(sc) >= 0.0 and max(sc[:3]) <= sc[3] + 1e-6, f"duel scores {sc}"
         assert self._entry_lead >= 0.0 and self._entry_lead == self._entry_lead, "entry lead"
