@@ -378,6 +378,15 @@ static uint64_t key_hash(PyObject *key)
     const uint8_t *p = (const uint8_t *)PyBytes_AS_STRING(key);
     Py_ssize_t n = PyBytes_GET_SIZE(key), i;
     uint64_t h = 0x9E3779B97F4A7C15ULL ^ (uint64_t)n;
+    /* (only the table's placement depends on it: host byte order cannot change a decision) */
+    if (n == 16) {
+        uint64_t w0, w1;
+        memcpy(&w0, p, 8);
+        memcpy(&w1, p + 8, 8);
+        h = (w0 ^ h) * 0xBF58476D1CE4E5B9ULL;
+        h = (h ^ (h >> 31) ^ w1) * 0x94D049BB133111EBULL;
+        return h ^ (h >> 29);
+    }
     for (i = 0; i < n; i += 8) {
         uint64_t w = 0;
         Py_ssize_t j, m = n - i < 8 ? n - i : 8;
@@ -611,7 +620,11 @@ static PyObject *mc_run(MiniObject *mc, PyObject *args)
             } else
                 victim = mc->head[1];
             if (mc->tinylfu) {
-                if (!refusing) {
+                if (!refusing && fast != NULL) { /* the C sketch's estimate, called in C */
+                    long a = sk_estimate_raw(fast, h), b;
+                    if (a < 0 || (b = sk_estimate_raw(fast, mc->ent[victim].key)) < 0) goto fail;
+                    refusing = a <= b;
+                } else if (!refusing) {
                     PyObject *a = call_est(est, fast, h), *b;
                     int le;
                     if (a == NULL) goto fail;
