@@ -380,35 +380,40 @@ class TreeShadow:
         node.parent = top
         return top
 
-    def _walk(self, pages: list, t: int, path: list, node: _Node | None = None, i: int = 0) -> int:
-        """Match ``pages`` from the root (or from ``node``, which holds ``pages[:i]``), touching the
-        path at clock ``t`` and splitting a partly matched node; the path's nodes (root or
-        ``node`` excluded) are appended to ``path``. Returns the matched pages. (A leaf on the path
-        is not re-filed in the heap: the caller does, or locks the path and unlocking re-files
-        whatever is a leaf then.)"""
+    def _walk(self, pages: list, t: int, path: list, node: _Node | None = None, i: int = 0,
+              n: int | None = None) -> int:
+        """Match ``pages[:n]`` (None: all of them) from the root (or from ``node``, which holds
+        ``pages[:i]``), touching the path at clock ``t`` and splitting a partly matched node; the
+        path's nodes (root or ``node`` excluded) are appended to ``path``. Returns the matched
+        pages. (A leaf on the path is not re-filed in the heap: the caller does, or locks the path
+        and unlocking re-files whatever is a leaf then.) ``n`` bounds the walk as a copy of
+        ``pages[:n]`` would, without the copy (three tree shadows walk every request)."""
         node = self.root if node is None else node
         node.last = t
-        n = len(pages)
+        if n is None:
+            n = len(pages)
+        children = node.children
         while i < n:
-            child = node.children.get(pages[i])
+            child = children.get(pages[i])
             if child is None:
                 break
             child.last = t
             key = child.key
-            m = min(len(key), n - i)
-            if key[1:m] == pages[i + 1 : i + m]:
+            lk = len(key)
+            m = lk if lk < n - i else n - i
+            if m == 1 or key[1:m] == pages[i + 1 : i + m]:
                 k = m
             else:
                 k = 1
                 while key[k] == pages[i + k]:
                     k += 1
-            if k < len(key):
+            if k < lk:
                 if child in self.leaves:
                     self._push(child)  # the lower part keeps the touch (SGLang touches, then splits)
                 child = self._split(child, k)
             i += k
             path.append(child)
-            node = child
+            children = child.children
         return i
 
     def _set_lock(self, node: _Node, d: int) -> None:
@@ -463,7 +468,7 @@ class TreeShadow:
         self.clock += 1
         path: list = []
         capped = limit is not None and limit < len(pages)
-        matched = self._walk(pages[:limit] if capped else pages, self.clock, path)
+        matched = self._walk(pages, self.clock, path, None, 0, limit if capped else None)
         last = path[-1] if path else self.root
         need = len(pages) - matched + tail
         # SGLang takes a request only when it fits the free and evictable pages (PrefillAdder; the
