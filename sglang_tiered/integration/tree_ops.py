@@ -85,8 +85,11 @@ def match_prefix(cache, key: RadixKey) -> MatchResult:
     return MatchResult(device_prefix_len=off, last_device_node=node, last_host_node=node, best_match_node=node)
 
 
-def insert(cache, node: TreeNode, key: RadixKey, value, priority: int = 0, inserted_len: int = 0):
-    """``RadixCache._insert_helper``: (tokens already in the tree, last node of ``key``)."""
+def insert(cache, node: TreeNode, key: RadixKey, value, priority: int = 0, inserted_len: int = 0,
+           owned: bool = False):
+    """``RadixCache._insert_helper``: (tokens already in the tree, last node of ``key``).
+    ``owned``: ``value`` is a fresh copy nothing else holds (checkpoint's), so a new node that
+    takes all of it takes it as it is, where SGLang clones it again (the same indices)."""
     if priority is None:
         priority = 0
     access_time = time.monotonic()
@@ -117,7 +120,7 @@ def insert(cache, node: TreeNode, key: RadixKey, value, priority: int = 0, inser
         new_node = TreeNode(priority=priority)
         new_node.parent = node
         new_node.key = key[off:] if off else key
-        new_node.value = (value[off:] if off else value).clone()
+        new_node.value = value[off:].clone() if off else (value if owned else value.clone())
         if n > inserted_len:
             cache._inc_hit_count(new_node)
         node.children[child_key] = new_node
@@ -169,7 +172,7 @@ def checkpoint(cache, req, up_to: int) -> None:
     values = kv_indices[:key_len].to(dtype=torch.int64, copy=True)
     priority = req.priority or 0
     # RadixCache.insert would re-align (copy) the aligned key and cut the values to its length
-    prefix_len, last = insert(cache, cache.root_node, key, values, priority, req.kv.cache_inserted_len)
+    prefix_len, last = insert(cache, cache.root_node, key, values, priority, req.kv.cache_inserted_len, True)
     req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, key_len)
     if len(req.origin_input_ids) < len(token_ids):  # else the prompt key is the whole key
         prompt_key = RadixKey(token_ids[: len(req.origin_input_ids)], req.extra_key,
@@ -184,7 +187,17 @@ def checkpoint(cache, req, up_to: int) -> None:
     depth = touch(cache, last)
     assert depth == key_len, f"{depth=}, {key_len=}"
     # --- the tree's indices of [cpl, key_len) into the request's row ---
-    parts, end, node = [], key_len, last
+    # (the nodes the insert created hold [prefix_len, key_len) of the row as it is, split at the
+    # prompt boundary or not: the indices are the row's own, so only [cpl, prefix_len) can
+    # change; SGLang writes the whole range, the same values. A request whose pages were all
+    # new, the usual case, writes nothing. The path has a node boundary at prefix_len.)
+    end, node = key_len, last
+    while end > prefix_len:
+        end -= len(node.value)
+        node = node.parent
+    assert end == prefix_len, (end, prefix_len)
+    write_end = end
+    parts = []
     while end > cpl:
         v = node.value
         start = end - len(v)
@@ -192,7 +205,7 @@ def checkpoint(cache, req, up_to: int) -> None:
         end, node = start, node.parent
     if parts:
         tail = parts[0] if len(parts) == 1 else torch.cat(parts[::-1])
-        cache.req_to_token_pool.write((req.kv.req_pool_idx, slice(cpl, key_len)), tail)
+        cache.req_to_token_pool.write((req.kv.req_pool_idx, slice(cpl, write_end)), tail)
     req.kv.cache_protected_len = key_len
     cache.unlock(req.lock)
     req.lock = cache.lock(last)
