@@ -175,6 +175,8 @@ def environment() -> dict:
     from importlib.metadata import version
 
     from sglang_tiered.core.keys import HASH_IMPL
+    from sglang_tiered.core.miniature import MINI_IMPL
+    from sglang_tiered.core.sketch import SKETCH_IMPL
 
     return {
         "git_sha": run("git", "rev-parse", "--short", "HEAD"),
@@ -185,6 +187,9 @@ def environment() -> dict:
         "sglang": version("sglang"),
         # chain_page_hashes' path: "c" (the optional extension) or "python" (session 41)
         "page_hash_impl": HASH_IMPL,
+        # the admission duel's miniatures and the TinyLFU sketch: "c" or "python" (session 42)
+        "mini_impl": MINI_IMPL,
+        "sketch_impl": SKETCH_IMPL,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
 
