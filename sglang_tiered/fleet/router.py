@@ -141,6 +141,18 @@ ONE_SERVER_UPDATES = frozenset(("/update_weights_from_tensor", "/update_weights_
 # SGLang's sessions (``/open_session``, then requests with ``session_params.id``) live in the one
 # server that opened them: the router remembers which (this many, the oldest forgotten first)
 SESSIONS_KEPT = 65536
+# SGLang's stored OpenAI Responses (``store``, its default) live in the memory of the one server
+# that answered them (``serving_responses.py``'s ``response_store``): a later ``previous_response_id``,
+# ``GET /v1/responses/{id}`` and its ``/cancel`` find them there alone (any other answers 404). The
+# router remembers which worker answered each id (this many, the least recently used forgotten
+# first; an id past SESSION_ID_CHARS by its digest, ``session_memo``), learned from the answer:
+# the JSON body's ``id`` (SGLang writes it first), a stream's ``response.created`` event (review,
+# session 42: before, these went wherever the router sent any request, so with two workers they
+# reached the wrong one and were refused as unknown)
+RESPONSES_KEPT = 65536
+RESPONSE_ID_ROUTE = re.compile(r"^/v1/responses/([^/]+)(?:/[^/]+)?$")  # GET /{id}, POST /{id}/cancel
+RESPONSE_HEAD_MAX = 64 << 10  # the bytes of a JSON answer kept to find its id in
+_RESPONSE_ID = re.compile(rb'\A\s*\{\s*"id"\s*:\s*("(?:[^"\\]|\\.)*")')
 # A worker's answers that another worker may well serve (SGLang: 503 with its queue full, 500 for
 # a fault of its own): before any byte reaches the client, the request goes once to another
 # worker (as smg retries them); ``health_misses`` of them in a row take the worker out of the
@@ -584,6 +596,7 @@ class Router:
             raise ValueError(f"parse_limit_mb must be >= 0, got {parse_limit_mb}")
         self.parse_limit = int(parse_limit_mb * (1 << 20))
         self.sessions: OrderedDict = OrderedDict()  # session_memo(session id) -> the worker that opened it
+        self.responses: OrderedDict = OrderedDict()  # session_memo(response id) -> the worker that stored it
         self._turn = 0  # (``_least_busy``'s rotation)
         self._tokenizer_failed: Optional[str] = None  # the last path no tokenizer loaded from
         self._tokenizer_backoff_s = 5.0
@@ -1412,11 +1425,20 @@ class Router:
         d = ws = None
         again = False
         sse = SSECut(sse_api(path))  # (a stream that fails mid-way ends in its own API's events)
-        session = self._session_of(body, tenant)
+        # a follow-up of a stored response goes where it is stored (before a session's worker:
+        # the worker without it refuses the request), as pinned as a session's
+        prev = body.get("previous_response_id") if path == "/v1/responses" and isinstance(body, dict) else None
+        session = self._response_worker(prev)
+        reason = "response" if session else "session"
+        session = session or self._session_of(body, tenant)
+        # a created response SGLang stores (``store`` true, its default): its id is learned from
+        # the answer (``_learn_response``)
+        learn = (path == "/v1/responses" and request.method == "POST"
+                 and bool(body.get("store", True) if isinstance(body, dict) else True))  # fmt: skip
 
         def no_other() -> bool:
-            """No other worker left to try: two tried, or the only one (a session's, or the
-            fleet's; the third try went to the same one again, review session 32)."""
+            """No other worker left to try: two tried, or the only one (a session's, a stored
+            response's, or the fleet's; the third try went to the same one again, review session 32)."""
             return len(tried) == 2 or (bool(tried) and (bool(session) or len(tried) >= len(self.workers)))
 
         for attempt in range(3):
@@ -1425,7 +1447,7 @@ class Router:
                     break
                 explain: Optional[dict] = {} if attempt == 0 else None
                 if session:
-                    d = Decision(session, reason="session")
+                    d = Decision(session, reason=reason)
                     if explain is not None:
                         explain.update(session=True)
                 else:
@@ -1485,11 +1507,26 @@ class Router:
                     streams = ws.streams
                     streams[task] = time.monotonic()
                     sse.start(up)
+                    head = [] if learn and up.status == 200 else None  # (a JSON answer's first bytes)
+                    named = body.get("request_id") if head is not None and isinstance(body, dict) else None
+                    if isinstance(named, str) and named:
+                        # the client named it (SGLang's response id is the request's ``request_id``):
+                        # known now, whatever its length, before any byte of the answer goes out
+                        self._remember_response(named, ws.url)
+                        head = None
                     async for chunk in up.content.iter_any():
                         streams[task] = time.monotonic()
+                        if head is not None and not sse.on:
+                            head = self._learn_response(head, chunk, ws.url)
                         chunk = sse.lines(chunk)
+                        if head is not None and sse.on and sse.response is not None:
+                            # (its ``response.created`` event, learned before the client has it)
+                            self._remember_response(sse.response.get("id"), ws.url)
+                            head = None
                         if chunk and not await self._to_client(resp.write(chunk)):
                             return resp
+                    if head:  # (an id not first: the whole answer, when it was small)
+                        self._learn_response(head, b"", ws.url, whole=True)
                     chunk = sse.rest()
                     if chunk and not await self._to_client(resp.write(chunk)):
                         return resp
@@ -1549,7 +1586,73 @@ class Router:
                 ws.streams.pop(task, None)
                 ws.finished(started_at, pending)
         self.stats.failed += 1
+        if reason == "response" and ws is not None:
+            return self._response_gone(request, prev, ws, "previous_response_id", "it could not be reached")
         return web.json_response({"error": {"message": "no worker could serve the request"}}, status=502)
+
+    def _response_worker(self, rid) -> Optional[str]:
+        """The worker that stored the response ``rid`` (an answer this router passed on), or
+        None: routed as any request (an id the router did not see, or forgot, is the worker's to
+        refuse, as before)."""
+        if not isinstance(rid, str) or not rid:
+            return None
+        key = session_memo(rid)
+        url = self.responses.get(key)
+        if url is None or url not in self.workers:
+            return None
+        self.responses.move_to_end(key)
+        return url
+
+    def _remember_response(self, rid, url: str) -> None:
+        """``rid`` was stored by the worker at ``url`` (RESPONSES_KEPT of them kept)."""
+        if not isinstance(rid, str) or not rid:
+            return
+        key = session_memo(rid)
+        self.responses[key] = url
+        self.responses.move_to_end(key)
+        while len(self.responses) > RESPONSES_KEPT:
+            self.responses.popitem(last=False)
+
+    def _learn_response(self, head: list, chunk: bytes, url: str, whole: bool = False) -> Optional[list]:
+        """A created response's JSON answer, one chunk at a time (the chunks go on to the client
+        as they come; this keeps a copy of the first RESPONSE_HEAD_MAX bytes): its ``id``, learned
+        as soon as it is there (SGLang writes it first: the chunk that holds it has not reached the
+        client yet). None once it is learned or given up; with ``whole`` (the answer ended), the
+        whole answer if it fit is parsed for an id not written first."""
+        size = sum(map(len, head))
+        if chunk and size < RESPONSE_HEAD_MAX:
+            head.append(chunk[: RESPONSE_HEAD_MAX - size])
+            size += len(head[-1])
+        data = b"".join(head)
+        if len(head) > 1:
+            head[:] = [data]
+        m = _RESPONSE_ID.match(data)
+        rid = None
+        try:
+            if m:
+                rid = json.loads(m.group(1))
+            elif whole and size < RESPONSE_HEAD_MAX:
+                doc = json.loads(data)
+                rid = doc.get("id") if isinstance(doc, dict) else None
+        except (ValueError, RecursionError):
+            rid = None
+        if rid is not None:
+            self._remember_response(rid, url)
+            return None
+        return head if size < RESPONSE_HEAD_MAX or whole else None
+
+    def _response_gone(self, request, rid: str, ws: "WorkerState", param: str, why: str):
+        """The answer for a stored response whose worker cannot be reached: a 502 in the
+        Responses API's error shape, saying so. Not another worker's 404 ("not found", as for
+        an id that never existed; no other worker holds it) nor a guess elsewhere: the worker may
+        come back (a 502 is retried by the OpenAI SDK), and one restarted answers its own 404."""
+        from aiohttp import web
+
+        name = self._worker_name(request, ws.url)
+        msg = (f"response {rid!r} is stored in the memory of worker {name}, which failed ({why}); SGLang "
+               f"keeps a stored response in the server that answered it, and no other worker holds it")
+        return web.json_response({"error": {"message": msg, "type": "worker_unavailable", "param": param,
+                                            "code": 502}}, status=502)  # fmt: skip
 
     def _error_answer(self, ws: "WorkerState", status: int) -> None:
         """``ws`` answered one of RETRY_STATUSES: counted; ``health_misses`` in a row take it out
@@ -1881,6 +1984,10 @@ class Router:
             sid = self._session_key(doc.get("session_id") if isinstance(doc, dict) else None, tenant)
             if sid is not None and sid in self.sessions:
                 ws = pinned = self.workers[self.sessions[sid]]
+        stored = RESPONSE_ID_ROUTE.match(request.path) if request.path.startswith("/v1/responses/") else None
+        holder = self._response_worker(stored.group(1)) if stored else None
+        if holder:  # GET /v1/responses/{id}, its /cancel: where SGLang stored it (else as before)
+            ws = pinned = self.workers[holder]
         for attempt in range(2):
             cur = ws
             cur.inflight += 1  # (before session 37 only handle() counted: every route here went to worker 0)
@@ -1897,8 +2004,10 @@ class Router:
                     ws.healthy = False
                     ws.down_until = time.monotonic() + 2.0
                 others = [w for w in live if w is not ws and w.healthy]
+                why = exc.why if isinstance(exc, WorkerSilent) else type(exc.__cause__).__name__
+                if holder:
+                    return self._response_gone(request, stored.group(1), ws, "response_id", why)
                 if pinned is not None or not others or attempt == 1:
-                    why = exc.why if isinstance(exc, WorkerSilent) else type(exc.__cause__).__name__
                     status = 504 if isinstance(exc, WorkerSilent) and exc.abandoned else 502
                     return web.json_response({"error": {"message": f"worker {self._worker_name(request, ws.url)}: "
                                                                    f"{why}"}}, status=status)  # fmt: skip
