@@ -141,10 +141,10 @@ ONE_SERVER_UPDATES = frozenset(("/update_weights_from_tensor", "/update_weights_
 # SGLang's sessions (``/open_session``, then requests with ``session_params.id``) live in the one
 # server that opened them: the router remembers which (this many, the oldest forgotten first)
 SESSIONS_KEPT = 65536
-# SGLang's stored OpenAI Responses (``store``, its default) live in the memory of the one server
-# that answered them (``serving_responses.py``'s ``response_store``): a later ``previous_response_id``,
-# ``GET /v1/responses/{id}`` and its ``/cancel`` find them there alone (any other answers 404). The
-# router remembers which worker answered each id (this many, the least recently used forgotten
+# SGLang's stored OpenAI Responses (``store``, on a server started with --enable-response-store) live
+# in the memory of the one server that answered them (``serving_responses.py``'s ``response_store``):
+# a later ``previous_response_id``, ``GET /v1/responses/{id}`` and its ``/cancel`` find them there
+# alone (any other answers 404). The router remembers which worker answered each id (this many, the least recently used forgotten
 # first; an id past SESSION_ID_CHARS by its digest, ``session_memo``), learned from the answer:
 # the JSON body's ``id`` (SGLang writes it first), a stream's ``response.created`` event (review,
 # session 42: before, these went wherever the router sent any request, so with two workers they
