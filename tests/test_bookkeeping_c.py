@@ -183,3 +183,41 @@ def test_selection_follows_pure_python_env():
     env = dict(os.environ, SGLANG_TIERED_PURE_PYTHON="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["python", "python", "MiniCachePy", "FrequencySketchPy", "_select_py"]
+
+
+_MUTATING_EST = r"""
+import os, sys
+from sglang_tiered.core._bookkeeping import MiniCache
+from sglang_tiered.core.miniature import MiniCachePy
+
+def run(cls, how):
+    m = cls(True, 4)
+    m.run([bytes([i]) * 16 for i in range(4)], 1, 1.0, lambda h: 0)
+    pages = [bytes([100 + i]) * 16 for i in range(64)]
+    calls = [0]
+    def est(h):
+        calls[0] += 1
+        if calls[0] == 1:
+            if how == "clear":
+                pages.clear()
+            else:
+                pages.append(bytes([7]) * 16)
+                pages[1:] = []
+        return 5 if calls[0] % 2 else 0
+    hits = m.run(pages, 2, 1.0, est)
+    return hits, list(m.prob.items()), list(m.prot.items()), m.age, calls[0]
+
+for how in ("clear", "shrink"):
+    assert run(MiniCache, how) == run(MiniCachePy, how), how
+print("ok")
+"""
+
+
+@needs_c
+def test_miniature_c_survives_est_mutating_the_pages():
+    """An ``est`` callback (any callable: the reference's contract) that empties or shrinks the
+    request's page list mid-run: the C holds the page it is placing and reads the list's length
+    each step, as the reference's ``for h in pages`` does (before: a borrowed page freed under it
+    and indices past the list's end, a segfault)."""
+    out = subprocess.run([sys.executable, "-c", _MUTATING_EST], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], (out.returncode, out.stderr[-2000:])

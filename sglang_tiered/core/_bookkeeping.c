@@ -566,15 +566,18 @@ static PyObject *call_est(PyObject *est, SketchObject *fast, PyObject *key)
     return PyObject_CallOneArg(est, key);
 }
 
+static inline void clear_ref(PyObject **p) { Py_CLEAR(*p); }
+
 /* MiniCache.run: see core/miniature.py (the reference) */
 static PyObject *mc_run(MiniObject *mc, PyObject *args)
 {
     PyObject *pages, *est, *seq;
     long long tick;
     double k, age;
-    Py_ssize_t i, n, hits = 0;
+    Py_ssize_t i, hits = 0;
     int leading = 1, refusing = 0;
     SketchObject *fast = NULL;
+    PyObject *h = NULL;
     if (!PyArg_ParseTuple(args, "OLdO:run", &pages, &tick, &k, &est)) return NULL;
     if (mc_ready(mc) < 0) return NULL;
     if (mc->busy) { /* est called back into this miniature */
@@ -586,13 +589,16 @@ static PyObject *mc_run(MiniObject *mc, PyObject *args)
         fast = (SketchObject *)PyCFunction_GET_SELF(est);
     seq = PySequence_Fast(pages, "run takes a sequence of page hashes");
     if (seq == NULL) return NULL;
-    n = PySequence_Fast_GET_SIZE(seq);
     age = mc->age;
     mc->busy = 1;
-    for (i = 0; i < n; i++) {
-        PyObject *h = PySequence_Fast_GET_ITEM(seq, i);
+    /* est (a Python callable) or its results' __le__ may change the list (seq is pages itself
+       when it is a list): its length is read at each step, as the reference's ``for h in pages``
+       does, and the page being placed is held (cleared at each step's end) */
+    for (i = 0; i < PySequence_Fast_GET_SIZE(seq); i++, clear_ref(&h)) {
         uint64_t hash, slot;
         int32_t e;
+        h = PySequence_Fast_GET_ITEM(seq, i);
+        Py_INCREF(h);
         if (!PyBytes_Check(h)) {
             PyErr_Format(PyExc_TypeError, "page hashes are bytes, not %.100s", Py_TYPE(h)->tp_name);
             goto fail;
@@ -668,6 +674,7 @@ static PyObject *mc_run(MiniObject *mc, PyObject *args)
     mc->age = age; /* (as the reference: written back only when the whole request ran) */
     return PyLong_FromSsize_t(hits);
 fail:
+    Py_XDECREF(h);
     Py_DECREF(seq);
     mc->busy = 0;
     return NULL;
