@@ -148,8 +148,10 @@ try:
 except ImportError:  # not built (no compiler: setup.py's extension is optional)
     _chain = None
 
-# SGLANG_TIERED_PURE_PYTHON=1: the reference even where the extension is built
-HASH_IMPL = "c" if _chain is not None and os.environ.get("SGLANG_TIERED_PURE_PYTHON") != "1" else "python"
+# SGLANG_TIERED_PURE_PYTHON=1: the references even where the C extensions are built (read here
+# alone: core/miniature.py and core/sketch.py take it from this module)
+PURE_PYTHON = os.environ.get("SGLANG_TIERED_PURE_PYTHON") == "1"
+HASH_IMPL = "c" if _chain is not None and not PURE_PYTHON else "python"
 chain_page_hashes = _chain_page_hashes_c if HASH_IMPL == "c" else _chain_page_hashes_py
 
 

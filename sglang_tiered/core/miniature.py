@@ -14,8 +14,9 @@ otherwise ``MiniCachePy`` below, the reference the C is tested against, decision
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
+
+from sglang_tiered.core.keys import PURE_PYTHON
 
 
 class MiniCachePy:
@@ -86,5 +87,5 @@ except ImportError:  # not built (no compiler: setup.py's extension is optional)
     _MiniCacheC = None
 
 # SGLANG_TIERED_PURE_PYTHON=1: the reference even where the extension is built
-MINI_IMPL = "c" if _MiniCacheC is not None and os.environ.get("SGLANG_TIERED_PURE_PYTHON") != "1" else "python"
+MINI_IMPL = "c" if _MiniCacheC is not None and not PURE_PYTHON else "python"
 MiniCache = _MiniCacheC if MINI_IMPL == "c" else MiniCachePy

@@ -20,7 +20,7 @@ a mask samples) is the C extension's too where it is used.
 
 from __future__ import annotations
 
-import os
+from sglang_tiered.core.keys import PURE_PYTHON
 
 MAX_COUNT = 15
 DEPTH = 4  # rows; the code below is unrolled for four
@@ -125,6 +125,6 @@ except ImportError:  # not built (no compiler: setup.py's extension is optional)
     _FrequencySketchC = _select_c = None
 
 # SGLANG_TIERED_PURE_PYTHON=1: the reference even where the extension is built
-SKETCH_IMPL = "c" if _FrequencySketchC is not None and os.environ.get("SGLANG_TIERED_PURE_PYTHON") != "1" else "python"
+SKETCH_IMPL = "c" if _FrequencySketchC is not None and not PURE_PYTHON else "python"
 FrequencySketch = _FrequencySketchC if SKETCH_IMPL == "c" else FrequencySketchPy
 select = _select_c if SKETCH_IMPL == "c" else _select_py
