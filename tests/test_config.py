@@ -18,7 +18,9 @@ ENV_READERS = {
     "sglang_tiered/tier/host_pool.py",  # SGLANG_TIERED_T1_OWNER: launcher -> scheduler ownership token
     "sglang_tiered/client.py",  # the client library's KV_CACHE_* knobs, in the client's process
     "sglang_tiered/dev/server.py",  # passes the environment on to the server processes it starts
-    "sglang_tiered/core/keys.py",  # SGLANG_TIERED_PURE_PYTHON: the page hasher's reference path (session 41)
+    "sglang_tiered/core/keys.py",  # SGLANG_TIERED_PURE_PYTHON: the C extensions' reference paths (sessions 41, 42)
+    # Mooncake's own MC_* names, set around the store client's setup only, an operator's own kept (session 42)
+    "sglang_tiered/tier/t2_client.py",
     "kernels/kv_pages.py",  # TRITON_INTERPRET: Triton's own switch, read as Triton reads it (session 41)
 }
 
