@@ -302,3 +302,55 @@ def test_a_stream_whose_last_event_went_out_gets_no_error_event():
         assert cut.lines(b"".join(_sse(e, d) for e, d in events)) and cut.failed("x")  # (not ended: an error)
         cut.lines(_sse(*last))
         assert cut.failed("x") == b"", api
+
+
+def _parse_sse(data: bytes) -> list:
+    """The events an SSE client reads from ``data`` (WHATWG: a blank line dispatches; ``data:``
+    lines join with newlines; an event without data is not dispatched): (name, data) pairs."""
+    events, name, buf = [], "message", None
+    for line in data.replace(b"\r\n", b"\n").split(b"\n"):
+        if not line:
+            if buf is not None:
+                events.append((name, "\n".join(buf)))
+            name, buf = "message", None
+            continue
+        field, _, value = line.decode("utf-8", "replace").partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "event":
+            name = value
+        elif field == "data":
+            buf = (buf or []) + [value]
+    return events
+
+
+def test_the_error_event_after_a_big_event_cut_mid_line_is_an_event_of_its_own():
+    """An event past ``SSECut.HELD_MAX`` goes to the client in parts as it comes; when its worker
+    fails mid-line, the error events must still reach the client as events of their own (the
+    half event ended first: a line end, then a blank line). Before, one line end alone: the
+    client's parser took the error event's ``event:`` and ``data:`` lines as more of the half
+    event (its name replaced, its data the half JSON joined with the error's), so no SDK saw
+    the error (Anthropic, Responses, and SGLang's ``data:`` streams alike)."""
+    from types import SimpleNamespace
+
+    from sglang_tiered.fleet.router import SSECut
+
+    up = SimpleNamespace(headers={"content-type": "text/event-stream"})
+    big = b"x" * (SSECut.HELD_MAX + 10)
+    for api, head, part, want in (
+            ("anthropic", b"".join(_sse(e, d) for e, d in ANTHROPIC_HEAD),
+             b'event: content_block_delta\ndata: {"type": "content_block_delta", "delta": {"text": "' + big,
+             "error"),
+            ("responses", b"".join(_sse(e, d) for e, d in RESPONSES_HEAD),
+             b'event: response.output_text.delta\ndata: {"delta": "' + big, "response.failed"),
+            ("openai", b'data: {"text": "a"}\n\n', b'data: {"text": "' + big, "message")):  # fmt: skip
+        cut = SSECut(api)
+        cut.start(up)
+        sent = cut.lines(head)
+        sent += cut.lines(part[: len(part) // 2]) + cut.lines(part[len(part) // 2 :])
+        assert len(sent) > SSECut.HELD_MAX  # (the big event went out in part)
+        sent += cut.failed("worker w failed mid-stream")
+        events = _parse_sse(sent)
+        errors = [(n, d) for n, d in events if "worker w failed mid-stream" in d]
+        assert len(errors) == 1, (api, [(n, d[:80]) for n, d in events[-3:]])
+        name, data = errors[0]
+        assert name == want and json.loads(data), (api, name, data[:200])

@@ -2407,8 +2407,14 @@ class SSECut:
         for an answer that is not a stream."""
         if not self.on or self.ended:  # (a stream whose last event went out has all it needs)
             return b""
-        ended = self.tail.endswith(b"\n\n") or self.tail.endswith(b"\r\n\r\n")
-        return (b"" if ended else b"\n") + b"".join(self._error_events(message))
+        # the event under way ended: its line (a part of an event past HELD_MAX may have gone out
+        # mid-line), then a blank line, so the error is an event of its own (review, session 42:
+        # a line end alone made the error's lines more of the half event, its data the half JSON)
+        if self.tail.endswith(b"\n\n") or self.tail.endswith(b"\r\n\r\n"):
+            end = b""
+        else:
+            end = b"\n" if self.tail.endswith(b"\n") else b"\n\n"
+        return end + b"".join(self._error_events(message))
 
     def _error_events(self, message: str) -> list:
         def event(name: str, doc: dict) -> bytes:
