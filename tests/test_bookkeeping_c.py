@@ -221,3 +221,41 @@ def test_miniature_c_survives_est_mutating_the_pages():
     and indices past the list's end, a segfault)."""
     out = subprocess.run([sys.executable, "-c", _MUTATING_EST], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.split() == ["ok"], (out.returncode, out.stderr[-2000:])
+
+
+def _colliding_keys(n: int) -> list:
+    """16-byte keys the C miniature's fixed (unkeyed) mixer of session 42 put in one table slot:
+    page hashes a client can search for offline (its prompts' pages), as a hash-flooding attack."""
+    m64 = (1 << 64) - 1
+    k1, k2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+    c = 0x9E3779B97F4A7C15 ^ 16
+    out = []
+    for r in range(n):
+        w0 = int.from_bytes(os.urandom(8), "little")
+        h1 = ((w0 ^ c) * k1) & m64
+        h2 = ((r + 1) << 49) & m64  # (h2 ^ h2 >> 29: its low 20 bits are 0, one slot for all)
+        w1 = ((h2 * pow(k2, -1, 1 << 64)) & m64) ^ h1 ^ (h1 >> 31)
+        out.append(w0.to_bytes(8, "little") + w1.to_bytes(8, "little"))
+    return out
+
+
+@needs_c
+def test_miniature_c_placement_is_not_predictable():
+    """The reference's OrderedDict places pages by Python's keyed bytes hash (SipHash, a secret per
+    process); the C's table used a fixed mixer, so keys searched for it all took one slot and its
+    linear probing went quadratic: 2 x 16384 such pages took ~1 s of scheduler time, ~100 x
+    random pages (measured, session 42). Placement by the bytes' own (cached) hash: the same."""
+    import time
+
+    n = 1 << 14
+
+    def took(keys) -> float:
+        m = C.MiniCache(False, n)
+        t = time.perf_counter()
+        m.run(keys, 1, 0.0, None)
+        assert m.run(keys, 2, 0.0, None) == n
+        return time.perf_counter() - t
+
+    plain = min(took([os.urandom(16) for _ in range(n)]) for _ in range(3))
+    crafted = min(took(_colliding_keys(n)) for _ in range(3))
+    assert crafted < 10 * plain + 0.05, (crafted, plain)

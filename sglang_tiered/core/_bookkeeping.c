@@ -373,31 +373,16 @@ typedef struct {
 
 static PyTypeObject MiniType;
 
+/* Where a key goes in the table: Python's own hash of the bytes (SipHash, keyed by a secret per
+   process unless PYTHONHASHSEED is set; cached in the bytes object), as the reference's
+   OrderedDict places it. Review, session 42: a fixed mixer let a client search page hashes (its
+   prompts' pages) that all took one slot, and linear probing went quadratic. bytes' own tp_hash
+   is called (a subclass's __hash__ would run Python code mid-run); only the placement depends on
+   it, never a decision. */
 static uint64_t key_hash(PyObject *key)
 {
-    const uint8_t *p = (const uint8_t *)PyBytes_AS_STRING(key);
-    Py_ssize_t n = PyBytes_GET_SIZE(key), i;
-    uint64_t h = 0x9E3779B97F4A7C15ULL ^ (uint64_t)n;
-    /* (only the table's placement depends on it: host byte order cannot change a decision) */
-    if (n == 16) {
-        uint64_t w0, w1;
-        memcpy(&w0, p, 8);
-        memcpy(&w1, p + 8, 8);
-        h = (w0 ^ h) * 0xBF58476D1CE4E5B9ULL;
-        h = (h ^ (h >> 31) ^ w1) * 0x94D049BB133111EBULL;
-        return h ^ (h >> 29);
-    }
-    for (i = 0; i < n; i += 8) {
-        uint64_t w = 0;
-        Py_ssize_t j, m = n - i < 8 ? n - i : 8;
-        for (j = m - 1; j >= 0; j--) w = (w << 8) | p[i + j];
-        h = (h ^ w) * 0xBF58476D1CE4E5B9ULL;
-        h ^= h >> 31;
-    }
-    h ^= h >> 33;
-    h *= 0xFF51AFD7ED558CCDULL;
-    h ^= h >> 33;
-    return h;
+    uint64_t h = (uint64_t)PyBytes_Type.tp_hash(key);
+    return h ^ (h >> 32); /* (the table takes the low bits) */
 }
 
 static inline int key_eq(PyObject *a, PyObject *b)
