@@ -451,6 +451,12 @@ static int32_t mc_alloc(MiniObject *mc)
             PyErr_SetString(PyExc_RuntimeError, "miniature over capacity");
             return -1;
         }
+        /* the table first (over the entries there are): were it left at its size when its
+           growth failed after the pool's, the next pool's entries could fill it, and a probe for
+           a key not in it would never find an empty slot */
+        uint64_t size = 16;
+        while (size < 2 * (uint64_t)n) size <<= 1;
+        if (size > mc->tmask + 1 && mc_rebuild_table(mc, size) < 0) return -1;
         mc_entry *ent = PyMem_Realloc(mc->ent, (size_t)n * sizeof(mc_entry));
         if (ent == NULL) {
             PyErr_NoMemory();
@@ -464,9 +470,6 @@ static int32_t mc_alloc(MiniObject *mc)
             mc->free_head = (int32_t)i;
         }
         mc->nalloc = (int32_t)n;
-        uint64_t size = 16;
-        while (size < 2 * (uint64_t)n) size <<= 1;
-        if (size > mc->tmask + 1 && mc_rebuild_table(mc, size) < 0) return -1;
     }
     e = mc->free_head;
     mc->free_head = mc->ent[e].next;
