@@ -93,6 +93,13 @@ def _worker(name: str, log: list, state: dict, launch: str = "/m/v1"):
     return app
 
 
+async def _cleanup(*runners) -> None:
+    """Stop the test's servers (runners), in order; one never started (None) is skipped."""
+    for r in runners:
+        if r is not None:
+            await r.cleanup()
+
+
 async def _read_stream(s, url: str, path: str = "/generate", body=None) -> tuple[int, bytes, bool]:
     """A streamed /generate (or ``path`` with ``body``) through the router: (status, the bytes the
     client got, whether its connection was cut without a clean end)."""
@@ -144,9 +151,7 @@ def test_a_frozen_worker_answers_its_part_of_a_pause_as_a_504_naming_it_and_owes
                 await _until(lambda: router.workers[u1].healthy)
                 assert s1.get("paused") is True and _calls(log, "w1") == ["/pause_generation"], log
         finally:
-            await rr.cleanup()
-            await r0.cleanup()
-            await r1.cleanup()
+            await _cleanup(rr, r0, r1)
 
     asyncio.run(main())
 
@@ -176,9 +181,7 @@ def test_an_abort_a_worker_never_answers_is_a_504_in_its_bound_and_not_owed(monk
                 assert "owed" not in doc[u1] and not router.workers[u1].owed
                 assert router.workers[u1].healthy
         finally:
-            await rr.cleanup()
-            await r0.cleanup()
-            await r1.cleanup()
+            await _cleanup(rr, r0, r1)
 
     asyncio.run(main())
 
@@ -218,10 +221,7 @@ def test_pausing_and_continuing_are_owed_the_last_word_counting():
                 assert _calls(log, "w1") == ["/continue_generation"] and s1["paused"] is False, log
                 assert "w1" in set(await _gen(s, url, 6))
         finally:
-            await rr.cleanup()
-            await r0.cleanup()
-            if r1 is not None:
-                await r1.cleanup()
+            await _cleanup(rr, r0, r1)
 
     asyncio.run(main())
 
@@ -256,9 +256,7 @@ def test_a_restarted_worker_is_owed_the_fleets_adapters_in_order_before_it_route
                 await asyncio.sleep(0.3)  # (its checks now find both: nothing more is sent)
                 assert _calls(log, "w1").count("/load_lora_adapter:b") == 1
         finally:
-            await rr.cleanup()
-            await r0.cleanup()
-            await r1.cleanup()
+            await _cleanup(rr, r0, r1)
 
     asyncio.run(main())
 
@@ -300,9 +298,7 @@ def test_a_worker_with_other_weights_is_owed_the_fleets_weight_calls_and_comes_b
                 assert _calls(log, "w1") == ["/update_weights_from_disk", "/update_weight_version"], log
                 assert not router.workers[u1].healthy and router.workers[u1].weights_differ
         finally:
-            await rr.cleanup()
-            await r0.cleanup()
-            await r1.cleanup()
+            await _cleanup(rr, r0, r1)
 
     asyncio.run(main())
 
@@ -354,9 +350,7 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_event_and_no_r
             assert ({u0: "w0", u1: "w1"}[next(u for u in (u0, u1) if u in err["message"])]) == hits[0]
             assert router.stats.failed == 1 and router.stats.retries == 0
         finally:
-            await rr.cleanup()
-            await r0.cleanup()
-            await r1.cleanup()
+            await _cleanup(rr, r0, r1)
 
     asyncio.run(main())
 
@@ -407,9 +401,7 @@ def test_a_worker_frozen_mid_stream_ends_the_stream_once_its_health_checks_miss(
             assert "stopped answering mid-stream" in err["message"] and (u0 in err["message"] or u1 in err["message"])
             assert router.stats.failed == 1 and router.stats.abandoned == 1
         finally:
-            await rr.cleanup()
-            await r0.cleanup()
-            await r1.cleanup()
+            await _cleanup(rr, r0, r1)
 
     asyncio.run(main())
 
@@ -442,9 +434,7 @@ def test_a_worker_slow_on_v1_loads_does_not_hold_back_the_others_reports():
             assert router.stats.load_polls >= 18, router.stats
             assert router.stats.load_poll_errors >= 5
         finally:
-            await rr.cleanup()
-            await r0.cleanup()
-            await r1.cleanup()
+            await _cleanup(rr, r0, r1)
 
     asyncio.run(main())
 
@@ -477,8 +467,6 @@ def test_a_worker_whose_weights_changed_past_the_router_is_not_sent_the_old_call
                 await _until(lambda: router.workers[u1].weights_differ is None and router.workers[u1].healthy)
                 assert _calls(log, "w1") == [], log
         finally:
-            await rr.cleanup()
-            await r0.cleanup()
-            await r1.cleanup()
+            await _cleanup(rr, r0, r1)
 
     asyncio.run(main())

@@ -23,7 +23,7 @@ from aiohttp import web
 from sglang_tiered.fleet.router import Router
 from tests.test_fleet_hardening import _down, _serve, _serve_on
 from tests.test_fleet_owed import _until
-from tests.test_review41_router import _read_stream
+from tests.test_review41_router import _cleanup, _read_stream
 
 # ---------------------------------------------------------------------- 1. the APIs' own error events
 ANTHROPIC_HEAD = [
@@ -112,9 +112,7 @@ def _through_router(path: str, how: str) -> tuple[list, bool, list, Router, tupl
             assert status == 200
             return _events(got), cut, hits, router, (u0, u1)
         finally:
-            await rr.cleanup()
-            await r0.cleanup()
-            await r1.cleanup()
+            await _cleanup(rr, r0, r1)
 
     return asyncio.run(main())
 
@@ -192,8 +190,7 @@ def test_a_responses_stream_read_by_the_openai_sdk_ends_with_a_failed_event():
             await client.close()
             return seen, cut
         finally:
-            await rr.cleanup()
-            await r0.cleanup()
+            await _cleanup(rr, r0)
 
     seen, cut = asyncio.run(main())
     assert cut is not None and "incomplete" in str(cut), cut
@@ -225,8 +222,7 @@ def test_a_stream_that_ends_cleanly_passes_through_unchanged():
             async with aiohttp.ClientSession() as s:
                 return await _read_stream(s, url, "/v1/messages", {"stream": True})
         finally:
-            await rr.cleanup()
-            await r0.cleanup()
+            await _cleanup(rr, r0)
 
     status, got, cut = asyncio.run(main())
     assert status == 200 and got == body and not cut
@@ -278,10 +274,7 @@ def test_a_caller_that_leaves_a_flush_midway_leaves_it_owed_to_a_worker_that_mis
             await _until(lambda: router.workers[u1].healthy, 10)
             assert not router._broadcasts
         finally:
-            await rr.cleanup()
-            await r0.cleanup()
-            if r1 is not None:
-                await r1.cleanup()
+            await _cleanup(rr, r0, r1)
 
     asyncio.run(main())
 
