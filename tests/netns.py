@@ -61,3 +61,46 @@ def start_master(port: int, log_path, *, lease_ms: int = 10_000) -> subprocess.P
         time.sleep(0.1)
     proc.kill()
     raise RuntimeError("mooncake_master did not start listening within 30 s")
+
+
+def time_client_start(start, rep: dict, error_key: str, time_key: str, watchdog_s: float) -> None:
+    """A master scenario's timed store-client start: ``start()`` under a faulthandler watchdog (it
+    needs no GIL, which a stalled Mooncake setup holds) that ends the process after ``watchdog_s``;
+    the error it ended with (None: it started) in ``rep[error_key]``, its seconds in ``rep[time_key]``."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(watchdog_s, exit=True)
+    t0 = time.monotonic()
+    try:
+        start()
+        rep[error_key] = None
+    except Exception as exc:  # noqa: BLE001
+        rep[error_key] = f"{type(exc).__name__}: {exc}"
+    rep[time_key] = round(time.monotonic() - t0, 2)
+    faulthandler.cancel_dump_traceback_later()
+
+
+def release_master(master: subprocess.Popen) -> None:
+    """End a scenario's master, stopped (SIGSTOP) or not."""
+    import signal
+
+    os.kill(master.pid, signal.SIGCONT)
+    master.kill()
+    master.wait(10)
+
+
+def run_master_scenario(module: str, out) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run a master scenario (``python -m module out``) in a loopback-only namespace; its JSON
+    report (empty if it wrote none). Cut off, it leaves its stopped master behind: killed here."""
+    import json
+    import signal
+
+    r = run_in_netns([sys.executable, "-m", module, str(out)], timeout=300)
+    rep = json.loads(out.read_text()) if out.exists() else {}
+    if r.returncode != 0 and rep.get("master_pid"):
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(rep["master_pid"], sig)
+            except ProcessLookupError:
+                pass
+    return r, rep

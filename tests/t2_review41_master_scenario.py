@@ -7,7 +7,6 @@ network namespace (run by ``tests/test_review41_t2_master.py``). Writes a JSON r
                  watchdog, which needs no GIL, after ``WATCHDOG_S``)
  stopped_error   the error the start ended with
 """
-import faulthandler
 import json
 import os
 import pathlib
@@ -18,7 +17,7 @@ import time
 
 from sglang_tiered.tier.t2_client import MooncakeClient
 from sglang_tiered.tier.t2_config import parse_t2_url
-from tests.netns import start_master
+from tests.netns import release_master, start_master, time_client_start
 
 PORT = 50151
 WATCHDOG_S = 60
@@ -37,19 +36,9 @@ def main(out):
         rep["healthy_s"] = round(time.monotonic() - t0, 2)
         os.kill(master.pid, signal.SIGSTOP)
         out.write_text(json.dumps(rep))
-        faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
-        t0 = time.monotonic()
-        try:
-            MooncakeClient(cfg).close()
-            rep["stopped_error"] = None
-        except Exception as exc:  # noqa: BLE001
-            rep["stopped_error"] = f"{type(exc).__name__}: {exc}"
-        rep["stopped_s"] = round(time.monotonic() - t0, 2)
-        faulthandler.cancel_dump_traceback_later()
+        time_client_start(lambda: MooncakeClient(cfg).close(), rep, "stopped_error", "stopped_s", WATCHDOG_S)
     finally:
-        os.kill(master.pid, signal.SIGCONT)
-        master.kill()
-        master.wait(10)
+        release_master(master)
     out.write_text(json.dumps(rep))
 
 

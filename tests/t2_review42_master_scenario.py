@@ -8,18 +8,16 @@ it answered. Writes a JSON report:
               master for about 10 minutes; this process is cut off by a faulthandler watchdog,
               which needs no GIL, after ``WATCHDOG_S``)
 """
-import faulthandler
 import json
 import os
 import pathlib
 import signal
 import sys
 import tempfile
-import time
 
 from sglang_tiered.tier import t2_client
 from sglang_tiered.tier.t2_config import parse_t2_url
-from tests.netns import start_master
+from tests.netns import release_master, start_master, time_client_start
 
 PORT = 50191
 WATCHDOG_S = 90
@@ -41,19 +39,9 @@ def main(out):
 
     t2_client.probe_master = probe_then_stop
     try:
-        faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
-        t0 = time.monotonic()
-        try:
-            t2_client.MooncakeClient(cfg).close()
-            rep["error"] = None
-        except Exception as exc:  # noqa: BLE001
-            rep["error"] = f"{type(exc).__name__}: {exc}"
-        rep["took_s"] = round(time.monotonic() - t0, 2)
-        faulthandler.cancel_dump_traceback_later()
+        time_client_start(lambda: t2_client.MooncakeClient(cfg).close(), rep, "error", "took_s", WATCHDOG_S)
     finally:
-        os.kill(master.pid, signal.SIGCONT)
-        master.kill()
-        master.wait(10)
+        release_master(master)
     out.write_text(json.dumps(rep))
 
 

@@ -9,27 +9,15 @@ in /cache/stats), as for any unreachable master; the launch goes on."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import sys
-
 
 def test_a_stopped_master_fails_a_store_clients_start_within_the_probe_deadline(tmp_path):
     from sglang_tiered.tier import t2_client
-    from tests.netns import run_in_netns
+    from tests.netns import run_master_scenario
     from tests.test_t2 import _need_netns
 
     _need_netns()
     out = tmp_path / "r.json"
-    r = run_in_netns([sys.executable, "-m", "tests.t2_review41_master_scenario", str(out)], timeout=300)
-    rep = json.loads(out.read_text()) if out.exists() else {}
-    if r.returncode != 0 and rep.get("master_pid"):  # (cut off: the stopped master is left behind)
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                os.kill(rep["master_pid"], sig)
-            except ProcessLookupError:
-                pass
+    r, rep = run_master_scenario("tests.t2_review41_master_scenario", out)
     assert r.returncode == 0, f"stalled or failed: {rep} {r.stderr[-2000:]}"
     assert rep["healthy_s"] < t2_client.MASTER_PROBE_S, rep
     assert rep["stopped_error"] and "did not answer" in rep["stopped_error"], rep

@@ -82,22 +82,12 @@ def test_a_master_stopped_after_the_probe_fails_the_setup_in_its_bound(tmp_path)
     client's start fails within its bound (``SETUP_ENV``: two tries of 5 s, plus the probe's time)
     and the launch goes on (``build_t2`` turns T2 off with the reason). Before: the setup held the
     GIL and retried the stopped master for about 10 minutes (cut off here after 90 s)."""
-    import os
-    import signal
-
-    from tests.netns import run_in_netns
+    from tests.netns import run_master_scenario
     from tests.test_t2 import _need_netns
 
     _need_netns()
     out = tmp_path / "r.json"
-    r = run_in_netns([sys.executable, "-m", "tests.t2_review42_master_scenario", str(out)], timeout=300)
-    rep = json.loads(out.read_text()) if out.exists() else {}
-    if r.returncode != 0 and rep.get("master_pid"):  # (cut off: the stopped master is left behind)
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                os.kill(rep["master_pid"], sig)
-            except ProcessLookupError:
-                pass
+    r, rep = run_master_scenario("tests.t2_review42_master_scenario", out)
     assert r.returncode == 0 and "took_s" in rep, f"stalled or failed: {rep} {r.stderr[-2000:]}"
     assert rep["error"] and "setup failed" in rep["error"], rep
     assert rep["took_s"] < 40, rep
