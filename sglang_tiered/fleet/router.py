@@ -226,6 +226,15 @@ MAX_DECODED_MB = 16.0
 RID_CHARS = 128
 
 
+def _pin(pins: OrderedDict, key, url: str, kept: int) -> None:
+    """Remember that ``key`` (a session's or a stored response's id, ``session_memo``'d) lives on
+    the worker at ``url``: most recently used last, the oldest forgotten beyond ``kept``."""
+    pins[key] = url
+    pins.move_to_end(key)
+    while len(pins) > kept:
+        pins.popitem(last=False)
+
+
 def _adapter_name(raw: bytes):
     """The ``lora_name`` of an adapter call's body (None when it has none)."""
     body = _parse_body(raw)
@@ -1607,11 +1616,7 @@ class Router:
         """``rid`` was stored by the worker at ``url`` (RESPONSES_KEPT of them kept)."""
         if not isinstance(rid, str) or not rid:
             return
-        key = session_memo(rid)
-        self.responses[key] = url
-        self.responses.move_to_end(key)
-        while len(self.responses) > RESPONSES_KEPT:
-            self.responses.popitem(last=False)
+        _pin(self.responses, session_memo(rid), url, RESPONSES_KEPT)
 
     def _learn_response(self, head: list, chunk: bytes, url: str, whole: bool = False) -> Optional[list]:
         """A created response's JSON answer, one chunk at a time (the chunks go on to the client
@@ -2054,11 +2059,7 @@ class Router:
                     answer = await up.read()
                     opened = _parse_body(answer)
                     if isinstance(opened, str) and opened:
-                        opened = session_memo(opened)
-                        self.sessions[opened] = ws.url
-                        self.sessions.move_to_end(opened)
-                        while len(self.sessions) > SESSIONS_KEPT:
-                            self.sessions.popitem(last=False)
+                        _pin(self.sessions, session_memo(opened), ws.url, SESSIONS_KEPT)
                     await resp.prepare(request)
                     await resp.write(answer)
                     await resp.write_eof()
