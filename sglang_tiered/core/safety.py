@@ -184,13 +184,7 @@ class SafetyDuel:
         ``pages`` the request's page hashes from its first, ``pages[start:]`` (``n`` of them) this
         step's references; ``limit`` the most pages SGLang's match could reach; ``reserve``,
         ``decode``: a decoding request's (``TreeShadow.run``)."""
-        if self._tree and not self._overlapping and self._trial is None:  # (most requests: the three trees)
-            sh = self._shadows  # (``_stepped_trees``' list and order, without building it)
-            hits = {"lru": sh["lru"].run(pages, tail, start, limit, reserve, decode),
-                    "slru": sh["slru"].run(pages, tail, start, limit, reserve, decode),
-                    "lfu": sh["lfu"].run(pages, tail, start, limit, reserve, decode)}  # fmt: skip
-        else:
-            hits = {o: t.run(pages, tail, start, limit, reserve, decode) for o, t in self._stepped_trees()}
+        hits = {o: t.run(pages, tail, start, limit, reserve, decode) for o, t in self._stepped_trees()}
         if self._overlapping:  # lru's shadow alone (see ``_overlapping``)
             hits["slru"] = hits["lfu"] = 0.0
         elif not self._tree:  # lru's tree alone: slru and lfu are the page models, hits scaled to pages
