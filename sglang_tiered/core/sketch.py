@@ -99,7 +99,7 @@ class FrequencySketchPy:
         last page if it was not one of them (a request's last page is always counted):
         ``AdaptivePolicy.observe``'s counting in one call."""
         if mask:
-            self.increment_all([h for h in pages if not h[0] & mask])
+            self.increment_all(_select_py(pages, mask))
             if pages and pages[-1][0] & mask:
                 self.increment(pages[-1])
         else:
