@@ -11,6 +11,7 @@ there) and TP = 1 (see sglang_tiered/tier/t2.py, Limits).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import re
@@ -27,12 +28,22 @@ from sglang_tiered.tier.t2_config import T2Config
 logger = logging.getLogger("sglang_tiered")
 
 
-def measure_t2_gbps(t2: T2Tier, pages: int | None = None) -> tuple[float, float]:
-    """(write GB/s, read GB/s) of one batched run through the store, on throwaway keys."""
+# How long the start-up probe retries a put the store refused (review, session 43). A refused
+# put is not a store that is down: Mooncake hands out replicas on every mounted segment, and a
+# peer that died without unmounting (a server crashed and restarting, its old segment still
+# listed) fails each transfer to it with -800 until the master drops it, 10 s later at its default
+# (client_live_ttl_sec). The first probe put landed there and turned T2 off for the server's life
+# (CI, twice: two servers starting together). A put that got no answer is not retried.
+PROBE_RETRY_S = 15.0
+PROBE_RETRY_PAUSE_S = 1.0
+
+
+def measure_t2_gbps(t2: T2Tier, pages: int | None = None, *, retry_s: float = PROBE_RETRY_S) -> tuple[float, float]:
+    """(write GB/s, read GB/s) of one batched run through the store, on throwaway keys. A put the
+    store refused (any key) is tried again on fresh keys for up to ``retry_s``."""
     n = min(pages or t2.run, t2.run)
     ob = t2.obj_bytes
     tag = f"{KEY_ROOT}/probe/{os.getpid()}-{time.monotonic_ns()}"
-    keys = [f"{tag}/{i}" for i in range(n)]
     w, r = t2._write, t2._read[0]
     gen = torch.Generator()  # not the default one: SGLang's sampling RNG, seeded by --random-seed
     gen.manual_seed(0)
@@ -41,13 +52,21 @@ def measure_t2_gbps(t2: T2Tier, pages: int | None = None) -> tuple[float, float]
     # through the tier's helpers, with its deadlines (review, session 41: called directly, a store
     # that accepted and did not answer held the launch for as long as Mooncake's own RPCs wait)
     size = n * ob
+    end = time.monotonic() + retry_s
     try:
-        t0 = time.perf_counter()
-        res = t2._call("probe put", t2.client.put, keys, [w.ptr + i * ob for i in range(n)], [ob] * n,
-                       nbytes=size, staging=w)  # fmt: skip
-        tw = time.perf_counter() - t0
-        if res is None or len(res) != n or any(x != 0 for x in res):
-            raise RuntimeError(f"T2 probe put failed: {'no answer' if res is None else sorted(set(res))}")
+        for attempt in itertools.count():
+            keys = [f"{tag}/{attempt}/{i}" for i in range(n)]  # (fresh: a refused put may have stored some)
+            t0 = time.perf_counter()
+            res = t2._call("probe put", t2.client.put, keys, [w.ptr + i * ob for i in range(n)], [ob] * n,
+                           nbytes=size, staging=w)  # fmt: skip
+            tw = time.perf_counter() - t0
+            if res is not None and len(res) == n and all(x == 0 for x in res):
+                break
+            why = "no answer" if res is None else sorted(set(res))
+            if res is None or time.monotonic() + PROBE_RETRY_PAUSE_S > end:
+                raise RuntimeError(f"T2 probe put failed: {why}" + (f" ({attempt + 1} tries)" if attempt else ""))
+            logger.warning("sglang-tiered: T2 probe put refused (%s); trying again", why)
+            time.sleep(PROBE_RETRY_PAUSE_S)
         t0 = time.perf_counter()
         got = t2._call("probe get", t2.client.get, keys, [r.ptr + i * ob for i in range(n)], [ob] * n,
                        nbytes=size, staging=r)  # fmt: skip

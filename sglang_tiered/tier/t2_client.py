@@ -83,8 +83,10 @@ def _setup_env():
             os.environ.pop(k, None)
 
 
-# The probe's child: the real setup (a small segment and buffer: only the master's answer is
-# asked for) and close. It says "i" once Mooncake is imported and "s" once the master took the
+# The probe's child: the real setup (no segment, a small buffer: only the master's answer is
+# asked for) and close. No segment (review, session 43): a mounted one is handed out for replicas
+# at once, and a child killed before its close unmounted it left a dead peer in the master for
+# 10 s, where the server's own first puts then failed (-800). It says "i" once Mooncake is imported and "s" once the master took the
 # setup. argv: the T2Config's connection fields.
 _PROBE_CHILD = """
 import sys
@@ -92,7 +94,7 @@ from mooncake.store import MooncakeDistributedStore
 print("i", flush=True)
 host, metadata, protocol, device, master = sys.argv[1:6]
 s = MooncakeDistributedStore()
-rc = s.setup(host, metadata, 16 << 20, 16 << 20, protocol, device, master)
+rc = s.setup(host, metadata, 0, 16 << 20, protocol, device, master)
 if rc:
     print(f"setup returned {rc}", file=sys.stderr, flush=True)
     sys.exit(3)
