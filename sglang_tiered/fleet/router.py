@@ -151,6 +151,7 @@ SESSIONS_KEPT = 65536
 # reached the wrong one and were refused as unknown)
 RESPONSES_KEPT = 65536
 RESPONSE_ID_ROUTE = re.compile(r"^/v1/responses/([^/]+)(?:/[^/]+)?$")  # GET /{id}, POST /{id}/cancel
+FOREIGN = "\0foreign"  # ``Router._response_worker``: another tenant's stored response (never a worker URL)
 RESPONSE_HEAD_MAX = 64 << 10  # the bytes of a JSON answer kept to find its id in
 _RESPONSE_ID = re.compile(rb'\A\s*\{\s*"id"\s*:\s*("(?:[^"\\]|\\.)*")')
 # A worker's answers that another worker may well serve (SGLang: 503 with its queue full, 500 for
@@ -226,13 +227,23 @@ MAX_DECODED_MB = 16.0
 RID_CHARS = 128
 
 
-def _pin(pins: OrderedDict, key, url: str, kept: int) -> None:
+def _pin(pins: OrderedDict, key, url, kept: int) -> None:
     """Remember that ``key`` (a session's or a stored response's id, ``session_memo``'d) lives on
-    the worker at ``url``: most recently used last, the oldest forgotten beyond ``kept``."""
+    the worker at ``url`` (a response's: with its owner): most recently used last, the oldest
+    forgotten beyond ``kept``."""
     pins[key] = url
     pins.move_to_end(key)
     while len(pins) > kept:
         pins.popitem(last=False)
+
+
+def _response_not_found(rid: str, param: str):
+    """SGLang's answer for a stored response it does not hold (``serving_responses.py``
+    ``_make_not_found_error``): what another tenant's id gets, so it learns nothing of it."""
+    from aiohttp import web
+
+    return web.json_response({"error": {"message": f"Response with id '{rid}' not found.", "type": "invalid_request_error",
+                                        "param": param, "code": 404}}, status=404)  # fmt: skip
 
 
 def _adapter_name(raw: bytes):
@@ -605,7 +616,8 @@ class Router:
             raise ValueError(f"parse_limit_mb must be >= 0, got {parse_limit_mb}")
         self.parse_limit = int(parse_limit_mb * (1 << 20))
         self.sessions: OrderedDict = OrderedDict()  # session_memo(session id) -> the worker that opened it
-        self.responses: OrderedDict = OrderedDict()  # session_memo(response id) -> the worker that stored it
+        # session_memo(response id) -> (the worker that stored it, its tenant's ``_response_owner``)
+        self.responses: OrderedDict = OrderedDict()
         self._turn = 0  # (``_least_busy``'s rotation)
         self._tokenizer_failed: Optional[str] = None  # the last path no tokenizer loaded from
         self._tokenizer_backoff_s = 5.0
@@ -1437,7 +1449,9 @@ class Router:
         # a follow-up of a stored response goes where it is stored (before a session's worker:
         # the worker without it refuses the request), as pinned as a session's
         prev = body.get("previous_response_id") if path == "/v1/responses" and isinstance(body, dict) else None
-        session = self._response_worker(prev)
+        session = self._response_worker(prev, tenant)
+        if session == FOREIGN:
+            return _response_not_found(prev, "previous_response_id")
         reason = "response" if session else "session"
         session = session or self._session_of(body, tenant)
         # a created response SGLang stores (``store`` true, its default): its id is learned from
@@ -1521,21 +1535,21 @@ class Router:
                     if isinstance(named, str) and named:
                         # the client named it (SGLang's response id is the request's ``request_id``):
                         # known now, whatever its length, before any byte of the answer goes out
-                        self._remember_response(named, ws.url)
+                        self._remember_response(named, ws.url, tenant)
                         head = None
                     async for chunk in up.content.iter_any():
                         streams[task] = time.monotonic()
                         if head is not None and not sse.on:
-                            head = self._learn_response(head, chunk, ws.url)
+                            head = self._learn_response(head, chunk, ws.url, tenant)
                         chunk = sse.lines(chunk)
                         if head is not None and sse.on and sse.response is not None:
                             # (its ``response.created`` event, learned before the client has it)
-                            self._remember_response(sse.response.get("id"), ws.url)
+                            self._remember_response(sse.response.get("id"), ws.url, tenant)
                             head = None
                         if chunk and not await self._to_client(resp.write(chunk)):
                             return resp
                     if head:  # (an id not first: the whole answer, when it was small)
-                        self._learn_response(head, b"", ws.url, whole=True)
+                        self._learn_response(head, b"", ws.url, tenant, whole=True)
                     chunk = sse.rest()
                     if chunk and not await self._to_client(resp.write(chunk)):
                         return resp
@@ -1599,26 +1613,41 @@ class Router:
             return self._response_gone(request, prev, ws, "previous_response_id", "it could not be reached")
         return web.json_response({"error": {"message": "no worker could serve the request"}}, status=502)
 
-    def _response_worker(self, rid) -> Optional[str]:
+    def _response_owner(self, tenant: Optional[str]):
+        """Whose a stored response is: with a tenant header, the tenant that created it (None: no
+        header); without one, None for all (a ``GET /v1/responses/{id}`` carries no body, so no
+        ``cache_salt``: no request could show whose it is)."""
+        return memo_key(tenant) if self.tenant_header else None
+
+    def _response_worker(self, rid, tenant: Optional[str] = None) -> Optional[str]:
         """The worker that stored the response ``rid`` (an answer this router passed on), or
         None: routed as any request (an id the router did not see, or forgot, is the worker's to
-        refuse, as before)."""
+        refuse, as before). ``FOREIGN``: another tenant's (review, session 43: with a tenant
+        header, any tenant that had another's response id read it, continued its conversation
+        with ``previous_response_id`` or cancelled it, as SGLang's store is one per server and
+        knows no tenant); the caller answers as SGLang does for an id it does not hold."""
         if not isinstance(rid, str) or not rid:
             return None
         key = session_memo(rid)
-        url = self.responses.get(key)
-        if url is None or url not in self.workers:
+        pin = self.responses.get(key)
+        if pin is None:
+            return None
+        url, owner = pin
+        if owner != self._response_owner(tenant):
+            return FOREIGN
+        if url not in self.workers:
             return None
         self.responses.move_to_end(key)
         return url
 
-    def _remember_response(self, rid, url: str) -> None:
-        """``rid`` was stored by the worker at ``url`` (RESPONSES_KEPT of them kept)."""
+    def _remember_response(self, rid, url: str, tenant: Optional[str] = None) -> None:
+        """``rid`` was stored by the worker at ``url`` for ``tenant`` (RESPONSES_KEPT of them kept)."""
         if not isinstance(rid, str) or not rid:
             return
-        _pin(self.responses, session_memo(rid), url, RESPONSES_KEPT)
+        _pin(self.responses, session_memo(rid), (url, self._response_owner(tenant)), RESPONSES_KEPT)
 
-    def _learn_response(self, head: list, chunk: bytes, url: str, whole: bool = False) -> Optional[list]:
+    def _learn_response(self, head: list, chunk: bytes, url: str, tenant: Optional[str] = None,
+                        whole: bool = False) -> Optional[list]:
         """A created response's JSON answer, one chunk at a time (the chunks go on to the client
         as they come; this keeps a copy of the first RESPONSE_HEAD_MAX bytes): its ``id``, learned
         as soon as it is there (SGLang writes it first: the chunk that holds it has not reached the
@@ -1642,7 +1671,7 @@ class Router:
         except (ValueError, RecursionError):
             rid = None
         if rid is not None:
-            self._remember_response(rid, url)
+            self._remember_response(rid, url, tenant)
             return None
         return head if size < RESPONSE_HEAD_MAX or whole else None
 
@@ -1990,7 +2019,14 @@ class Router:
             if sid is not None and sid in self.sessions:
                 ws = pinned = self.workers[self.sessions[sid]]
         stored = RESPONSE_ID_ROUTE.match(request.path) if request.path.startswith("/v1/responses/") else None
-        holder = self._response_worker(stored.group(1)) if stored else None
+        holder = None
+        if stored:
+            try:
+                holder = self._response_worker(stored.group(1), self._tenant(request, None))
+            except ValueError as exc:
+                return web.json_response({"error": {"message": str(exc)}}, status=400)
+            if holder == FOREIGN:
+                return _response_not_found(stored.group(1), "response_id")
         if holder:  # GET /v1/responses/{id}, its /cancel: where SGLang stored it (else as before)
             ws = pinned = self.workers[holder]
         for attempt in range(2):
