@@ -101,7 +101,7 @@ OTHER_NAMES = {
     "SGLANG_TIERED_IN_NETNS": "bench/t2_fleet.py: set inside its loopback-only namespace",
     "SGLANG_TIERED_WORKER_API_KEY": "sglang-tiered route --worker-api-key (the router's, not a server's)",
     "SGLANG_TIERED_ROUTER_ADMIN_KEY": "sglang-tiered route --admin-api-key (the router's, not a server's)",
-    "SGLANG_TIERED_PURE_PYTHON": "core/keys.py: 1 hashes pages with the pure-Python reference, not the C extension",
+    "SGLANG_TIERED_PURE_PYTHON": "core/keys.py: 1 runs the pure-Python references, not the optional C extensions (page hashes, the duel's miniatures, the sketch, the tree shadows)",
 }
 PREFIX = "SGLANG_TIERED_"
 HEADER_NAME = re.compile(r"[A-Za-z0-9-]{1,64}")  # a tenant header's name (the servers' and the router's)
