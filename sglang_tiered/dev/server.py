@@ -112,6 +112,11 @@ def use_server_threads(threads: int | None) -> None:
 
 
 CGROUP_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/cgroup/cpu")
+# What SGLang logs once its warmup request has run (http_server.py ``_wait_and_warmup``; the
+# servers run with --log-level info), and how long ``Server.wait_ready`` waits for it after the
+# routes answer (a server started at another log level never logs it: returned after this long).
+READY_LINE = b"The server is fired up and ready to roll!"
+WARMUP_WAIT_S = 60.0
 
 
 def cpu_quota_group(name: str, cores: float) -> str:
@@ -309,6 +314,7 @@ class Server:
             try:
                 with urllib.request.urlopen(req, timeout=2) as r:
                     if r.status == 200:
+                        self._wait_warmed(min(deadline, time.monotonic() + WARMUP_WAIT_S))
                         return
             except (urllib.error.URLError, OSError):
                 pass
@@ -320,6 +326,21 @@ class Server:
         raise ServerStartError(
             f"server not ready after {timeout_s:.0f}s; log {self.log_path} ends:\n{self.log_tail()}"
         )
+
+    def _wait_warmed(self, until: float) -> None:
+        """Wait (until ``until``) for SGLang's warmup request to end: its routes answer before
+        it has run (``_wait_and_warmup`` sends one generate request after the port is bound,
+        then logs READY_LINE). A test's first call could meet it running: a ``/flush_cache``
+        refused with "pending requests" (CI, session 43, on a loaded machine), a tenant's stats
+        counting one request more. A server whose warmup never ends is returned as before."""
+        while time.monotonic() < until and self.proc.poll() is None:
+            try:
+                with open(self.log_path, "rb") as f:
+                    if READY_LINE in f.read():
+                        return
+            except OSError:
+                return
+            time.sleep(0.2)
 
     def _bind_failed(self) -> bool:
         try:
