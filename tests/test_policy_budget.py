@@ -69,8 +69,9 @@ def _mixed(pol: AdaptivePolicy, n: int, real_hits_loop: bool) -> None:
     for _ in range(n):
         i = pol.begin_request() - 1
         h = _mixed_page(i)
-        # (one-page requests: the tree shadow holds each as a child of its root)
-        held = h in pol._shadow.root.children if pol._tree else h in pol._shadow.d
+        # (one-page requests: the tree shadow holds each as a child of its root, its pages are
+        # its root's children's keys; pages() reads them from the C shadow too)
+        held = h in pol._shadow.pages() if pol._tree else h in pol._shadow.d
         hit = held and (real_hits_loop or i % 2)  # the real cache as lru, or losing the loop
         pol.observe([h], int(hit))
 

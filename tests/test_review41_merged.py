@@ -179,11 +179,11 @@ def test_the_decode_replay_by_pages_leaves_the_per_token_loops_trees(seed):
     leaves are the per-token loop's, on random prompts, shared heads and decodes that fit."""
     import random
 
-    from sglang_tiered.core.shadows import TreeShadow
+    from sglang_tiered.core.shadows import TreeShadow, TreeShadowPy
 
     rng = random.Random(seed)
-    a = TreeShadow(rng.randint(12, 40))
-    b = TreeShadow(a.cap)
+    a = TreeShadow(rng.randint(12, 40))  # (the C one where built: its decode replay against the per-token loop)
+    b = TreeShadowPy(a.cap)  # (the per-token loop steps the reference's internals)
     for i in range(300):
         page = rng.choice((1, 2, 4, 16))
         pre = rng.randint(0, 3)

@@ -1,10 +1,12 @@
 /* Optional accelerator for the policy's per-request bookkeeping (issue #11, session 42): the
    admission duel's miniatures (core/miniature.py ``MiniCache``) and the TinyLFU frequency sketch
-   (core/sketch.py ``FrequencySketch``).
+   (core/sketch.py ``FrequencySketch``); session 43: the safety duel's tree shadows
+   (core/shadows.py ``TreeShadow``, SGLang's RadixCache replayed per fixed order).
 
    The pure-Python classes in those modules are the reference: this C does exactly what they do,
    decision for decision (same hits, same segment order and ticks, the same float ``age``, the
-   same counters and aging points), and tests/test_bookkeeping_c.py proves it on random streams.
+   same counters and aging points; the same splits, touches, evictions and track calls), and
+   tests/test_bookkeeping_c.py and tests/test_tree_shadow_c.py prove it on random streams.
    They are used where this extension is not built or SGLANG_TIERED_PURE_PYTHON=1.
 
    Floating point: ``age += 0.01 * (tick - t - age)`` and ``prot_tick + k * age`` are computed as
@@ -13,7 +15,8 @@
    rounding) or keep it in extended precision.
 
    Keys are ``bytes`` (16-byte page hashes), stored as the objects themselves (a reference each,
-   compared by content), never truncated. */
+   compared by content), never truncated (the tree shadow also takes any hashable key, compared
+   by ``==``: tests and benchmarks replay small ints). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -769,6 +772,1103 @@ static PyTypeObject MiniType = {
     .tp_getset = mc_getset,
 };
 
+/* ------------------------------------------------------------------ tree shadow */
+
+/* core/shadows.py ``TreeShadowPy`` (SGLang's RadixCache replayed as metadata, per fixed order),
+   step for step: the same walks, splits, touches, hit counts, locks, evictions and track calls in
+   the same order, the same clock, seq and stamps. The reference's objects map as follows:
+
+   - a ``_Node`` is a ``tnode`` from a pool owned by the shadow (chunks, never returned before the
+     shadow goes: a stale heap entry may still point at a freed node, whose stamp is then -1 and
+     can never equal an entry's stamp, as a gone node's never does in the reference);
+   - ``node.key`` is an array of owned references (``track`` gets a new list of them);
+   - every node's ``children`` dict is one table for the whole tree, keyed by (parent, first page)
+     with the page's own hash and equality (bytes compared by content, other keys by ``==``), and
+     a list of each node's children in the dict's insertion order (``lasts`` walks it as the
+     reference walks the dicts: with repeated pages the later node's entry wins in both);
+   - ``leaves`` is a flag per node and a count (the heap's rebuild rule reads ``len(leaves)``);
+   - a heap entry ``(priority, seq, stamp, node)`` is four integers and the node: lru's priority
+     ``last`` is (0, last), slru's ``(hits >= 2, last)`` and lfu's ``(hits, last)`` are the pair
+     itself, so entries order as the tuples do. Any binary heap pops the same entries: all
+     entries differ (stamps are unique), so the minimum is one entry, whatever the layout. */
+
+typedef struct tnode {
+    PyObject **keys; /* the node's pages (owned), len of them; NULL for the root and free nodes */
+    Py_ssize_t len;
+    struct tnode *parent, *first, *lastc, *prev, *next; /* children in insertion order; next: free list */
+    Py_hash_t khash; /* hash(keys[0]) */
+    long long last, hits, seq, stamp;
+    Py_ssize_t lock;
+    int leaf, live;
+    unsigned long mark; /* check's live heap entries */
+} tnode;
+
+typedef struct {
+    long long k1, k2, seq, stamp;
+    tnode *node;
+} hentry;
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t cap, used, nleaves;
+    int order; /* 0 lru, 1 slru, 2 lfu */
+    int full, busy;
+    long long clock, seq, stamps;
+    tnode *root; /* NULL: not initialized (or cleared by the garbage collector) */
+    PyObject *track;
+    tnode **chunks;
+    Py_ssize_t nchunks;
+    tnode *free_nodes;
+    tnode **table; /* (parent, first page) -> child: open addressing, linear probing */
+    size_t tmask;
+    Py_ssize_t tcount;
+    hentry *heap;
+    Py_ssize_t hlen, halloc;
+    tnode **path; /* a walk's path (run's, then its insert's walk on) */
+    Py_ssize_t plen, palloc;
+    unsigned long epoch;
+} TreeObject;
+
+static PyTypeObject TreeType;
+static PyObject *str_l_add, *str_l_remove;
+static const char *const ORDERS[3] = {"lru", "slru", "lfu"};
+
+#define TS_CHUNK 256
+
+static tnode *ts_node_new(TreeObject *t)
+{
+    tnode *n;
+    if (t->free_nodes == NULL) {
+        tnode **chunks = PyMem_Realloc(t->chunks, (size_t)(t->nchunks + 1) * sizeof(tnode *));
+        tnode *c;
+        int i;
+        if (chunks == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        t->chunks = chunks;
+        c = PyMem_Calloc(TS_CHUNK, sizeof(tnode));
+        if (c == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        t->chunks[t->nchunks++] = c;
+        for (i = TS_CHUNK - 1; i >= 0; i--) {
+            c[i].stamp = -1;
+            c[i].next = t->free_nodes;
+            t->free_nodes = &c[i];
+        }
+    }
+    n = t->free_nodes;
+    t->free_nodes = n->next;
+    memset(n, 0, sizeof(tnode));
+    n->stamp = -1;
+    n->live = 1;
+    return n;
+}
+
+/* back to the pool (stamp -1: any heap entry still pointing here is stale) */
+static void ts_node_free(TreeObject *t, tnode *n)
+{
+    PyObject **keys = n->keys;
+    Py_ssize_t i, len = n->len;
+    n->keys = NULL;
+    n->len = 0;
+    n->live = n->leaf = 0;
+    n->stamp = -1;
+    n->parent = n->first = n->lastc = n->prev = NULL;
+    n->next = t->free_nodes;
+    t->free_nodes = n;
+    for (i = 0; i < len; i++) Py_DECREF(keys[i]);
+    PyMem_Free(keys);
+}
+
+static inline int ts_keq(PyObject *a, PyObject *b)
+{
+    if (a == b) return 1;
+    if (PyBytes_CheckExact(a) && PyBytes_CheckExact(b))
+        return PyBytes_GET_SIZE(a) == PyBytes_GET_SIZE(b) &&
+               memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), PyBytes_GET_SIZE(a)) == 0;
+    return PyObject_RichCompareBool(a, b, Py_EQ);
+}
+
+/* where (parent, a page of hash h) goes in the table: the page's own hash (SipHash for bytes,
+   keyed per process; see key_hash) mixed with its parent's address */
+static inline size_t ts_home(TreeObject *t, tnode *parent, Py_hash_t h)
+{
+    uint64_t x = (uint64_t)h ^ ((uint64_t)(uintptr_t)parent * 0x9E3779B97F4A7C15ULL);
+    x *= 0xBF58476D1CE4E5B9ULL;
+    return (size_t)(x ^ (x >> 31)) & t->tmask;
+}
+
+/* the child of parent under page key (hash h): 1 and *out, 0 if none, -1 on error */
+static int ts_find(TreeObject *t, tnode *parent, PyObject *key, Py_hash_t h, tnode **out)
+{
+    size_t i = ts_home(t, parent, h);
+    tnode *n;
+    while ((n = t->table[i]) != NULL) {
+        if (n->parent == parent && n->khash == h) {
+            int eq = ts_keq(n->keys[0], key);
+            if (eq < 0) return -1;
+            if (eq) {
+                *out = n;
+                return 1;
+            }
+        }
+        i = (i + 1) & t->tmask;
+    }
+    *out = NULL;
+    return 0;
+}
+
+static size_t ts_slot_of(TreeObject *t, tnode *n)
+{
+    size_t i = ts_home(t, n->parent, n->khash);
+    while (t->table[i] != n) i = (i + 1) & t->tmask;
+    return i;
+}
+
+/* room in the table for `more` entries (at most half full), rebuilt bigger if needed */
+static int ts_table_reserve(TreeObject *t, Py_ssize_t more)
+{
+    size_t size = t->tmask + 1, i, old = size;
+    tnode **tab, **prev = t->table;
+    if (prev != NULL && 2 * (size_t)(t->tcount + more) <= size) return 0;
+    if (prev == NULL) size = 64;
+    while (2 * (size_t)(t->tcount + more) > size) size <<= 1;
+    tab = PyMem_Calloc(size, sizeof(tnode *));
+    if (tab == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    t->table = tab;
+    t->tmask = size - 1;
+    if (prev != NULL) {
+        for (i = 0; i < old; i++) {
+            tnode *n = prev[i];
+            if (n == NULL) continue;
+            size_t s = ts_home(t, n->parent, n->khash);
+            while (tab[s] != NULL) s = (s + 1) & t->tmask;
+            tab[s] = n;
+        }
+        PyMem_Free(prev);
+    }
+    return 0;
+}
+
+/* put n (parent and khash set) in the table: room reserved by the caller */
+static void ts_table_put(TreeObject *t, tnode *n)
+{
+    size_t s = ts_home(t, n->parent, n->khash);
+    while (t->table[s] != NULL) s = (s + 1) & t->tmask;
+    t->table[s] = n;
+    t->tcount++;
+}
+
+/* backward-shift deletion (no tombstones), as mc_table_del */
+static void ts_table_del(TreeObject *t, size_t i)
+{
+    size_t j = i, k, mask = t->tmask;
+    t->table[i] = NULL;
+    t->tcount--;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (t->table[j] == NULL) return;
+        k = ts_home(t, t->table[j]->parent, t->table[j]->khash);
+        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
+        t->table[i] = t->table[j];
+        t->table[j] = NULL;
+        i = j;
+    }
+}
+
+static void ts_append_child(tnode *p, tnode *c)
+{
+    c->parent = p;
+    c->next = NULL;
+    c->prev = p->lastc;
+    if (p->lastc != NULL)
+        p->lastc->next = c;
+    else
+        p->first = c;
+    p->lastc = c;
+}
+
+static void ts_unlink_child(tnode *c)
+{
+    tnode *p = c->parent;
+    if (c->prev != NULL)
+        c->prev->next = c->next;
+    else
+        p->first = c->next;
+    if (c->next != NULL)
+        c->next->prev = c->prev;
+    else
+        p->lastc = c->prev;
+    c->prev = c->next = NULL;
+}
+
+static inline int he_lt(const hentry *a, const hentry *b)
+{
+    if (a->k1 != b->k1) return a->k1 < b->k1;
+    if (a->k2 != b->k2) return a->k2 < b->k2;
+    if (a->seq != b->seq) return a->seq < b->seq;
+    return a->stamp < b->stamp;
+}
+
+static void ts_sift_down(hentry *h, Py_ssize_t n, Py_ssize_t i)
+{
+    hentry x = h[i];
+    Py_ssize_t c;
+    while ((c = 2 * i + 1) < n) {
+        if (c + 1 < n && he_lt(&h[c + 1], &h[c])) c++;
+        if (!he_lt(&h[c], &x)) break;
+        h[i] = h[c];
+        i = c;
+    }
+    h[i] = x;
+}
+
+static hentry ts_heap_pop(TreeObject *t)
+{
+    hentry top = t->heap[0];
+    t->hlen--;
+    if (t->hlen > 0) {
+        t->heap[0] = t->heap[t->hlen];
+        ts_sift_down(t->heap, t->hlen, 0);
+    }
+    return top;
+}
+
+/* _push: (re)file evictable leaf n under its current priority (its older entries go stale);
+   when the stale entries outnumber the live ones, only the live ones are kept */
+static int ts_push(TreeObject *t, tnode *n)
+{
+    hentry e;
+    Py_ssize_t i;
+    if (t->hlen == t->halloc) {
+        Py_ssize_t na = t->halloc ? 2 * t->halloc : 64;
+        hentry *h = PyMem_Realloc(t->heap, (size_t)na * sizeof(hentry));
+        if (h == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        t->heap = h;
+        t->halloc = na;
+    }
+    t->stamps += 1;
+    n->stamp = t->stamps;
+    e.k1 = t->order == 0 ? 0 : t->order == 1 ? (n->hits >= 2) : n->hits;
+    e.k2 = n->last;
+    e.seq = n->seq;
+    e.stamp = n->stamp;
+    e.node = n;
+    i = t->hlen++;
+    while (i > 0) {
+        Py_ssize_t up = (i - 1) / 2;
+        if (!he_lt(&e, &t->heap[up])) break;
+        t->heap[i] = t->heap[up];
+        i = up;
+    }
+    t->heap[i] = e;
+    if (t->hlen > 2 * t->nleaves + 64) { /* mostly stale: keep the live entries */
+        Py_ssize_t j, k = 0;
+        for (j = 0; j < t->hlen; j++) {
+            tnode *x = t->heap[j].node;
+            if (x->stamp == t->heap[j].stamp && x->leaf) t->heap[k++] = t->heap[j];
+        }
+        t->hlen = k;
+        for (j = k / 2 - 1; j >= 0; j--) ts_sift_down(t->heap, k, j);
+    }
+    return 0;
+}
+
+static inline void ts_leaf_drop(TreeObject *t, tnode *n)
+{
+    if (n->leaf) {
+        n->leaf = 0;
+        t->nleaves--;
+    }
+}
+
+static int ts_path_add(TreeObject *t, tnode *n)
+{
+    if (t->plen == t->palloc) {
+        Py_ssize_t na = t->palloc ? 2 * t->palloc : 64;
+        tnode **p = PyMem_Realloc(t->path, (size_t)na * sizeof(tnode *));
+        if (p == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        t->path = p;
+        t->palloc = na;
+    }
+    t->path[t->plen++] = n;
+    return 0;
+}
+
+/* _split: a new parent of node holding node's first `at` pages (hit count and lock copied) */
+static tnode *ts_split(TreeObject *t, tnode *node, Py_ssize_t at)
+{
+    Py_hash_t h = PyObject_Hash(node->keys[at]);
+    PyObject **keys;
+    tnode *top;
+    size_t slot;
+    if (h == -1) return NULL;
+    if (ts_table_reserve(t, 1) < 0) return NULL;
+    keys = PyMem_Malloc((size_t)at * sizeof(PyObject *));
+    if (keys == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    top = ts_node_new(t);
+    if (top == NULL) {
+        PyMem_Free(keys);
+        return NULL;
+    }
+    t->seq += 1;
+    memcpy(keys, node->keys, (size_t)at * sizeof(PyObject *)); /* (the references move) */
+    memmove(node->keys, node->keys + at, (size_t)(node->len - at) * sizeof(PyObject *));
+    node->len -= at;
+    top->keys = keys;
+    top->len = at;
+    top->last = node->last;
+    top->hits = node->hits;
+    top->lock = node->lock;
+    top->seq = t->seq;
+    top->khash = node->khash;
+    /* parent.children[first page] = top: the same table slot and the same place in the order */
+    slot = ts_slot_of(t, node);
+    top->parent = node->parent;
+    t->table[slot] = top;
+    top->prev = node->prev;
+    top->next = node->next;
+    if (top->prev != NULL)
+        top->prev->next = top;
+    else
+        top->parent->first = top;
+    if (top->next != NULL)
+        top->next->prev = top;
+    else
+        top->parent->lastc = top;
+    node->prev = node->next = NULL;
+    node->khash = h;
+    ts_append_child(top, node);
+    ts_table_put(t, node);
+    return top;
+}
+
+/* _walk: match pages[i:n] below node (which holds pages[:i]), touching the path at tick and
+   splitting a partly matched node; the path's nodes are appended to t->path. Returns the
+   matched pages, or -1 on error. */
+static Py_ssize_t ts_walk(TreeObject *t, PyObject **pages, Py_ssize_t n, long long tick, tnode *node,
+                          Py_ssize_t i)
+{
+    node->last = tick;
+    while (i < n) {
+        tnode *child;
+        Py_ssize_t lk, m, k = 1;
+        Py_hash_t h = PyObject_Hash(pages[i]);
+        int r;
+        if (h == -1) return -1;
+        r = ts_find(t, node, pages[i], h, &child);
+        if (r < 0) return -1;
+        if (r == 0) break;
+        child->last = tick;
+        lk = child->len;
+        m = lk < n - i ? lk : n - i;
+        while (k < m) {
+            int eq = ts_keq(child->keys[k], pages[i + k]);
+            if (eq < 0) return -1;
+            if (!eq) break;
+            k++;
+        }
+        if (k < lk) {
+            /* the lower part keeps the touch (SGLang touches, then splits) */
+            if (child->leaf && ts_push(t, child) < 0) return -1;
+            child = ts_split(t, child, k);
+            if (child == NULL) return -1;
+        }
+        i += k;
+        if (ts_path_add(t, child) < 0) return -1;
+        node = child;
+    }
+    return i;
+}
+
+static int ts_set_lock(TreeObject *t, tnode *node, Py_ssize_t d)
+{
+    while (node != NULL) {
+        node->lock += d;
+        if (node->lock > 0)
+            ts_leaf_drop(t, node);
+        else if (node->first == NULL && !node->leaf) {
+            node->leaf = 1;
+            t->nleaves++;
+            if (ts_push(t, node) < 0) return -1;
+        }
+        node = node->parent;
+    }
+    return 0;
+}
+
+/* track.<name>(node's pages as a new list), if track is set */
+static int ts_tell(TreeObject *t, PyObject *name, tnode *n)
+{
+    PyObject *track = t->track, *lst, *r;
+    Py_ssize_t i;
+    if (track == NULL || track == Py_None) return 0;
+    lst = PyList_New(n->len);
+    if (lst == NULL) return -1;
+    for (i = 0; i < n->len; i++) {
+        Py_INCREF(n->keys[i]);
+        PyList_SET_ITEM(lst, i, n->keys[i]);
+    }
+    Py_INCREF(track); /* (the callback may set another track) */
+    r = PyObject_CallMethodOneArg(track, name, lst);
+    Py_DECREF(track);
+    Py_DECREF(lst);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int ts_evict(TreeObject *t, Py_ssize_t pages)
+{
+    Py_ssize_t freed = 0;
+    t->full = 1;
+    while (freed < pages && t->hlen > 0) {
+        hentry e = ts_heap_pop(t);
+        tnode *x = e.node, *p;
+        int err;
+        if (x->stamp != e.stamp || !x->leaf) continue; /* stale: re-filed since, locked, or gone */
+        freed += x->len;
+        t->used -= x->len;
+        p = x->parent;
+        ts_table_del(t, ts_slot_of(t, x));
+        ts_unlink_child(x);
+        ts_leaf_drop(t, x);
+        x->stamp = -1;
+        err = ts_tell(t, str_l_remove, x);
+        ts_node_free(t, x);
+        if (err < 0) return -1;
+        if (p->first == NULL && p->lock == 0) {
+            p->leaf = 1;
+            t->nleaves++;
+            if (ts_push(t, p) < 0) return -1;
+        }
+    }
+    return 0;
+}
+
+/* _insert: SGLang's insert after run's match (t->path[:npath], ending at last, matched pages;
+   capped: the match stopped short of them, the insert walks on) */
+static int ts_insert(TreeObject *t, PyObject **pages, Py_ssize_t len, Py_ssize_t start, Py_ssize_t npath,
+                     tnode *last, Py_ssize_t matched, int capped)
+{
+    long long tick;
+    Py_ssize_t end = 0, j, inserted = matched;
+    tnode *tip = last;
+    t->clock += 2;
+    tick = t->clock;
+    t->root->last = tick;
+    for (j = 0; j < npath; j++) {
+        tnode *node = t->path[j];
+        node->last = tick;
+        end += node->len;
+        if (end > start) node->hits += 1;
+    }
+    if (capped) { /* SGLang's insert walks on over what is cached past the match's limit */
+        Py_ssize_t base = t->plen = npath;
+        inserted = ts_walk(t, pages, len, tick, last, matched);
+        if (inserted < 0) return -1;
+        for (j = base; j < t->plen; j++) {
+            tnode *node = t->path[j];
+            end += node->len;
+            if (end > start) node->hits += 1;
+            if (node->leaf && ts_push(t, node) < 0) return -1;
+        }
+        if (t->plen > base) tip = t->path[t->plen - 1];
+    }
+    if (inserted < len) {
+        Py_hash_t h = PyObject_Hash(pages[inserted]);
+        PyObject **keys;
+        tnode *leaf;
+        Py_ssize_t n = len - inserted;
+        if (h == -1 || ts_table_reserve(t, 1) < 0) return -1;
+        keys = PyMem_Malloc((size_t)n * sizeof(PyObject *));
+        if (keys == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        leaf = ts_node_new(t);
+        if (leaf == NULL) {
+            PyMem_Free(keys);
+            return -1;
+        }
+        t->seq += 1;
+        for (j = 0; j < n; j++) {
+            keys[j] = pages[inserted + j];
+            Py_INCREF(keys[j]);
+        }
+        leaf->keys = keys;
+        leaf->len = n;
+        leaf->last = tick;
+        leaf->hits = len > start ? 1 : 0;
+        leaf->seq = t->seq;
+        leaf->khash = h;
+        ts_leaf_drop(t, tip); /* (an unlocked node the insert walked to: no longer a leaf) */
+        ts_append_child(tip, leaf);
+        ts_table_put(t, leaf);
+        t->used += n;
+        if (ts_tell(t, str_l_add, leaf) < 0) return -1;
+        if (t->used >= t->cap) t->full = 1;
+        leaf->leaf = 1;
+        t->nleaves++;
+        if (ts_push(t, leaf) < 0) return -1;
+    }
+    return 0;
+}
+
+static inline Py_ssize_t py_mod(Py_ssize_t a, Py_ssize_t b)
+{
+    Py_ssize_t r = a % b;
+    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+
+static inline Py_ssize_t py_div(Py_ssize_t a, Py_ssize_t b)
+{
+    Py_ssize_t q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+
+/* _decoded: the release of a request that decoded `steps` tokens after its n-token prompt */
+static Py_ssize_t ts_decoded(TreeObject *t, PyObject **pages, Py_ssize_t len, Py_ssize_t start, Py_ssize_t n,
+                             Py_ssize_t steps, Py_ssize_t page)
+{
+    Py_ssize_t ns = start >= 0 ? (start < len ? start : len) : (len + start > 0 ? len + start : 0);
+    Py_ssize_t matched, npath, held, pos, end;
+    tnode *last;
+    t->clock += 1;
+    t->plen = 0;
+    matched = ts_walk(t, pages, ns, t->clock, t->root, 0);
+    if (matched < 0) return -1;
+    npath = t->plen;
+    last = npath ? t->path[npath - 1] : t->root;
+    if (ts_set_lock(t, last, 1) < 0) return -1;
+    held = py_mod(n, page) > 0;
+    /* each step evicts until a page is free, then takes one at a page boundary; only the first
+       step, each boundary and the step after it are visited (as the reference) */
+    pos = n;
+    end = n + steps;
+    while (pos < end) {
+        Py_ssize_t free = t->cap - t->used - held;
+        if (free < 1 && ts_evict(t, 1 - free) < 0) return -1;
+        if (py_mod(pos, page) == 0) {
+            held += 1;
+            pos += 1;
+        } else {
+            Py_ssize_t b = (py_div(pos, page) + 1) * page;
+            pos = b < end ? b : end;
+        }
+    }
+    if (matched == start && ts_insert(t, pages, len, start, npath, last, matched, 1) < 0) return -1;
+    if (ts_set_lock(t, last, -1) < 0) return -1;
+    return 0;
+}
+
+static Py_ssize_t ts_run_impl(TreeObject *t, PyObject **pages, Py_ssize_t len, Py_ssize_t tail, Py_ssize_t start,
+                              PyObject *limit, Py_ssize_t reserve)
+{
+    Py_ssize_t lim = 0, matched, npath, need, want;
+    int capped = 0, fits, locked;
+    tnode *last;
+    if (limit != Py_None) {
+        lim = PyNumber_AsSsize_t(limit, PyExc_OverflowError);
+        if (lim == -1 && PyErr_Occurred()) return -1;
+        capped = lim < len;
+    }
+    t->clock += 1;
+    t->plen = 0;
+    matched = ts_walk(t, pages, capped ? lim : len, t->clock, t->root, 0);
+    if (matched < 0) return -1;
+    npath = t->plen;
+    last = npath ? t->path[npath - 1] : t->root;
+    need = len - matched + tail;
+    /* SGLang takes a request only when it fits the free and evictable pages; the lock only keeps
+       the path from the eviction (see the reference's comments) */
+    fits = len + tail <= t->cap;
+    want = need ? need + reserve : 0;
+    locked = fits && want > t->cap - t->used;
+    if (locked) {
+        if (ts_set_lock(t, last, 1) < 0 || ts_evict(t, want - (t->cap - t->used)) < 0) return -1;
+    }
+    if (fits && need <= t->cap - t->used && ts_insert(t, pages, len, start, npath, last, matched, capped) < 0)
+        return -1;
+    if (locked) {
+        if (ts_set_lock(t, last, -1) < 0) return -1;
+    } else if (last->leaf && ts_push(t, last) < 0)
+        return -1;
+    return matched - start > 0 ? matched - start : 0;
+}
+
+static int ts_ready(TreeObject *t)
+{
+    if (t->root == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "TreeShadow not initialized");
+        return -1;
+    }
+    return 0;
+}
+
+static int ts_enter(TreeObject *t)
+{
+    if (ts_ready(t) < 0) return -1;
+    if (t->busy) { /* track (or a page's __eq__) called back into this shadow */
+        PyErr_SetString(PyExc_RuntimeError, "TreeShadow.run and touch are not re-entrant");
+        return -1;
+    }
+    return 0;
+}
+
+/* the pages as a tuple: a callback (track) cannot change them under the walk */
+static PyObject *ts_pages_arg(PyObject *pages)
+{
+    if (PyTuple_CheckExact(pages)) {
+        Py_INCREF(pages);
+        return pages;
+    }
+    return PySequence_Tuple(pages);
+}
+
+static PyObject *ts_run(TreeObject *t, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"pages", "tail", "start", "limit", "reserve", "decode", NULL};
+    PyObject *pages, *limit = Py_None, *decode = Py_None, *tup;
+    Py_ssize_t tail = 0, start = 0, reserve = 0, r;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|nnOnO:run", kwlist, &pages, &tail, &start, &limit, &reserve,
+                                     &decode))
+        return NULL;
+    if (ts_enter(t) < 0) return NULL;
+    tup = ts_pages_arg(pages);
+    if (tup == NULL) return NULL;
+    t->busy = 1;
+    if (decode != Py_None) {
+        Py_ssize_t n, steps, page;
+        PyObject *d = PySequence_Tuple(decode);
+        if (d == NULL || !PyArg_ParseTuple(d, "nnn:decode", &n, &steps, &page))
+            r = -1;
+        else if (page < 1) {
+            PyErr_SetString(PyExc_ValueError, "decode's page size must be positive");
+            r = -1;
+        } else
+            r = ts_decoded(t, &PyTuple_GET_ITEM(tup, 0), PyTuple_GET_SIZE(tup), start, n, steps, page);
+        Py_XDECREF(d);
+    } else
+        r = ts_run_impl(t, &PyTuple_GET_ITEM(tup, 0), PyTuple_GET_SIZE(tup), tail, start, limit, reserve);
+    t->busy = 0;
+    Py_DECREF(tup);
+    return r < 0 ? NULL : PyLong_FromSsize_t(r);
+}
+
+static PyObject *ts_touch(TreeObject *t, PyObject *pages)
+{
+    PyObject *tup;
+    Py_ssize_t matched;
+    if (ts_enter(t) < 0) return NULL;
+    tup = ts_pages_arg(pages);
+    if (tup == NULL) return NULL;
+    t->busy = 1;
+    t->clock += 1;
+    t->plen = 0;
+    matched = ts_walk(t, &PyTuple_GET_ITEM(tup, 0), PyTuple_GET_SIZE(tup), t->clock, t->root, 0);
+    /* (a touched leaf's priority moved; the walk leaves that to its caller) */
+    if (matched >= 0 && t->plen && t->path[t->plen - 1]->leaf && ts_push(t, t->path[t->plen - 1]) < 0)
+        matched = -1;
+    t->busy = 0;
+    Py_DECREF(tup);
+    return matched < 0 ? NULL : PyLong_FromSsize_t(matched);
+}
+
+/* every node back to the pool's memory, the pool, table, heap and path freed; root NULL */
+static void ts_release(TreeObject *t)
+{
+    Py_ssize_t c;
+    int i;
+    for (c = 0; c < t->nchunks; c++) {
+        for (i = 0; i < TS_CHUNK; i++) {
+            tnode *n = &t->chunks[c][i];
+            Py_ssize_t j;
+            if (!n->live) continue;
+            n->live = 0;
+            for (j = 0; j < n->len; j++) Py_CLEAR(n->keys[j]);
+            PyMem_Free(n->keys);
+            n->keys = NULL;
+            n->len = 0;
+        }
+    }
+    for (c = 0; c < t->nchunks; c++) PyMem_Free(t->chunks[c]);
+    PyMem_Free(t->chunks);
+    PyMem_Free(t->table);
+    PyMem_Free(t->heap);
+    PyMem_Free(t->path);
+    t->chunks = NULL;
+    t->nchunks = 0;
+    t->free_nodes = NULL;
+    t->table = NULL;
+    t->tmask = 0;
+    t->tcount = 0;
+    t->heap = NULL;
+    t->hlen = t->halloc = 0;
+    t->path = NULL;
+    t->plen = t->palloc = 0;
+    t->root = NULL;
+    t->used = t->nleaves = 0;
+}
+
+static int ts_order_of(PyObject *order)
+{
+    int i;
+    if (PyUnicode_Check(order))
+        for (i = 0; i < 3; i++)
+            if (PyUnicode_CompareWithASCIIString(order, ORDERS[i]) == 0) return i;
+    PyErr_Format(PyExc_ValueError, "order must be one of ('lru', 'slru', 'lfu'), got %R", order);
+    return -1;
+}
+
+static int ts_init(TreeObject *t, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"capacity", "order", NULL};
+    Py_ssize_t capacity;
+    PyObject *order = NULL;
+    int o = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|O:TreeShadow", kwlist, &capacity, &order)) return -1;
+    if (order != NULL && (o = ts_order_of(order)) < 0) return -1;
+    if (t->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "TreeShadow re-initialized during a run");
+        return -1;
+    }
+    ts_release(t);
+    t->cap = capacity > 1 ? capacity : 1;
+    t->order = o;
+    t->full = 0;
+    t->clock = t->seq = t->stamps = 0;
+    if (ts_table_reserve(t, 1) < 0) return -1;
+    t->root = ts_node_new(t);
+    if (t->root == NULL) return -1;
+    t->root->lock = 1; /* as SGLang's root: never evictable */
+    t->root->seq = 0;
+    Py_CLEAR(t->track);
+    return 0;
+}
+
+static int ts_traverse(TreeObject *t, visitproc visit, void *arg)
+{
+    Py_ssize_t c, j;
+    int i;
+    Py_VISIT(t->track); /* (a lazy Divergence holds the shadow's bound ``pages``: a cycle) */
+    for (c = 0; c < t->nchunks; c++)
+        for (i = 0; i < TS_CHUNK; i++) {
+            tnode *n = &t->chunks[c][i];
+            if (n->live)
+                for (j = 0; j < n->len; j++) Py_VISIT(n->keys[j]);
+        }
+    return 0;
+}
+
+static int ts_clear(TreeObject *t)
+{
+    Py_CLEAR(t->track);
+    if (!t->busy) ts_release(t);
+    return 0;
+}
+
+static void ts_dealloc(TreeObject *t)
+{
+    PyObject_GC_UnTrack(t);
+    Py_CLEAR(t->track);
+    ts_release(t);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static int ts_cmp_seq(const void *a, const void *b)
+{
+    long long x = (*(tnode *const *)a)->seq, y = (*(tnode *const *)b)->seq;
+    return (x > y) - (x < y);
+}
+
+/* fork(order): a copy of this tree (between requests: nothing locked), evicting by order from now on */
+static PyObject *ts_fork(TreeObject *t, PyObject *order)
+{
+    TreeObject *f;
+    tnode **stack = NULL, **leaves = NULL;
+    Py_ssize_t sp = 0, nl = 0, nodes = t->tcount, i;
+    if (ts_ready(t) < 0) return NULL;
+    f = (TreeObject *)PyObject_CallFunction((PyObject *)Py_TYPE(t), "nO", t->cap, order);
+    if (f == NULL) return NULL;
+    f->used = t->used;
+    f->clock = t->clock;
+    f->seq = t->seq;
+    f->full = t->full;
+    f->root->last = t->root->last;
+    f->root->hits = t->root->hits;
+    stack = PyMem_Malloc((size_t)(2 * nodes + 2) * sizeof(tnode *));
+    leaves = PyMem_Malloc((size_t)(nodes + 1) * sizeof(tnode *));
+    if (stack == NULL || leaves == NULL || ts_table_reserve(f, nodes) < 0) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        goto fail;
+    }
+    stack[sp++] = t->root;
+    stack[sp++] = f->root;
+    while (sp > 0) {
+        tnode *dst = stack[--sp], *src = stack[--sp], *c;
+        for (c = src->first; c != NULL; c = c->next) {
+            tnode *n = ts_node_new(f);
+            PyObject **keys;
+            if (n == NULL) goto fail;
+            keys = PyMem_Malloc((size_t)c->len * sizeof(PyObject *));
+            if (keys == NULL) {
+                ts_node_free(f, n);
+                PyErr_NoMemory();
+                goto fail;
+            }
+            for (i = 0; i < c->len; i++) {
+                keys[i] = c->keys[i];
+                Py_INCREF(keys[i]);
+            }
+            n->keys = keys;
+            n->len = c->len;
+            n->last = c->last;
+            n->hits = c->hits;
+            n->seq = c->seq;
+            n->khash = c->khash;
+            ts_append_child(dst, n);
+            ts_table_put(f, n);
+            if (c->first != NULL) {
+                stack[sp++] = c;
+                stack[sp++] = n;
+            } else {
+                n->leaf = 1;
+                f->nleaves++;
+                leaves[nl++] = n;
+            }
+        }
+    }
+    /* filed in creation order, as the reference's sorted(leaves, key=seq) */
+    qsort(leaves, (size_t)nl, sizeof(tnode *), ts_cmp_seq);
+    for (i = 0; i < nl; i++)
+        if (ts_push(f, leaves[i]) < 0) goto fail;
+    PyMem_Free(stack);
+    PyMem_Free(leaves);
+    return (PyObject *)f;
+fail:
+    PyMem_Free(stack);
+    PyMem_Free(leaves);
+    Py_DECREF(f);
+    return NULL;
+}
+
+/* pages(): every page the tree holds */
+static PyObject *ts_pages(TreeObject *t, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *out;
+    Py_ssize_t c, j;
+    int i;
+    if (ts_ready(t) < 0) return NULL;
+    out = PySet_New(NULL);
+    if (out == NULL) return NULL;
+    for (c = 0; c < t->nchunks; c++)
+        for (i = 0; i < TS_CHUNK; i++) {
+            tnode *n = &t->chunks[c][i];
+            if (n->live)
+                for (j = 0; j < n->len; j++)
+                    if (PySet_Add(out, n->keys[j]) < 0) {
+                        Py_DECREF(out);
+                        return NULL;
+                    }
+        }
+    return out;
+}
+
+/* lasts(): the last page of every node -> (its last touch, its creation order), the nodes visited
+   in the reference's order (a stack of the children dicts' values) */
+static PyObject *ts_lasts(TreeObject *t, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *out;
+    tnode **stack, *c;
+    Py_ssize_t sp = 0;
+    if (ts_ready(t) < 0) return NULL;
+    stack = PyMem_Malloc((size_t)(t->tcount + 1) * sizeof(tnode *));
+    if (stack == NULL) return PyErr_NoMemory();
+    out = PyDict_New();
+    if (out == NULL) goto fail;
+    for (c = t->root->first; c != NULL; c = c->next) stack[sp++] = c;
+    while (sp > 0) {
+        tnode *n = stack[--sp];
+        PyObject *v = Py_BuildValue("(LL)", n->last, n->seq);
+        if (v == NULL || PyDict_SetItem(out, n->keys[n->len - 1], v) < 0) {
+            Py_XDECREF(v);
+            goto fail;
+        }
+        Py_DECREF(v);
+        for (c = n->first; c != NULL; c = c->next) stack[sp++] = c;
+    }
+    PyMem_Free(stack);
+    return out;
+fail:
+    PyMem_Free(stack);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+static PyObject *ts_bounds(TreeObject *t, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *d = ts_lasts(t, NULL), *s;
+    if (d == NULL) return NULL;
+    s = PySet_New(d);
+    Py_DECREF(d);
+    return s;
+}
+
+/* check(): the reference's invariants (the pages held are the tree's, within capacity; the
+   evictable leaves are the unlocked childless nodes, each with a live heap entry; nothing
+   locked between requests; the track's L is the tree's pages) and the C structure's own links */
+static PyObject *ts_check(TreeObject *t, PyObject *Py_UNUSED(ignored))
+{
+    tnode **stack, *c;
+    Py_ssize_t sp = 0, seen = 0, nodes = 0, leaves = 0, j;
+    const char *bad = NULL;
+    if (ts_ready(t) < 0) return NULL;
+    t->epoch += 1;
+    for (j = 0; j < t->hlen; j++)
+        if (t->heap[j].node->stamp == t->heap[j].stamp) t->heap[j].node->mark = t->epoch;
+    stack = PyMem_Malloc((size_t)(t->tcount + 1) * sizeof(tnode *));
+    if (stack == NULL) return PyErr_NoMemory();
+    stack[sp++] = t->root;
+    while (sp > 0 && bad == NULL) {
+        tnode *n = stack[--sp], *prev = NULL;
+        int want_leaf = n != t->root && n->first == NULL;
+        seen += n->len;
+        if (n != t->root && n->lock != 0) bad = "a node stayed locked";
+        else if (n->leaf != want_leaf) bad = "evictable leaves";
+        else if (n->leaf && n->mark != t->epoch) bad = "an evictable leaf without a live heap entry";
+        leaves += n->leaf;
+        for (c = n->first; c != NULL && bad == NULL; prev = c, c = c->next) {
+            tnode *found;
+            if (++nodes > t->tcount) bad = "tree links";
+            else if (c->parent != n || c->prev != prev || c->len < 1 || !c->live) bad = "tree links";
+            else if (ts_find(t, n, c->keys[0], c->khash, &found) < 0) {
+                PyMem_Free(stack);
+                return NULL;
+            } else if (found != c)
+                bad = "tree links";
+            else
+                stack[sp++] = c;
+        }
+        if (bad == NULL && n->lastc != prev) bad = "tree links";
+    }
+    PyMem_Free(stack);
+    if (bad == NULL && (nodes != t->tcount || leaves != t->nleaves)) bad = "tree links";
+    if (bad != NULL) return check_fail(bad);
+    if (!(seen == t->used && t->used <= t->cap)) {
+        PyErr_Format(PyExc_AssertionError, "(%zd, %zd, %zd)", seen, t->used, t->cap);
+        return NULL;
+    }
+    if (t->track != NULL && t->track != Py_None) {
+        PyObject *track = t->track, *r;
+        int ok = 1;
+        Py_INCREF(track);
+        r = PyObject_CallMethod(track, "held", NULL);
+        if (r != NULL) {
+            ok = PyObject_IsTrue(r);
+            Py_DECREF(r);
+            if (ok == 1) {
+                PyObject *L = PyObject_GetAttrString(track, "L"), *mine = ts_pages(t, NULL);
+                ok = (L == NULL || mine == NULL) ? -1 : PyObject_RichCompareBool(L, mine, Py_EQ);
+                Py_XDECREF(L);
+                Py_XDECREF(mine);
+                if (ok == 0) PyErr_SetString(PyExc_AssertionError, "the divergence's L is not the tree's pages");
+                ok = ok == 1 ? 1 : -1;
+            } else
+                ok = ok == 0 ? 1 : -1;
+        } else
+            ok = -1;
+        if (ok == 1) {
+            r = PyObject_CallMethod(track, "check", NULL);
+            if (r == NULL)
+                ok = -1;
+            else
+                Py_DECREF(r);
+        }
+        Py_DECREF(track);
+        if (ok < 0) return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *ts_get_track(TreeObject *t, void *c)
+{
+    PyObject *r = t->track != NULL ? t->track : Py_None;
+    Py_INCREF(r);
+    return r;
+}
+
+static int ts_set_track(TreeObject *t, PyObject *v, void *c)
+{
+    if (v == NULL) v = Py_None;
+    Py_INCREF(v);
+    Py_XSETREF(t->track, v);
+    return 0;
+}
+
+static PyObject *ts_get_order(TreeObject *t, void *c) { return PyUnicode_FromString(ORDERS[t->order]); }
+static PyObject *ts_get_full(TreeObject *t, void *c) { return PyBool_FromLong(t->full); }
+
+static PyMethodDef ts_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))ts_run, METH_VARARGS | METH_KEYWORDS,
+     "run(pages, tail=0, start=0, limit=None, reserve=0, decode=None) -> pages of pages[start:] hit"},
+    {"touch", (PyCFunction)ts_touch, METH_O, "touch(pages) -> pages matched (a match never inserted)"},
+    {"fork", (PyCFunction)ts_fork, METH_O, "fork(order) -> a copy evicting by order from now on"},
+    {"pages", (PyCFunction)ts_pages, METH_NOARGS, "pages() -> set of every page held"},
+    {"bounds", (PyCFunction)ts_bounds, METH_NOARGS, "bounds() -> set of every node's last page"},
+    {"lasts", (PyCFunction)ts_lasts, METH_NOARGS, "lasts() -> {node's last page: (last touch, creation order)}"},
+    {"check", (PyCFunction)ts_check, METH_NOARGS, "check(): assert the invariants"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef ts_members[] = {
+    {"cap", T_PYSSIZET, offsetof(TreeObject, cap), READONLY, NULL},
+    {"used", T_PYSSIZET, offsetof(TreeObject, used), READONLY, NULL},
+    {"clock", T_LONGLONG, offsetof(TreeObject, clock), READONLY, NULL},
+    {"seq", T_LONGLONG, offsetof(TreeObject, seq), READONLY, NULL},
+    {"stamps", T_LONGLONG, offsetof(TreeObject, stamps), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef ts_getset[] = {
+    {"track", (getter)ts_get_track, (setter)ts_set_track, "told of every page this tree takes in or drops", NULL},
+    {"order", (getter)ts_get_order, NULL, "lru, slru or lfu", NULL},
+    {"full", (getter)ts_get_full, NULL, "it held its capacity or had to evict", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject TreeType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "sglang_tiered.core._bookkeeping.TreeShadow",
+    .tp_basicsize = sizeof(TreeObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "C TreeShadow (core/shadows.py's TreeShadowPy is the reference)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)ts_init,
+    .tp_dealloc = (destructor)ts_dealloc,
+    .tp_traverse = (traverseproc)ts_traverse,
+    .tp_clear = (inquiry)ts_clear,
+    .tp_free = PyObject_GC_Del,
+    .tp_methods = ts_methods,
+    .tp_members = ts_members,
+    .tp_getset = ts_getset,
+};
+
 /* ------------------------------------------------------------------ module */
 
 /* select(pages, mask) -> [h for h in pages if not h[0] & mask] */
@@ -803,20 +1903,25 @@ static PyMethodDef bk_methods[] = {
 
 static struct PyModuleDef bk_module = {
     PyModuleDef_HEAD_INIT, "_bookkeeping",
-    "C miniatures and frequency sketch (optional; core/miniature.py and core/sketch.py are the reference).", -1,
+    "C miniatures, frequency sketch and tree shadow (optional; core/miniature.py, core/sketch.py and "
+    "core/shadows.py are the reference).", -1,
     bk_methods,
 };
 
 PyMODINIT_FUNC PyInit__bookkeeping(void)
 {
     PyObject *m;
-    if (PyType_Ready(&SketchType) < 0 || PyType_Ready(&MiniType) < 0) return NULL;
+    if (PyType_Ready(&SketchType) < 0 || PyType_Ready(&MiniType) < 0 || PyType_Ready(&TreeType) < 0) return NULL;
+    if (str_l_add == NULL && (str_l_add = PyUnicode_InternFromString("l_add")) == NULL) return NULL;
+    if (str_l_remove == NULL && (str_l_remove = PyUnicode_InternFromString("l_remove")) == NULL) return NULL;
     m = PyModule_Create(&bk_module);
     if (m == NULL) return NULL;
     Py_INCREF(&SketchType);
     if (PyModule_AddObject(m, "FrequencySketch", (PyObject *)&SketchType) < 0) goto fail;
     Py_INCREF(&MiniType);
     if (PyModule_AddObject(m, "MiniCache", (PyObject *)&MiniType) < 0) goto fail;
+    Py_INCREF(&TreeType);
+    if (PyModule_AddObject(m, "TreeShadow", (PyObject *)&TreeType) < 0) goto fail;
     return m;
 fail:
     Py_DECREF(m);

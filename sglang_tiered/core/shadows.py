@@ -10,6 +10,14 @@ the cached pages are used (and locked), room is made for the new pages by evicti
 requests' pages, then the new pages are inserted, deepest first, so a page-level order keeps a
 radix tree's inclusion (a parent is never evicted before its children) and hits are prefix hits.
 
+``TreeShadow`` is the optional C extension's (``_bookkeeping.TreeShadow``: the walk, splits, heap
+and evictions in C, issue #11, session 43) when it was built and ``SGLANG_TIERED_PURE_PYTHON`` is
+not ``1``; otherwise ``TreeShadowPy``, the reference the C is tested against step for step (the same
+hits, pages, node bounds and touches, clock, ``full`` and ``track`` calls:
+tests/test_tree_shadow_c.py). ``TREE_IMPL`` says which: ``"c"`` or ``"python"``. The C one exposes
+``cap``, ``order``, ``used``, ``clock``, ``seq``, ``stamps``, ``full`` (read-only) and ``track``, not
+the nodes (``root``, ``leaves``, ``heap``: the reference's alone).
+
 Invariants (each shadow's ``check``, run by ``AdaptivePolicy.check_invariants``): I1 no shadow
 holds more pages than its capacity; I2 slru's segments are disjoint; I3 lfu's buckets partition its
 pages by count.
@@ -19,6 +27,8 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+
+from sglang_tiered.core.keys import PURE_PYTHON
 
 FIXED_ORDERS = ("lru", "slru", "lfu")  # SGLang's orders the safety duel can follow exactly
 
@@ -314,7 +324,7 @@ class _Node:
         self.stamp = -1  # the eviction heap's live entry for this node (older entries are stale)
 
 
-class TreeShadow:
+class TreeShadowPy:
     """SGLang's ``RadixCache`` (0.5.23) with eviction policy ``order`` (lru, slru or lfu), kept as
     metadata only, at page granularity and at full size: nodes hold runs of pages and split where
     requests diverge; eviction removes whole leaf nodes (so it frees more than it needs, as
@@ -575,12 +585,12 @@ class TreeShadow:
             self._push(path[-1])  # (a touched leaf's priority moved; ``_walk`` leaves that to ``run``)
         return matched  # (the pages SGLang's match hit)
 
-    def fork(self, order: str) -> "TreeShadow":
+    def fork(self, order: str) -> "TreeShadowPy":
         """A copy of this tree, from now on evicting by ``order``: what SGLang's cache holding this
         content would do if its policy were switched now (the hit counts and access times carry
         over, as the nodes' own fields do; the priorities are ``order``'s). Between requests only:
         nothing is locked then."""
-        t = TreeShadow(self.cap, order)
+        t = TreeShadowPy(self.cap, order)
         t.used, t.clock, t.seq, t.full = self.used, self.clock, self.seq, self.full
         t.root.last, t.root.hits = self.root.last, self.root.hits
         stack = [(self.root, t.root)]
@@ -636,3 +646,13 @@ class TreeShadow:
         if self.track is not None:
             assert not self.track.held() or self.track.L == self.pages(), "the divergence's L is not the tree's pages"
             self.track.check()
+
+
+try:
+    from sglang_tiered.core._bookkeeping import TreeShadow as _TreeShadowC
+except ImportError:  # not built (no compiler: setup.py's extension is optional)
+    _TreeShadowC = None
+
+# SGLANG_TIERED_PURE_PYTHON=1: the reference even where the extension is built
+TREE_IMPL = "c" if _TreeShadowC is not None and not PURE_PYTHON else "python"
+TreeShadow = _TreeShadowC if TREE_IMPL == "c" else TreeShadowPy

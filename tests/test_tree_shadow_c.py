@@ -1,0 +1,213 @@
+"""The C tree shadow (``core/_bookkeeping.c`` ``TreeShadow``, issue #11, session 43) against the
+pure-Python reference it accelerates (``core/shadows.py`` ``TreeShadowPy``), step for step: random
+request streams (shared prefixes, splits, limits, tails, starts, reserves, decodes, touches, forks
+to every order, small capacities so that eviction is constant) drive both side by side, and after
+every step the return values, the pages held, every node's last page with its touch and creation
+order (``lasts``: the node splits and touches), ``used``, ``clock``, ``seq``, ``stamps`` (the heap
+filings), ``full`` and the recorded ``track`` calls (pages and order) are equal, and both ``check``.
+Keys are 16-byte page hashes, or ints and tuples (compared by ``==``, repeated across nodes).
+Skipped where the extension is not built; the selection (``TREE_IMPL``) is tested either way."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_tiered.core import shadows
+from sglang_tiered.core.shadows import FIXED_ORDERS, Divergence, TreeShadowPy
+
+try:
+    from sglang_tiered.core import _bookkeeping as C
+except ImportError:
+    C = None
+
+needs_c = pytest.mark.skipif(C is None, reason="the _bookkeeping extension is not built")
+
+
+class Recorder:
+    """A ``track``: every call in order, and the pages held (``L``) for ``check``."""
+
+    def __init__(self, unique: bool = True):
+        self.calls: list = []
+        self.L: set = set()
+        self.unique = unique  # a page is in one node at most (chained hashes): L is the pages held
+
+    def l_add(self, pages):
+        self.calls.append(("add", list(pages)))
+        self.L.update(pages)
+
+    def l_remove(self, pages):
+        self.calls.append(("remove", list(pages)))
+        self.L.difference_update(pages)
+
+    def held(self) -> bool:
+        return self.unique
+
+    def check(self) -> None:
+        pass
+
+
+def _pages(kind: str, stem: int, branch: int, depth: int, cut: int) -> list:
+    """A request's pages: a stem shared by many requests, then a branch (so nodes split where the
+    branches part); bytes chained (a page names its whole prefix, as page hashes do), or ints /
+    tuples that repeat across nodes (new int objects each time: compared by value, not identity)."""
+    out, h = [], b""
+    for j in range(depth):
+        b = stem if j < cut else branch
+        if kind == "bytes":
+            h = hashlib.blake2b(h + bytes([j < cut, b]), digest_size=16).digest()
+            out.append(h)
+        elif kind == "int":
+            out.append(int(str(10**20 + (b if j < cut else b + 7) * 3 + j % 3)))
+        else:
+            out.append(("p", b, j % 4))
+    return out
+
+
+step_st = st.one_of(
+    st.tuples(st.just("run"), st.integers(0, 3), st.integers(0, 4), st.integers(0, 9), st.integers(0, 9),
+              st.integers(0, 1), st.integers(0, 4), st.one_of(st.none(), st.integers(-1, 9)), st.integers(0, 1)),
+    st.tuples(st.just("decode"), st.integers(0, 3), st.integers(0, 4), st.integers(0, 9), st.integers(0, 6),
+              st.integers(0, 15), st.integers(0, 60), st.sampled_from([1, 2, 4, 16])),
+    st.tuples(st.just("touch"), st.integers(0, 3), st.integers(0, 4), st.integers(0, 9), st.integers(0, 9)),
+    st.tuples(st.just("fork"), st.sampled_from(FIXED_ORDERS)),
+    st.tuples(st.just("track"), st.booleans()),
+)  # fmt: skip
+
+
+def _state(t, rec):
+    return (sorted(map(repr, t.pages())), sorted((repr(k), v) for k, v in t.lasts().items()),
+            sorted(map(repr, t.bounds())), t.used, t.clock, t.seq, t.stamps, t.full, t.cap, t.order,
+            None if rec is None else rec.calls)  # fmt: skip
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(order=st.sampled_from(FIXED_ORDERS), cap=st.integers(1, 24), kind=st.sampled_from(["bytes", "int", "tuple"]),
+       steps=st.lists(step_st, min_size=1, max_size=60))  # fmt: skip
+def test_tree_shadow_c_same_as_python(order, cap, kind, steps):
+    c, p = C.TreeShadow(cap, order), TreeShadowPy(cap, order)
+    rc, rp = Recorder(kind == "bytes"), Recorder(kind == "bytes")
+    c.track, p.track = rc, rp
+    for s in steps:
+        op = s[0]
+        if op == "run":
+            _, stem, branch, depth, cut, tail, start, limit, reserve = s
+            pages = _pages(kind, stem, branch, depth, cut)
+            args = (tail, start, limit, reserve)
+            assert c.run(list(pages), *args) == p.run(list(pages), *args)
+        elif op == "decode":
+            _, stem, branch, cut, start, r, steps_n, page = s
+            # a prompt of `start` full pages (and a partial one), and decoded tokens that fit the
+            # pool (a request SGLang holds does): the request's pages are its first (n + steps) // page
+            n = start * page + r % page
+            steps_n = min(steps_n, max(0, (cap - 1) * page - n))
+            pages = _pages(kind, stem, branch, (n + steps_n) // page, cut)
+            dec = (n, steps_n, page)
+            assert c.run(pages, 0, start, None, 0, dec) == p.run(pages, 0, start, None, 0, dec) == 0
+        elif op == "touch":
+            pages = _pages(kind, *s[1:])
+            assert c.touch(pages) == p.touch(pages)
+        elif op == "fork":
+            c, p = c.fork(s[1]), p.fork(s[1])
+            assert type(c) is C.TreeShadow and c.track is None and p.track is None
+            rc = rp = None
+        else:
+            rc, rp = (Recorder(kind == "bytes"), Recorder(kind == "bytes")) if s[1] else (None, None)
+            if rc is not None:
+                rc.L, rp.L = c.pages(), p.pages()
+            c.track, p.track = rc, rp
+        assert _state(c, rc) == _state(p, rp), s
+        c.check()
+        p.check()
+
+
+@needs_c
+@pytest.mark.parametrize("order", FIXED_ORDERS)
+def test_tree_shadow_c_on_a_workload_same_as_python(order):
+    """A generated family workload at a small capacity (hundreds of evictions), with a lazy
+    ``Divergence`` as the track (as core/safety.py sets it), the same hits on every request."""
+    from sglang_tiered.core.keys import chain_page_hashes
+    from sglang_tiered.dev import workload_family as wf
+
+    reqs = wf.generate(wf.draw(72))[:300]
+    paged = [chain_page_hashes(hashlib.blake2b((r.tenant or "").encode(), digest_size=16).digest(), r.tokens, 16)
+             for r in reqs]  # fmt: skip
+    cap = max(len({h for p in paged for h in p}) // 50, max(map(len, paged)) + 2)
+    c, p = C.TreeShadow(cap, order), TreeShadowPy(cap, order)
+    c.track = Divergence(c.pages, lambda: set())
+    p.track = Divergence(p.pages, lambda: set())
+    for i, pages in enumerate(paged):
+        if i == 100:
+            c.track.start()
+            p.track.start()
+        assert c.run(pages, i % 2, 0, len(pages) - 1 if i % 3 else None, i % 2) == p.run(
+            pages, i % 2, 0, len(pages) - 1 if i % 3 else None, i % 2), i
+        assert (c.used, c.clock, c.full, c.track.only_l) == (p.used, p.clock, p.full, p.track.only_l), i
+    assert c.pages() == p.pages() and c.lasts() == p.lasts() and c.full
+    c.check()
+    p.check()
+
+
+@needs_c
+def test_tree_shadow_c_frees_its_pages_and_its_cycle():
+    """A reference per page held (split nodes pass theirs on), every one given back when the shadow
+    goes, also through the cycle a lazy ``Divergence`` makes (its source is the shadow's bound
+    ``pages``): the garbage collector frees it."""
+    keys = [os.urandom(16) for _ in range(12)]
+    refs = lambda: [sys.getrefcount(x) for x in keys]  # noqa: E731
+    before = refs()
+    t = C.TreeShadow(8, "lfu")
+    t.run(keys[:6])
+    t.run(keys[:3] + keys[6:9])  # split at 3
+    t.run(keys[9:12])  # evicts
+    assert sum(a - b for a, b in zip(refs(), before)) == t.used
+    f = t.fork("slru")
+    assert f.pages() == t.pages()
+    del f
+    t.track = Divergence(t.pages, lambda: set())
+    t.track.start()
+    del t
+    gc.collect()
+    assert refs() == before
+
+
+@needs_c
+def test_tree_shadow_c_refuses_reentry_and_bad_orders():
+    t = C.TreeShadow(4)
+
+    class Back(Recorder):
+        def l_add(self, pages):
+            t.run([b"y" * 16])
+
+    t.track = Back()
+    with pytest.raises(RuntimeError):
+        t.run([b"x" * 16])
+    t.track = None
+    assert t.run([b"z" * 16]) == 0  # usable after the refused call
+    with pytest.raises(ValueError, match="order must be one of"):
+        C.TreeShadow(4, "fifo")
+    with pytest.raises(ValueError, match="order must be one of"):
+        t.fork("fifo")
+    with pytest.raises(TypeError):
+        t.run([[1]])  # unhashable, as the reference's dict lookup
+    with pytest.raises(AttributeError):
+        t.used = 3  # read-only: nothing outside writes it
+
+
+def test_tree_selection_follows_pure_python_env():
+    """The C class where built, the reference under SGLANG_TIERED_PURE_PYTHON=1 (or unbuilt)."""
+    want = "c" if C is not None and os.environ.get("SGLANG_TIERED_PURE_PYTHON") != "1" else "python"
+    assert shadows.TREE_IMPL == want
+    assert (shadows.TreeShadow is TreeShadowPy) == (want == "python")
+    code = "from sglang_tiered.core import shadows; print(shadows.TREE_IMPL, shadows.TreeShadow.__name__)"
+    env = dict(os.environ, SGLANG_TIERED_PURE_PYTHON="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["python", "TreeShadowPy"]
