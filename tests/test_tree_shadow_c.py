@@ -211,3 +211,33 @@ def test_tree_selection_follows_pure_python_env():
     env = dict(os.environ, SGLANG_TIERED_PURE_PYTHON="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["python", "TreeShadowPy"]
+
+
+@needs_c
+def test_tree_shadow_c_equal_priority_leaves_pop_by_creation_order():
+    """Two evictable leaves with the same priority pop in creation order (``seq``), not filing order
+    (``stamp``): a split's lower part that still has a child is touched at the tick of the insert
+    that makes a new leaf beside it; evicting its child files it again later, with the same ``last``
+    as the newer leaf. The reference's heap entries ``(priority, seq, stamp, node)`` pop the older
+    node first. (The random streams of the test above rarely build this: the C ordering equal
+    priorities by stamp alone passed them.)"""
+    A, B, Cp, D, E, F, G, H, I = (bytes([65 + i]) * 16 for i in range(9))
+    far = [bytes([i]) * 16 for i in range(1, 7)]
+    steps = [
+        ([A, B, Cp], 0, 0, None, 0, (1, 13, 4)),  # a decode's release inserts [A B C]
+        ([A, B, Cp, D], 1, 2, 1, 0),  # match capped at A: split, [B C] gets the child [D]
+        ([A, B, E, F, G], 0, 1, 1, 0),  # the insert splits [B C] at B: [C] (seq 1) and [E F G] both at tick 9
+        ([H, I] + far, 1, 3, 1, 0),  # evicts [D] (tick 6), then [C] (seq 1) before [E F G] (seq 5)
+    ]
+    calls = {}
+    for order in FIXED_ORDERS:
+        c, p = C.TreeShadow(14, order), TreeShadowPy(14, order)
+        rc, rp = Recorder(), Recorder()
+        c.track, p.track = rc, rp
+        for s in steps:
+            assert c.run(*s) == p.run(*s)
+            assert _state(c, rc) == _state(p, rp), (order, s)
+            c.check()
+            p.check()
+        calls[order] = rc.calls
+    assert calls["lru"][-3:-1] == [("remove", [D]), ("remove", [Cp])]  # [C] and [E F G]: both last touched at 9
