@@ -241,3 +241,34 @@ def test_tree_shadow_c_equal_priority_leaves_pop_by_creation_order():
             p.check()
         calls[order] = rc.calls
     assert calls["lru"][-3:-1] == [("remove", [D]), ("remove", [Cp])]  # [C] and [E F G]: both last touched at 9
+
+
+@needs_c
+def test_tree_shadow_c_reinit_gives_keys_back_after_emptying():
+    """Re-initializing gives every key back; a key's ``__del__`` that calls the shadow then finds it
+    empty and uninitialized (a RuntimeError), not half freed (it read a freed key: a segfault). In
+    a subprocess: the failure was a crash."""
+    code = """if True:
+        from sglang_tiered.core._bookkeeping import TreeShadow
+        t = TreeShadow(16)
+        seen, on = [], []
+        class K(int):
+            def __del__(self):
+                for f in (t.lasts, t.pages, t.check, lambda: t.run([1]), lambda: t.touch([1])) if on else ():
+                    try:
+                        seen.append(f())
+                    except RuntimeError as e:
+                        seen.append(str(e))
+        t.run([K(1), K(2), K(3)])
+        t.run([K(1), K(5)])  # a split: two nodes hold keys
+        on.append(1)
+        t.__init__(8)
+        on.clear()
+        assert t.lasts() == {} and t.cap == 8 and t.used == 0
+        assert len(seen) == 20 and set(seen) == {"TreeShadow not initialized"}, seen
+        t.run([K(7)])
+        del t  # dealloc: a __del__ cannot reach the shadow (no reference left): NameError, ignored
+        print("ok")
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], (out.returncode, out.stdout, out.stderr[-2000:])

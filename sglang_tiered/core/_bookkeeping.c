@@ -1490,25 +1490,14 @@ static PyObject *ts_touch(TreeObject *t, PyObject *pages)
     return matched < 0 ? NULL : PyLong_FromSsize_t(matched);
 }
 
-/* every node back to the pool's memory, the pool, table, heap and path freed; root NULL */
+/* every node back to the pool's memory, the pool, table, heap and path freed; root NULL. The
+   shadow is emptied before the first key is given back: a key's last reference can run Python
+   code (a __del__) that calls this shadow, which then finds it uninitialized, not half freed. */
 static void ts_release(TreeObject *t)
 {
-    Py_ssize_t c;
+    tnode **chunks = t->chunks;
+    Py_ssize_t c, nchunks = t->nchunks;
     int i;
-    for (c = 0; c < t->nchunks; c++) {
-        for (i = 0; i < TS_CHUNK; i++) {
-            tnode *n = &t->chunks[c][i];
-            Py_ssize_t j;
-            if (!n->live) continue;
-            n->live = 0;
-            for (j = 0; j < n->len; j++) Py_CLEAR(n->keys[j]);
-            PyMem_Free(n->keys);
-            n->keys = NULL;
-            n->len = 0;
-        }
-    }
-    for (c = 0; c < t->nchunks; c++) PyMem_Free(t->chunks[c]);
-    PyMem_Free(t->chunks);
     PyMem_Free(t->table);
     PyMem_Free(t->heap);
     PyMem_Free(t->path);
@@ -1524,6 +1513,21 @@ static void ts_release(TreeObject *t)
     t->plen = t->palloc = 0;
     t->root = NULL;
     t->used = t->nleaves = 0;
+    for (c = 0; c < nchunks; c++) {
+        for (i = 0; i < TS_CHUNK; i++) {
+            tnode *n = &chunks[c][i];
+            PyObject **keys = n->keys;
+            Py_ssize_t j, len = n->len;
+            if (!n->live) continue;
+            n->live = 0;
+            n->keys = NULL;
+            n->len = 0;
+            for (j = 0; j < len; j++) Py_DECREF(keys[j]);
+            PyMem_Free(keys);
+        }
+    }
+    for (c = 0; c < nchunks; c++) PyMem_Free(chunks[c]);
+    PyMem_Free(chunks);
 }
 
 static int ts_order_of(PyObject *order)
