@@ -272,3 +272,33 @@ def test_tree_shadow_c_reinit_gives_keys_back_after_emptying():
     """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.split() == ["ok"], (out.returncode, out.stdout, out.stderr[-2000:])
+
+
+@needs_c
+def test_tree_shadow_c_refuses_counts_that_would_overflow():
+    """``tail``, ``start``, ``reserve`` and decode's counts near ``sys.maxsize`` overflowed the C's
+    sums (a tail of sys.maxsize "fit" and its pages were inserted; the reference, with unbounded
+    ints, inserts nothing): past an eighth of the range the C refuses them (OverflowError) and is
+    unchanged; within it, it decides as the reference."""
+    big = sys.maxsize
+    cases = [dict(tail=big), dict(reserve=big), dict(tail=1, reserve=big - 1), dict(start=-big - 1), dict(tail=-big - 1),
+             dict(decode=(big - 5, 3, 4)), dict(decode=(0, big, 1 << 40)), dict(decode=(1, 2, big))]  # fmt: skip
+    for kw in cases:
+        c, p = C.TreeShadow(8), TreeShadowPy(8)
+        for t in (c, p):
+            t.run([b"a" * 16, b"b" * 16])
+        before = _state(c, None)
+        pages = [b"x" * 16, b"y" * 16]
+        try:
+            got = c.run(pages, **kw)
+        except OverflowError:
+            assert _state(c, None) == before, kw
+            continue
+        if "decode" not in kw:  # (the reference's decode loop is as long as the counts: not run)
+            assert got == p.run(pages, **kw) and _state(c, None) == _state(p, None), kw
+        else:
+            raise AssertionError(f"{kw}: accepted ({got})")
+    m = sys.maxsize // 8
+    for kw in (dict(tail=m), dict(reserve=m), dict(start=-m), dict(tail=-m), dict(start=m)):
+        c, p = C.TreeShadow(8), TreeShadowPy(8)
+        assert c.run([b"x" * 16], **kw) == p.run([b"x" * 16], **kw) and _state(c, None) == _state(p, None), kw

@@ -1441,6 +1441,19 @@ static PyObject *ts_pages_arg(PyObject *pages)
     return PySequence_Tuple(pages);
 }
 
+/* run's counts (tail, start, reserve, decode's tokens, steps and page size) are at most an eighth
+   of Py_ssize_t's range either way, so that the reference's sums and differences of them and of
+   page counts (len + tail, len - matched + tail + reserve, matched - start, n + steps, a page
+   boundary past n + steps) cannot overflow: past it the C would decide otherwise than the
+   reference's unbounded ints (a tail of sys.maxsize "fit" and was inserted), or loop forever */
+static inline int ts_out_of_range(Py_ssize_t v) { return v > PY_SSIZE_T_MAX / 8 || v < -(PY_SSIZE_T_MAX / 8); }
+
+static PyObject *ts_range_error(void)
+{
+    PyErr_SetString(PyExc_OverflowError, "TreeShadow.run: a count beyond +-(sys.maxsize // 8)");
+    return NULL;
+}
+
 static PyObject *ts_run(TreeObject *t, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"pages", "tail", "start", "limit", "reserve", "decode", NULL};
@@ -1450,6 +1463,7 @@ static PyObject *ts_run(TreeObject *t, PyObject *args, PyObject *kwds)
                                      &decode))
         return NULL;
     if (ts_enter(t) < 0) return NULL;
+    if (ts_out_of_range(tail) || ts_out_of_range(start) || ts_out_of_range(reserve)) return ts_range_error();
     tup = ts_pages_arg(pages);
     if (tup == NULL) return NULL;
     t->busy = 1;
@@ -1460,6 +1474,9 @@ static PyObject *ts_run(TreeObject *t, PyObject *args, PyObject *kwds)
             r = -1;
         else if (page < 1) {
             PyErr_SetString(PyExc_ValueError, "decode's page size must be positive");
+            r = -1;
+        } else if (ts_out_of_range(n) || ts_out_of_range(steps) || ts_out_of_range(page)) {
+            ts_range_error();
             r = -1;
         } else
             r = ts_decoded(t, &PyTuple_GET_ITEM(tup, 0), PyTuple_GET_SIZE(tup), start, n, steps, page);
