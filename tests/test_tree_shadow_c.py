@@ -302,3 +302,18 @@ def test_tree_shadow_c_refuses_counts_that_would_overflow():
     for kw in (dict(tail=m), dict(reserve=m), dict(start=-m), dict(tail=-m), dict(start=m)):
         c, p = C.TreeShadow(8), TreeShadowPy(8)
         assert c.run([b"x" * 16], **kw) == p.run([b"x" * 16], **kw) and _state(c, None) == _state(p, None), kw
+
+
+@needs_c
+def test_tree_shadow_c_splits_at_a_page_unequal_to_itself_as_the_reference():
+    """The reference compares a partly matched node's pages as lists (an identical item is equal),
+    then, where they differ, counts the match with ``==`` alone, which a NaN page (the same object)
+    stops: it splits there, and so does the C (it took the identical NaN as matched: one split fewer)."""
+    nan = float("nan")
+    for steps in ([[1, nan, 3], [1, nan, 4]], [[1, 2, nan, 5, 6], [1, 2, nan, 5, 7]], [[nan, nan, 1], [nan, nan, 2]]):
+        c, p = C.TreeShadow(12), TreeShadowPy(12)
+        for pages in steps:
+            assert c.run(pages) == p.run(pages)
+            assert (c.used, c.seq, c.stamps, c.clock, len(c.lasts())) == (p.used, p.seq, p.stamps, p.clock, len(p.lasts()))
+            assert sorted(map(repr, c.lasts().items())) == sorted(map(repr, p.lasts().items()))
+            c.check()  # (the reference's check asks a node's first page == its dict key: a NaN is not)

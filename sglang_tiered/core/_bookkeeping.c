@@ -1183,6 +1183,25 @@ static Py_ssize_t ts_walk(TreeObject *t, PyObject **pages, Py_ssize_t n, long lo
             if (!eq) break;
             k++;
         }
+        if (k < m) {
+            /* The reference's slices differ (compared as lists: identical items are equal); it
+               then counts the matched pages with == alone, which an item unequal to itself (a
+               NaN) stops: the identical items before the difference are asked again. (bytes,
+               str and int are equal to themselves: page hashes never are asked.) */
+            Py_ssize_t j = k;
+            for (k = 1; k < j; k++) {
+                PyObject *a = child->keys[k], *r;
+                int eq;
+                if (a != pages[i + k] || PyBytes_CheckExact(a) || PyUnicode_CheckExact(a) || PyLong_CheckExact(a))
+                    continue;
+                r = PyObject_RichCompare(a, a, Py_EQ);
+                if (r == NULL) return -1;
+                eq = PyObject_IsTrue(r);
+                Py_DECREF(r);
+                if (eq < 0) return -1;
+                if (!eq) break;
+            }
+        }
         if (k < lk) {
             /* the lower part keeps the touch (SGLang touches, then splits) */
             if (child->leaf && ts_push(t, child) < 0) return -1;
