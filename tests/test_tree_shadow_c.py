@@ -281,7 +281,8 @@ def test_tree_shadow_c_refuses_counts_that_would_overflow():
     ints, inserts nothing): past an eighth of the range the C refuses them (OverflowError) and is
     unchanged; within it, it decides as the reference."""
     big = sys.maxsize
-    cases = [dict(tail=big), dict(reserve=big), dict(tail=1, reserve=big - 1), dict(start=-big - 1), dict(tail=-big - 1),
+    cases = [dict(tail=big), dict(reserve=big), dict(tail=1, reserve=big - 1), dict(start=-big - 1),
+             dict(tail=-big - 1),
              dict(decode=(big - 5, 3, 4)), dict(decode=(0, big, 1 << 40)), dict(decode=(1, 2, big))]  # fmt: skip
     for kw in cases:
         c, p = C.TreeShadow(8), TreeShadowPy(8)
@@ -314,8 +315,8 @@ def test_tree_shadow_c_splits_at_a_page_unequal_to_itself_as_the_reference():
         c, p = C.TreeShadow(12), TreeShadowPy(12)
         for pages in steps:
             assert c.run(pages) == p.run(pages)
-            assert (c.used, c.seq, c.stamps, c.clock, len(c.lasts())) == (p.used, p.seq, p.stamps, p.clock, len(p.lasts()))
-            assert sorted(map(repr, c.lasts().items())) == sorted(map(repr, p.lasts().items()))
+            got = [(t.used, t.seq, t.stamps, t.clock, sorted(map(repr, t.lasts().items()))) for t in (c, p)]
+            assert got[0] == got[1], got
             c.check()  # (the reference's check asks a node's first page == its dict key: a NaN is not)
 
 
@@ -337,7 +338,8 @@ trie_step_st = st.one_of(
 
 @needs_c
 @settings(max_examples=300, deadline=None)
-@given(order=st.sampled_from(FIXED_ORDERS), cap=st.integers(1, 16), steps=st.lists(trie_step_st, min_size=1, max_size=40))
+@given(order=st.sampled_from(FIXED_ORDERS), cap=st.integers(1, 16),
+       steps=st.lists(trie_step_st, min_size=1, max_size=40))  # fmt: skip
 def test_tree_shadow_c_same_as_python_on_trie_paths(order, cap, steps):
     """The side-by-side test on requests that part at any depth (the streams above part them once,
     after a stem): splits below splits, capped matches whose insert splits further down. (It does
@@ -356,7 +358,8 @@ def test_tree_shadow_c_same_as_python_on_trie_paths(order, cap, steps):
             n = start * page + r % page
             steps_n = max(0, min(len(path) * page, (cap - 1) * page) - n)  # (fits the pool, as held requests do)
             pages = _trie_pages(path)[: (n + steps_n) // page]
-            assert c.run(pages, 0, start, None, 0, (n, steps_n, page)) == p.run(pages, 0, start, None, 0, (n, steps_n, page))
+            dec = (n, steps_n, page)
+            assert c.run(pages, 0, start, None, 0, dec) == p.run(pages, 0, start, None, 0, dec)
         elif s[0] == "touch":
             pages = _trie_pages(s[1])
             assert c.touch(pages) == p.touch(pages)
