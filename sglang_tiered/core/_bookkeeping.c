@@ -1846,14 +1846,14 @@ static PyObject *ts_check(TreeObject *t, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
-static PyObject *ts_get_track(TreeObject *t, void *c)
+static PyObject *ts_get_track(TreeObject *t, void *Py_UNUSED(c))
 {
     PyObject *r = t->track != NULL ? t->track : Py_None;
     Py_INCREF(r);
     return r;
 }
 
-static int ts_set_track(TreeObject *t, PyObject *v, void *c)
+static int ts_set_track(TreeObject *t, PyObject *v, void *Py_UNUSED(c))
 {
     if (v == NULL) v = Py_None;
     Py_INCREF(v);
@@ -1861,8 +1861,8 @@ static int ts_set_track(TreeObject *t, PyObject *v, void *c)
     return 0;
 }
 
-static PyObject *ts_get_order(TreeObject *t, void *c) { return PyUnicode_FromString(ORDERS[t->order]); }
-static PyObject *ts_get_full(TreeObject *t, void *c) { return PyBool_FromLong(t->full); }
+static PyObject *ts_get_order(TreeObject *t, void *Py_UNUSED(c)) { return PyUnicode_FromString(ORDERS[t->order]); }
+static PyObject *ts_get_full(TreeObject *t, void *Py_UNUSED(c)) { return PyBool_FromLong(t->full); }
 
 static PyMethodDef ts_methods[] = {
     {"run", (PyCFunction)(void (*)(void))ts_run, METH_VARARGS | METH_KEYWORDS,
