@@ -369,3 +369,42 @@ def test_tree_shadow_c_same_as_python_on_trie_paths(order, cap, steps):
         assert _state(c, rc) == _state(p, rp), s
         c.check()
         p.check()
+
+
+@needs_c
+def test_tree_shadow_c_reads_refuse_a_key_that_calls_back():
+    """``pages``, ``lasts`` and ``bounds`` hash the pages they return: a page's ``__hash__`` that
+    re-initializes (or runs) the shadow freed the nodes under the walk (a segfault); the reads hold
+    the shadow busy, as a run does, and the call back is refused (RuntimeError). In a subprocess:
+    the failure was a crash."""
+    code = """if True:
+        from sglang_tiered.core._bookkeeping import TreeShadow
+        t = TreeShadow(200)
+        arm, refused = [], []
+        class K:
+            def __init__(self, v):
+                self.v = v
+            def __hash__(self):
+                if arm:
+                    arm.clear()
+                    for f in (lambda: t.__init__(200), lambda: t.run([K(-1)]), lambda: t.touch([K(-2)])):
+                        try:
+                            f()
+                        except RuntimeError:
+                            refused.append(1)
+                return hash(self.v)
+            def __eq__(self, o):
+                return isinstance(o, K) and o.v == self.v
+        for i in range(40):
+            t.run([K(i), K(100 + i), K(200 + i)])
+        for name, want in (("lasts", 40), ("pages", 120), ("bounds", 40)):
+            arm.append(1)
+            assert len(getattr(t, name)()) == want, name
+            assert len(refused) == 3, (name, refused)
+            refused.clear()
+        t.check()
+        assert t.run([K(0), K(100), K(7)]) == 2  # usable after
+        print("ok")
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], (out.returncode, out.stdout, out.stderr[-2000:])

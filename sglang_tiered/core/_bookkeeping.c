@@ -1443,8 +1443,8 @@ static int ts_ready(TreeObject *t)
 static int ts_enter(TreeObject *t)
 {
     if (ts_ready(t) < 0) return -1;
-    if (t->busy) { /* track (or a page's __eq__) called back into this shadow */
-        PyErr_SetString(PyExc_RuntimeError, "TreeShadow.run and touch are not re-entrant");
+    if (t->busy) { /* track, or a page's __eq__ or __hash__, called back into this shadow */
+        PyErr_SetString(PyExc_RuntimeError, "TreeShadow.run and touch are not re-entrant (nor run by a read's key)");
         return -1;
     }
     return 0;
@@ -1585,7 +1585,7 @@ static int ts_init(TreeObject *t, PyObject *args, PyObject *kwds)
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|O:TreeShadow", kwlist, &capacity, &order)) return -1;
     if (order != NULL && (o = ts_order_of(order)) < 0) return -1;
     if (t->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "TreeShadow re-initialized during a run");
+        PyErr_SetString(PyExc_RuntimeError, "TreeShadow re-initialized during a run or a read");
         return -1;
     }
     ts_release(t);
@@ -1708,25 +1708,32 @@ fail:
     return NULL;
 }
 
-/* pages(): every page the tree holds */
+/* pages(): every page the tree holds. The reads (pages, lasts, bounds, check) hold the shadow busy
+   while they walk its nodes: a page's __hash__ or __eq__ (PySet_Add, PyDict_SetItem, the table)
+   can run Python code, and a run, touch or __init__ from there would free the nodes under the
+   walk; it is refused instead (RuntimeError), as from a run's callbacks. (A read from a run's
+   callback is allowed: track's Divergence reads pages.) */
 static PyObject *ts_pages(TreeObject *t, PyObject *Py_UNUSED(ignored))
 {
     PyObject *out;
     Py_ssize_t c, j;
-    int i;
+    int i, was = t->busy;
     if (ts_ready(t) < 0) return NULL;
     out = PySet_New(NULL);
     if (out == NULL) return NULL;
+    t->busy = 1;
     for (c = 0; c < t->nchunks; c++)
         for (i = 0; i < TS_CHUNK; i++) {
             tnode *n = &t->chunks[c][i];
             if (n->live)
                 for (j = 0; j < n->len; j++)
                     if (PySet_Add(out, n->keys[j]) < 0) {
+                        t->busy = was;
                         Py_DECREF(out);
                         return NULL;
                     }
         }
+    t->busy = was;
     return out;
 }
 
@@ -1737,9 +1744,11 @@ static PyObject *ts_lasts(TreeObject *t, PyObject *Py_UNUSED(ignored))
     PyObject *out;
     tnode **stack, *c;
     Py_ssize_t sp = 0;
+    int was = t->busy;
     if (ts_ready(t) < 0) return NULL;
     stack = PyMem_Malloc((size_t)(t->tcount + 1) * sizeof(tnode *));
     if (stack == NULL) return PyErr_NoMemory();
+    t->busy = 1; /* (see ts_pages) */
     out = PyDict_New();
     if (out == NULL) goto fail;
     for (c = t->root->first; c != NULL; c = c->next) stack[sp++] = c;
@@ -1753,9 +1762,11 @@ static PyObject *ts_lasts(TreeObject *t, PyObject *Py_UNUSED(ignored))
         Py_DECREF(v);
         for (c = n->first; c != NULL; c = c->next) stack[sp++] = c;
     }
+    t->busy = was;
     PyMem_Free(stack);
     return out;
 fail:
+    t->busy = was;
     PyMem_Free(stack);
     Py_XDECREF(out);
     return NULL;
@@ -1778,6 +1789,7 @@ static PyObject *ts_check(TreeObject *t, PyObject *Py_UNUSED(ignored))
     tnode **stack, *c;
     Py_ssize_t sp = 0, seen = 0, nodes = 0, leaves = 0, j;
     const char *bad = NULL;
+    int was = t->busy;
     if (ts_ready(t) < 0) return NULL;
     t->epoch += 1;
     for (j = 0; j < t->hlen; j++)
@@ -1785,6 +1797,7 @@ static PyObject *ts_check(TreeObject *t, PyObject *Py_UNUSED(ignored))
     stack = PyMem_Malloc((size_t)(t->tcount + 1) * sizeof(tnode *));
     if (stack == NULL) return PyErr_NoMemory();
     stack[sp++] = t->root;
+    t->busy = 1; /* (see ts_pages: the table's keys' __eq__) */
     while (sp > 0 && bad == NULL) {
         tnode *n = stack[--sp], *prev = NULL;
         int want_leaf = n != t->root && n->first == NULL;
@@ -1798,6 +1811,7 @@ static PyObject *ts_check(TreeObject *t, PyObject *Py_UNUSED(ignored))
             if (++nodes > t->tcount) bad = "tree links";
             else if (c->parent != n || c->prev != prev || c->len < 1 || !c->live) bad = "tree links";
             else if (ts_find(t, n, c->keys[0], c->khash, &found) < 0) {
+                t->busy = was;
                 PyMem_Free(stack);
                 return NULL;
             } else if (found != c)
@@ -1807,6 +1821,7 @@ static PyObject *ts_check(TreeObject *t, PyObject *Py_UNUSED(ignored))
         }
         if (bad == NULL && n->lastc != prev) bad = "tree links";
     }
+    t->busy = was;
     PyMem_Free(stack);
     if (bad == NULL && (nodes != t->tcount || leaves != t->nleaves)) bad = "tree links";
     if (bad != NULL) return check_fail(bad);
