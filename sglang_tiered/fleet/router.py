@@ -237,13 +237,22 @@ def _pin(pins: OrderedDict, key, url, kept: int) -> None:
         pins.popitem(last=False)
 
 
-def _response_not_found(rid: str, param: str):
-    """SGLang's answer for a stored response it does not hold (``serving_responses.py``
-    ``_make_not_found_error``): what another tenant's id gets, so it learns nothing of it."""
+def _response_not_found(rid: str):
+    """SGLang's answer for a stored response it does not hold, byte for byte (``serving_responses.py``
+    ``_make_not_found_error``, and ``_make_invalid_id_error`` first for an id not ``resp_...``: a
+    client may name any ``request_id``): what another tenant's id gets, so it learns nothing of it.
+    SGLang names ``response_id`` for a ``previous_response_id`` too, and writes compact JSON as
+    ``application/json`` (``ORJSONResponse``; review, session 43: aiohttp's spaced JSON with a
+    charset, or ``param: previous_response_id``, told that the id was another tenant's)."""
     from aiohttp import web
 
-    return web.json_response({"error": {"message": f"Response with id '{rid}' not found.", "type": "invalid_request_error",
-                                        "param": param, "code": 404}}, status=404)  # fmt: skip
+    if rid.startswith("resp_"):
+        status, msg = 404, f"Response with id '{rid}' not found."
+    else:
+        status, msg = 400, f"Invalid 'response_id': '{rid}'. Expected an ID that begins with 'resp'."
+    err = {"error": {"message": msg, "type": "invalid_request_error", "param": "response_id", "code": status}}
+    body = json.dumps(err, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+    return web.Response(body=body, status=status, content_type="application/json")
 
 
 def _adapter_name(raw: bytes):
@@ -1451,7 +1460,7 @@ class Router:
         prev = body.get("previous_response_id") if path == "/v1/responses" and isinstance(body, dict) else None
         session = self._response_worker(prev, tenant)
         if session == FOREIGN:
-            return _response_not_found(prev, "previous_response_id")
+            return _response_not_found(prev)
         reason = "response" if session else "session"
         session = session or self._session_of(body, tenant)
         # a created response SGLang stores (``store`` true, its default): its id is learned from
@@ -2026,7 +2035,7 @@ class Router:
             except ValueError as exc:
                 return web.json_response({"error": {"message": str(exc)}}, status=400)
             if holder == FOREIGN:
-                return _response_not_found(stored.group(1), "response_id")
+                return _response_not_found(stored.group(1))
         if holder:  # GET /v1/responses/{id}, its /cancel: where SGLang stored it (else as before)
             ws = pinned = self.workers[holder]
         for attempt in range(2):
