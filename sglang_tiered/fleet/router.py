@@ -1467,6 +1467,15 @@ class Router:
         # the answer (``_learn_response``)
         learn = (path == "/v1/responses" and request.method == "POST"
                  and bool(body.get("store", True) if isinstance(body, dict) else True))  # fmt: skip
+        named = body.get("request_id") if learn and isinstance(body, dict) else None
+        if isinstance(named, str) and named and self._response_worker(named, tenant) == FOREIGN:
+            # a client-named id (SGLang's response id) another tenant's stored response holds: the
+            # router pinned it to this caller on the 200, before SGLang stored anything (a stream is
+            # stored at its end: one failed or cut off stores nothing), and this caller's next GET
+            # read the other tenant's response; one that ran overwrote it (review, session 43)
+            return web.json_response({"error": {"message": "request_id is in use by another stored response",
+                                                "type": "invalid_request_error", "param": "request_id",
+                                                "code": 400}}, status=400)  # fmt: skip
 
         def no_other() -> bool:
             """No other worker left to try: two tried, or the only one (a session's, a stored
@@ -1540,8 +1549,7 @@ class Router:
                     streams[task] = time.monotonic()
                     sse.start(up)
                     head = [] if learn and up.status == 200 else None  # (a JSON answer's first bytes)
-                    named = body.get("request_id") if head is not None and isinstance(body, dict) else None
-                    if isinstance(named, str) and named:
+                    if head is not None and isinstance(named, str) and named:
                         # the client named it (SGLang's response id is the request's ``request_id``):
                         # known now, whatever its length, before any byte of the answer goes out
                         self._remember_response(named, ws.url, tenant)
@@ -1653,7 +1661,11 @@ class Router:
         """``rid`` was stored by the worker at ``url`` for ``tenant`` (RESPONSES_KEPT of them kept)."""
         if not isinstance(rid, str) or not rid:
             return
-        _pin(self.responses, session_memo(rid), (url, self._response_owner(tenant)), RESPONSES_KEPT)
+        key, owner = session_memo(rid), self._response_owner(tenant)
+        pin = self.responses.get(key)
+        if pin is not None and pin[1] != owner:  # (another tenant's: never handed over; handle refuses it)
+            return
+        _pin(self.responses, key, (url, owner), RESPONSES_KEPT)
 
     def _learn_response(self, head: list, chunk: bytes, url: str, tenant: Optional[str] = None,
                         whole: bool = False) -> Optional[list]:
