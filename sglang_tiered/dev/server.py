@@ -315,6 +315,11 @@ class Server:
                 with urllib.request.urlopen(req, timeout=2) as r:
                     if r.status == 200:
                         self._wait_warmed(min(deadline, time.monotonic() + WARMUP_WAIT_S))
+                        if self.proc.poll() is not None:  # (a failed warmup: SGLang kills itself)
+                            raise ServerStartError(
+                                f"server exited with code {self.proc.returncode} during its warmup; "
+                                f"log {self.log_path} ends:\n{self.log_tail()}"
+                            )
                         return
             except (urllib.error.URLError, OSError):
                 pass
