@@ -4,15 +4,19 @@
    own process tree (``http_server.py`` ``_execute_server_warmup``): the wait for the ready line
    ended on the exit and ``wait_ready`` returned as if the server were ready; it now raises
    ServerStartError with the log's tail.
+2. A server started at a log level above info (``extra_args``: ``--log-level warning``) never logs
+   the line: every start waited WARMUP_WAIT_S (60 s) more; it is not waited for then.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
+from sglang_tiered.dev import server as server_mod
 from sglang_tiered.dev.server import Server, ServerSpec, ServerStartError
 
 _STAND_IN = """
@@ -49,3 +53,14 @@ def test_a_server_whose_warmup_failed_is_not_returned_as_ready(tmp_path):
     finally:
         s.stop()
 
+
+@pytest.mark.parametrize("args", [["--log-level", "warning"], ["--log-level=error"], ["--log-level", "info", "--log-level", "warning"]])
+def test_a_server_that_logs_no_info_line_is_not_waited_for(tmp_path, monkeypatch, args):
+    monkeypatch.setattr(server_mod, "WARMUP_WAIT_S", 5.0)
+    s = _stand_in(tmp_path, -1, args)
+    try:
+        t0 = time.monotonic()
+        s.wait_ready(30)
+        assert time.monotonic() - t0 < 3
+    finally:
+        s.stop()

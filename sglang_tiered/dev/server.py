@@ -314,7 +314,8 @@ class Server:
             try:
                 with urllib.request.urlopen(req, timeout=2) as r:
                     if r.status == 200:
-                        self._wait_warmed(min(deadline, time.monotonic() + WARMUP_WAIT_S))
+                        if self._logs_ready_line():
+                            self._wait_warmed(min(deadline, time.monotonic() + WARMUP_WAIT_S))
                         if self.proc.poll() is not None:  # (a failed warmup: SGLang kills itself)
                             raise ServerStartError(
                                 f"server exited with code {self.proc.returncode} during its warmup; "
@@ -331,6 +332,19 @@ class Server:
         raise ServerStartError(
             f"server not ready after {timeout_s:.0f}s; log {self.log_path} ends:\n{self.log_tail()}"
         )
+
+    def _logs_ready_line(self) -> bool:
+        """Whether SGLang logs READY_LINE: at info (ServerSpec's) or debug, not at a level above it
+        a caller's ``--log-level`` set (the last one given wins; review, session 43: such a server
+        waited WARMUP_WAIT_S more at every start)."""
+        level = "info"
+        args = self.spec.argv()
+        for i, a in enumerate(args):
+            if a == "--log-level" and i + 1 < len(args):
+                level = args[i + 1]
+            elif a.startswith("--log-level="):
+                level = a.split("=", 1)[1]
+        return level.lower() in ("info", "debug")
 
     def _wait_warmed(self, until: float) -> None:
         """Wait (until ``until``) for SGLang's warmup request to end: its routes answer before
