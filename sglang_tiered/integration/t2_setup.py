@@ -62,6 +62,8 @@ def measure_t2_gbps(t2: T2Tier, pages: int | None = None, *, retry_s: float = PR
             tw = time.perf_counter() - t0
             if res is not None and len(res) == n and all(x == 0 for x in res):
                 break
+            if res is not None and len(res) != n:  # (no store's answer for these keys: not a refusal)
+                raise RuntimeError(f"T2 probe put failed: {len(res)} codes for {n} keys")
             why = "no answer" if res is None else sorted(set(res))
             if res is None or time.monotonic() + PROBE_RETRY_PAUSE_S > end:
                 raise RuntimeError(f"T2 probe put failed: {why}" + (f" ({attempt + 1} tries)" if attempt else ""))
