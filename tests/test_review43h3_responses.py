@@ -69,7 +69,8 @@ def _failing_stream_worker(name: str, hits: list, gate=None):
     tokenizer's "Duplicate request ID detected" for an id in flight, a generation error, a cut
     connection)."""
     app = _worker(name, hits, gate)
-    create = next(r.handler for r in app.router.routes() if r.method == "POST" and r.resource.canonical == "/v1/responses")
+    create = next(r.handler for r in app.router.routes()
+                  if r.method == "POST" and r.resource.canonical == "/v1/responses")  # fmt: skip
 
     async def maybe_fail(req):
         body = await req.json()

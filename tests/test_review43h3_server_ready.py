@@ -54,7 +54,8 @@ def test_a_server_whose_warmup_failed_is_not_returned_as_ready(tmp_path):
         s.stop()
 
 
-@pytest.mark.parametrize("args", [["--log-level", "warning"], ["--log-level=error"], ["--log-level", "info", "--log-level", "warning"]])
+@pytest.mark.parametrize("args", [["--log-level", "warning"], ["--log-level=error"],
+                                  ["--log-level", "info", "--log-level", "warning"]])  # fmt: skip
 def test_a_server_that_logs_no_info_line_is_not_waited_for(tmp_path, monkeypatch, args):
     monkeypatch.setattr(server_mod, "WARMUP_WAIT_S", 5.0)
     s = _stand_in(tmp_path, -1, args)
