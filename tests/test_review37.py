@@ -25,7 +25,8 @@ def test_free_ports_lie_under_the_ephemeral_range_and_off_sglangs_own_pick():
 
 def _fake_sglang(tmp_path, bind_error_first: bool):
     """An 'interpreter' that stands in for ``python -m sglang.launch_server``: it serves
-    /model_info on --port, or (first run only) logs uvicorn's bind error and hangs."""
+    /model_info on --port and logs SGLang's ready line (``Server.wait_ready`` waits for it since
+    session 43), or (first run only) logs uvicorn's bind error and hangs."""
     marker = tmp_path / "ran-once"
     script = tmp_path / "fake_python"
     script.write_text(textwrap.dedent(f"""\
@@ -43,7 +44,9 @@ def _fake_sglang(tmp_path, bind_error_first: bool):
                 self.send_response(200); self.end_headers(); self.wfile.write(b"{{}}")
             def log_message(self, *a):
                 pass
-        http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+        srv = http.server.HTTPServer(("127.0.0.1", port), H)
+        print("The server is fired up and ready to roll!", flush=True)  # (SGLang's, after its warmup)
+        srv.serve_forever()
         """))
     script.chmod(0o755)
     return str(script)
