@@ -150,6 +150,52 @@ static void b2b_final(b2b_state *S, uint8_t out[OUTLEN])
         for (j = 0; j < 8; j++) out[8 * i + j] = (uint8_t)(S->h[i] >> (8 * j));
 }
 
+/* the chained hashes of the full pages of ``len`` bytes at ``base`` (packed int64 tokens),
+   seeded by ``prev``: a new list, or NULL with an exception set */
+static PyObject *chain_packed(const uint8_t *prev, Py_ssize_t prev_len, const uint8_t *base, Py_ssize_t len,
+                              int page_size, int overlap)
+{
+    Py_ssize_t step = (Py_ssize_t)page_size * 8, width = step + (Py_ssize_t)overlap * 8;
+    Py_ssize_t avail = len - (Py_ssize_t)overlap * 8;
+    Py_ssize_t n = avail > 0 ? avail / step : 0, i;
+    uint8_t h[OUTLEN];
+    b2b_state init, S;
+    PyObject *out;
+    b2b_init(&init);
+    out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (i = 0; i < n; i++) {
+        /* bounds: i*step + width <= (n-1)*step + step + 8*overlap <= avail + 8*overlap = len */
+        memcpy(&S, &init, sizeof(S));
+        if (i == 0)
+            b2b_update(&S, prev, (size_t)prev_len);
+        else
+            b2b_update(&S, h, OUTLEN);
+        b2b_update(&S, base + i * step, (size_t)width);
+        b2b_final(&S, h);
+        PyObject *b = PyBytes_FromStringAndSize((const char *)h, OUTLEN);
+        if (b == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, b);
+    }
+    return out;
+}
+
+static int check_shape(int page_size, int overlap)
+{
+    if (page_size < 1) {
+        PyErr_Format(PyExc_ValueError, "page_size must be >= 1, not %d", page_size);
+        return -1;
+    }
+    if (overlap != 0 && overlap != 1) {
+        PyErr_Format(PyExc_ValueError, "overlap must be 0 or 1, not %d", overlap);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *pagehash_chain(PyObject *self, PyObject *args)
 {
     Py_buffer prev, data;
@@ -160,44 +206,53 @@ static PyObject *pagehash_chain(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "data length %zd is not a multiple of 8 (packed int64 tokens)", data.len);
         goto done;
     }
-    if (page_size < 1) {
-        PyErr_Format(PyExc_ValueError, "page_size must be >= 1, not %d", page_size);
-        goto done;
-    }
-    if (overlap != 0 && overlap != 1) {
-        PyErr_Format(PyExc_ValueError, "overlap must be 0 or 1, not %d", overlap);
-        goto done;
-    }
-    {
-        Py_ssize_t step = (Py_ssize_t)page_size * 8, width = step + (Py_ssize_t)overlap * 8;
-        Py_ssize_t avail = data.len - (Py_ssize_t)overlap * 8;
-        Py_ssize_t n = avail > 0 ? avail / step : 0, i;
-        const uint8_t *base = (const uint8_t *)data.buf;
-        uint8_t h[OUTLEN];
-        b2b_state init, S;
-        b2b_init(&init);
-        out = PyList_New(n);
-        if (out == NULL) goto done;
-        for (i = 0; i < n; i++) {
-            /* bounds: i*step + width <= (n-1)*step + step + 8*overlap <= avail + 8*overlap = data.len */
-            memcpy(&S, &init, sizeof(S));
-            if (i == 0)
-                b2b_update(&S, (const uint8_t *)prev.buf, (size_t)prev.len);
-            else
-                b2b_update(&S, h, OUTLEN);
-            b2b_update(&S, base + i * step, (size_t)width);
-            b2b_final(&S, h);
-            PyObject *b = PyBytes_FromStringAndSize((const char *)h, OUTLEN);
-            if (b == NULL) {
-                Py_CLEAR(out);
-                goto done;
-            }
-            PyList_SET_ITEM(out, i, b);
-        }
-    }
+    if (check_shape(page_size, overlap) < 0) goto done;
+    out = chain_packed((const uint8_t *)prev.buf, prev.len, (const uint8_t *)data.buf, data.len, page_size, overlap);
 done:
     PyBuffer_Release(&prev);
     PyBuffer_Release(&data);
+    return out;
+}
+
+/* chain_list(prev, tokens: list[int], page_size, overlap): ``chain(prev, pack(tokens), ...)``
+   without the packing in Python (struct.pack of the whole list cost a quarter of the hashing:
+   session 44). Every token is read, as the packing reads them: one outside int64 raises
+   OverflowError, a non-integer TypeError (keys.py then packs in Python, which raises the
+   reference's struct.error). The list is copied out first: nothing runs Python code while the
+   hashes are computed. */
+static PyObject *pagehash_chain_list(PyObject *self, PyObject *args)
+{
+    Py_buffer prev;
+    PyObject *tokens, *out = NULL;
+    int page_size, overlap;
+    uint8_t *buf = NULL;
+    Py_ssize_t i, m;
+    if (!PyArg_ParseTuple(args, "y*O!ii:chain_list", &prev, &PyList_Type, &tokens, &page_size, &overlap)) return NULL;
+    if (check_shape(page_size, overlap) < 0) goto done;
+    m = PyList_GET_SIZE(tokens);
+    buf = (uint8_t *)PyMem_Malloc(m > 0 ? (size_t)m * 8 : 1);
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (i = 0; i < m && i < PyList_GET_SIZE(tokens); i++) {
+        /* (a token's __index__ may run Python code and shrink the list: re-checked each step) */
+        PyObject *t = PyList_GET_ITEM(tokens, i);
+        Py_INCREF(t);
+        long long v = PyLong_AsLongLong(t);
+        Py_DECREF(t);
+        if (v == -1 && PyErr_Occurred()) goto done;
+        uint64_t u = (uint64_t)v;
+        int j;
+        for (j = 0; j < 8; j++) buf[8 * i + j] = (uint8_t)(u >> (8 * j));
+    }
+    if (i < m) { /* the list shrank under us: as if it had been this long */
+        m = i;
+    }
+    out = chain_packed((const uint8_t *)prev.buf, prev.len, buf, m * 8, page_size, overlap);
+done:
+    PyMem_Free(buf);
+    PyBuffer_Release(&prev);
     return out;
 }
 
@@ -205,6 +260,9 @@ static PyMethodDef pagehash_methods[] = {
     {"chain", pagehash_chain, METH_VARARGS,
      "chain(prev, data, page_size, overlap) -> list[bytes]: the chained BLAKE2b-128 hashes of the "
      "full pages of data (little-endian int64 tokens), seeded by prev; see keys.chain_page_hashes."},
+    {"chain_list", pagehash_chain_list, METH_VARARGS,
+     "chain_list(prev, tokens, page_size, overlap) -> list[bytes]: chain() of a list of int tokens, "
+     "packed as little-endian int64 in C."},
     {NULL, NULL, 0, NULL},
 };
 

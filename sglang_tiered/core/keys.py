@@ -136,7 +136,15 @@ def _chain_page_hashes_py(prev: bytes, tokens, page_size: int = 16, overlap: int
 def _chain_page_hashes_c(prev: bytes, tokens, page_size: int = 16, overlap: int = 0) -> list[bytes]:
     """``_chain_page_hashes_py`` with the per-page loop in C (``_pagehash.chain``). A run with no
     full page returns ``[]`` without reaching C, as the reference does (whatever ``prev`` is);
-    a ``page_size`` < 1 or an ``overlap`` other than 0/1 raises ValueError."""
+    a ``page_size`` < 1 or an ``overlap`` other than 0/1 raises ValueError. A list (the
+    scheduler's ``fill_ids``) is packed in C (``_pagehash.chain_list``: a quarter of the hashing
+    time was ``struct.pack``'s, session 44); a token it cannot pack (outside int64, not an int)
+    is packed again here, which raises the reference's ``struct.error``."""
+    if type(tokens) is list and len(tokens) >= page_size + overlap and _chain_list is not None:
+        try:
+            return _chain_list(prev, tokens, page_size, overlap)
+        except (OverflowError, TypeError):
+            pass  # (a bad token, or prev: the path below raises what the reference raises)
     data = _token_bytes(tokens)
     if len(data) < (page_size + overlap) * 8 and page_size >= 1 and overlap in (0, 1):
         return []
@@ -147,6 +155,10 @@ try:
     from sglang_tiered.core._pagehash import chain as _chain
 except ImportError:  # not built (no compiler: setup.py's extension is optional)
     _chain = None
+try:  # (a build from before session 44 has chain alone)
+    from sglang_tiered.core._pagehash import chain_list as _chain_list
+except ImportError:
+    _chain_list = None
 
 # SGLANG_TIERED_PURE_PYTHON=1: the references even where the C extensions are built (read here
 # alone: core/miniature.py and core/sketch.py take it from this module)
