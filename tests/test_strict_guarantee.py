@@ -16,6 +16,7 @@ import pytest
 
 from sglang_tiered.config import ConfigError, load_config, policy_config
 from sglang_tiered.core.policy import PolicyConfig
+from sglang_tiered.core.shadows import Divergence
 from tests.test_guarantee import (
     PAGE,
     _dead_protected_context,
@@ -151,7 +152,10 @@ def test_the_cap_never_holds_a_leaf_lru_does_not_have(monkeypatch):
     lru_holds = set(leaves[0].tiered_hashes)  # lru's tree holds the oldest leaf only
     pol = cache.policy
     monkeypatch.setattr(pol, "div_room", lambda: -3.0)
-    monkeypatch.setattr(pol, "div_cost", lambda hashes: len(lru_holds.intersection(hashes)))
+    # lru's tree's pages as the cap reads them (``div_spared``, ``div_cost``: ``_div.L``)
+    div = Divergence()
+    div.L = lru_holds
+    monkeypatch.setattr(pol, "_div", div)
     cache.evict(EvictParams(num_tokens=4 * PAGE))
     assert leaves[0] in cache.evictable_leaves and leaves[1] not in cache.evictable_leaves
     assert pol.stats.cap_over_pages == 0 and pol.stats.cap_spared == 1

@@ -122,8 +122,9 @@ class Eviction:
             pages of lru's would pass the room left; else take them from the room."""
             nonlocal room
             cache.hashes.ensure(x)
-            cost = policy.div_cost(x.tiered_hashes)
-            if cost and cost > room:  # (a leaf lru does not hold is free, even with the room overdrawn)
+            # (a leaf lru does not hold is free, even with the room overdrawn)
+            cost = policy.div_spared(x.tiered_hashes, room)
+            if cost < 0:
                 heapq.heappush(held, (x.last_access_time, x.id, x))
                 policy.stats.cap_spared += 1
                 return True

@@ -6,6 +6,9 @@
   token whose ``__index__`` empties the list mid-copy is no crash.
 * ``Divergence._apply``'s two-pass add (pages ``mine`` holds none of): the same counts as the
   general four passes, duplicates and all.
+* ``div_spared``, eviction's one question to the divergence cap, answers as the rule it replaced
+  (``cost = div_cost(hashes)``; held iff ``cost and cost > room``, else ``room -= cost``) for
+  every room: negative, zero, fractional, NaN, past the leaf's length.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_tiered.core import keys
+from sglang_tiered.core.policy import AdaptivePolicy
 from sglang_tiered.core.shadows import Divergence
 
 try:
@@ -99,3 +103,18 @@ def test_apply_equals_the_general_case(mine, other, pages, add):
     a, b = set(mine), set(mine)
     assert Divergence._apply(pages, a, other, add) == _apply_reference(pages, b, other, add)
     assert a == b
+
+
+@settings(max_examples=500, deadline=None)
+@given(lru=st.sets(PAGE), leaf=st.lists(PAGE, unique=True, max_size=24),
+       room=st.one_of(st.integers(-5, 30), st.floats(-3.0, 30.0), st.just(float("nan")), st.just(float("inf"))))  # fmt: skip
+def test_div_spared_answers_as_the_rule_it_replaced(lru, leaf, room):
+    pol = AdaptivePolicy.__new__(AdaptivePolicy)  # (div_spared reads the divergence alone)
+    pol._div = Divergence()
+    pol._div.L = set(lru)
+    cost = pol.div_cost(leaf)
+    got = pol.div_spared(leaf, room)
+    if cost and cost > room:
+        assert got == -1
+    else:
+        assert got == cost
