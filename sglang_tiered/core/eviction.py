@@ -92,10 +92,13 @@ class VictimQueue:
 
     def peek(self, boost: float):
         """``(victim, heap index)`` without removing it; ``(None, -1)`` when nothing is evictable."""
+        heap0 = self.heaps[0]
         while True:  # cleaning one heap may re-queue a node into the other: settle both tops
             a = self._head(0)
             b = self._head(1)
-            if self._head(0) is a:
+            # heap 0's top unchanged (the same entry, still valid: cleaning heap 1 changes no
+            # node heap 0's top is checked on): settled, without a third walk (session 44)
+            if (heap0[0] if heap0 else None) is a:
                 break
         if a is None and b is None:
             return None, -1
