@@ -49,6 +49,22 @@ def scoped_session_id(tenant: str, sid: str) -> str:
     return sid if sid.startswith(prefix) else prefix + sid
 
 
+RESPONSE_ID_PREFIX = "resp_"  # SGLang's stored-response ids (serving_responses.py refuses any other)
+
+
+def scoped_response_id(tenant: str, rid: str) -> str:
+    """A stored OpenAI Response's id in ``tenant``'s namespace (tenant-header mode, session 44):
+    SGLang keeps one response store per server, keyed by id alone, so a tenant holding another's
+    id read it (``GET /v1/responses/{id}``: the prompt and the answer), continued it
+    (``previous_response_id``) or cancelled it, on a server reached directly (the router scoped
+    only its own map). The scope goes after SGLang's ``resp_``, as ``scoped_session_id`` puts
+    it: an id the tenant was handed back is kept, any other goes under its own prefix. An id
+    without ``resp_`` is left as it is (SGLang refuses it, naming the id the client sent)."""
+    if not rid.startswith(RESPONSE_ID_PREFIX):
+        return rid
+    return RESPONSE_ID_PREFIX + scoped_session_id(tenant, rid[len(RESPONSE_ID_PREFIX) :])
+
+
 SALT_PREFIX = "salt~"
 
 

@@ -85,7 +85,7 @@ from typing import Optional
 
 from sglang_tiered.config import MAX_INDEX_TTL_S
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes, client_extra_key
-from sglang_tiered.core.tenants import MAX_LABEL_CHARS, name_hash, scoped_session_id, tenant_label
+from sglang_tiered.core.tenants import MAX_LABEL_CHARS, name_hash, scoped_response_id, scoped_session_id, tenant_label
 from sglang_tiered.fleet.index import LOOKUP_LUA, LookupConnection, alive_key, ckey_key, matched_from_lookup, page_key
 from sglang_tiered.fleet.routing import AffinityCachePolicy, Decision, FleetView, RouteRequest, token_affinity_key
 
@@ -1553,6 +1553,10 @@ class Router:
                         # the client named it (SGLang's response id is the request's ``request_id``):
                         # known now, whatever its length, before any byte of the answer goes out
                         self._remember_response(named, ws.url, tenant)
+                        if self.tenant_header and tenant:
+                            # a worker in tenant mode stores it under the tenant's scope, the id
+                            # its answer carries (``scoped_response_id``, session 44): both find it
+                            self._remember_response(scoped_response_id(tenant, named), ws.url, tenant)
                         head = None
                     async for chunk in up.content.iter_any():
                         streams[task] = time.monotonic()

@@ -24,7 +24,7 @@ from typing import Optional
 
 from sglang_tiered.config import hashed_tenant_labels, load_config, sglang_route_names, vertex_route
 from sglang_tiered.core.keys import client_extra_key
-from sglang_tiered.core.tenants import scoped_session_id
+from sglang_tiered.core.tenants import RESPONSE_ID_PREFIX, scoped_response_id, scoped_session_id
 from sglang_tiered.integration.protocol import STATE_KEY, invalidation_args
 from sglang_tiered.stats import aggregate
 
@@ -245,6 +245,38 @@ def add_routes(app) -> None:
 # Routes that carry SGLang's ``cache_salt`` to the scheduler (GenerateReqInput, the OpenAI
 # completion, chat and responses requests; SageMaker's /invocations is a chat request).
 SALT_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
+RESPONSES_PATH = "/v1/responses"
+
+
+def _scope_response_fields(body: dict, tenant: str) -> None:
+    """A Responses request's own id (``request_id``: SGLang stores the response under it; a fresh
+    one where the client named none, as SGLang would make it) and ``previous_response_id``,
+    scoped to ``tenant``; other shapes are left for SGLang to refuse."""
+    import uuid
+
+    rid = body.get("request_id")
+    if rid is None:
+        rid = f"{RESPONSE_ID_PREFIX}{uuid.uuid4().hex}"  # (SGLang's default_factory, protocol.py)
+    if isinstance(rid, str):
+        body["request_id"] = scoped_response_id(tenant, rid)
+    prev = body.get("previous_response_id")
+    if isinstance(prev, str):
+        body["previous_response_id"] = scoped_response_id(tenant, prev)
+
+
+def _scoped_response_path(scope, path: str, tenant: str) -> dict:
+    """``scope`` with the response id of ``/v1/responses/{id}[/...]`` (``path``, the route's
+    path) scoped to ``tenant``: the route's path and the ASGI ``path`` (under any root path) and
+    ``raw_path``. The same scope where the id stays as it is."""
+    from urllib.parse import quote
+
+    head = RESPONSES_PATH + "/"
+    rid, sep, rest = path[len(head) :].partition("/")
+    scoped = scoped_response_id(tenant, rid)
+    if scoped == rid:
+        return scope
+    full = scope["path"][: len(scope["path"]) - len(path)] + head + scoped + sep + rest
+    return dict(scope, path=full, raw_path=quote(full).encode("ascii"))
 # Routes that reach the scheduler (and so the shared prefix cache) but cannot carry a salt: with a
 # trusted tenant header configured they would put every tenant into one namespace, so they are
 # refused (403) rather than silently shared.
@@ -493,6 +525,15 @@ class HintMiddleware:
                     # routes act on every tenant, GET too (session 38)
                     return await _error(403, SCOPED_STATE if path == "/set_internal_state" else f"{path} {SCOPED_ADMIN}")(
                         scope, receive, send)  # fmt: skip
+        if tenant_mode and path.startswith(RESPONSES_PATH + "/"):
+            # a stored response's routes (GET /v1/responses/{id}, POST .../{id}/cancel): a
+            # tenant's call reaches its own responses alone (``scoped_response_id``)
+            try:
+                tenant = self._tenant(scope)
+            except BadRequest as exc:
+                return await _error(exc.status, str(exc))(scope, receive, send)
+            if tenant is not None:
+                scope = _scoped_response_path(scope, path, tenant)
         if scope.get("method") in BODYLESS_METHODS:
             return await self.app(scope, receive, send)
         if tenant_mode and path in self.unsalted:
@@ -1212,6 +1253,8 @@ def rewrite_body(raw: bytes, path: str, tenant: str | None, tenant_mode: bool | 
         if tenant:
             body["cache_salt"] = tenant
             _scope_session_fields(body, tenant)  # (its sessions only)
+            if path == RESPONSES_PATH:
+                _scope_response_fields(body, tenant)  # (its stored responses only)
         else:
             body.pop("cache_salt", None)
         changed = True
