@@ -3,7 +3,7 @@
 * ``_pagehash.chain_list`` packs a list of token ids in C (where ``struct.pack`` took a quarter of
   the hashing time): the same hashes as the pure-Python reference for every int64 token, and the
   reference's ``struct.error`` through ``keys._chain_page_hashes_c`` for a token it cannot pack; a
-  token whose ``__index__`` empties the list mid-copy is no crash.
+  token that is no int (its ``__index__`` may mutate the list) is left to the reference's packing.
 * ``Divergence._apply``'s two-pass add (pages ``mine`` holds none of): the same counts as the
   general four passes, duplicates and all.
 * ``div_spared``, eviction's one question to the divergence cap, answers as the rule it replaced
@@ -65,20 +65,80 @@ def test_chain_list_refuses_what_the_packing_refuses():
         keys._chain_page_hashes_c("not bytes", list(range(32)), 16)
 
 
-@needs_c
-def test_chain_list_survives_a_token_that_empties_the_list():
-    """A token's ``__index__`` runs Python code; one that clears the list mid-copy leaves the
-    hashes of what was read (as if the list had been that long), never a read past its end."""
+def _evil_tokens(kind: str):
+    """81 tokens, the 41st an object whose ``__index__`` (returning 5) mutates the list; and the
+    calls it got."""
     tokens: list = []
+    calls: list = []
 
     class Evil:
         def __index__(self):
-            tokens.clear()
+            calls.append(kind)
+            if kind == "clear":
+                tokens.clear()
+            elif kind == "replace":
+                tokens[41:] = [7] * 40
+            elif kind == "grow":
+                tokens.extend(range(100))
             return 5
 
     tokens.extend(list(range(40)) + [Evil()] + list(range(40)))
-    got = _pagehash.chain_list(b"s" * 16, tokens, 8, 0)
-    assert got == keys._chain_page_hashes_py(b"s" * 16, list(range(40)) + [5], 8, 0)
+    return tokens, calls
+
+
+@needs_c
+@pytest.mark.parametrize("kind", ["clear", "replace", "grow", "none"])
+def test_a_token_that_mutates_the_list_hashes_as_the_reference(kind):
+    """A token's ``__index__`` runs Python code. ``struct.pack(*tokens)`` (the reference's, and
+    this path's before session 44) packs a snapshot of the list; ``chain_list`` copying the list
+    token by token hashed 5 pages instead of 10 where the token cleared the list, and other
+    pages where it replaced the rest (review, session 44). ``chain_list`` now refuses such a
+    token before calling it, and keys.py packs the list as the reference does: the same hashes,
+    ``__index__`` called once each."""
+    ref_tokens, ref_calls = _evil_tokens(kind)
+    want = keys._chain_page_hashes_py(b"s" * 16, ref_tokens, 8, 0)
+    assert len(want) == 10
+    tokens, calls = _evil_tokens(kind)
+    assert keys._chain_page_hashes_c(b"s" * 16, tokens, 8, 0) == want
+    assert calls == ref_calls == [kind]
+    tokens, calls = _evil_tokens(kind)
+    with pytest.raises(TypeError, match="not an int"):
+        _pagehash.chain_list(b"s" * 16, tokens, 8, 0)
+    assert calls == [] and len(tokens) == 81  # (refused before its __index__ ran)
+
+
+@needs_c
+def test_a_refused_list_calls_each_index_once_as_the_reference():
+    """A list the packing refuses (here its last token, a str) after tokens with ``__index__``:
+    the reference's struct.error with each ``__index__`` called once (the C path had called
+    them once in C and again in the fallback: twice)."""
+    counts = []
+
+    class Tok:
+        def __index__(self):
+            counts.append(1)
+            return 3
+
+    for f in (keys._chain_page_hashes_py, keys._chain_page_hashes_c):
+        counts.clear()
+        with pytest.raises(struct.error):
+            f(b"s" * 16, [Tok() for _ in range(16)] + ["7"], 16, 0)
+        assert len(counts) == 16, f.__name__
+
+
+@needs_c
+def test_chain_list_takes_int_subclasses_without_calling_them():
+    """bool and int subclasses are ints: read by value (no ``__index__`` call), as struct.pack
+    reads them."""
+
+    class MyInt(int):
+        def __index__(self):  # pragma: no cover - must not be called
+            raise AssertionError("called")
+
+    tokens = [MyInt(i * 7) for i in range(33)] + [True, False] * 8
+    want = keys._chain_page_hashes_py(b"s" * 16, tokens, 16, 1)
+    assert _pagehash.chain_list(b"s" * 16, tokens, 16, 1) == want
+    assert keys._chain_page_hashes_c(b"s" * 16, tokens, 16, 1) == want
 
 
 def _apply_reference(pages, mine: set, other: set, add: bool) -> tuple:

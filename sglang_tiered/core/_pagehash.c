@@ -216,10 +216,12 @@ done:
 
 /* chain_list(prev, tokens: list[int], page_size, overlap): ``chain(prev, pack(tokens), ...)``
    without the packing in Python (struct.pack of the whole list cost a quarter of the hashing:
-   session 44). Every token is read, as the packing reads them: one outside int64 raises
-   OverflowError, a non-integer TypeError (keys.py then packs in Python, which raises the
-   reference's struct.error). The list is copied out first: nothing runs Python code while the
-   hashes are computed. */
+   session 44). Every token must be an int (bool and int subclasses included: their values are
+   read without calling Python code): one outside int64 raises OverflowError, any other object
+   TypeError before its ``__index__`` runs, and keys.py then packs the list in Python, which
+   raises the reference's struct.error or hashes what the reference hashes. So no Python code
+   runs here at all: a token whose ``__index__`` mutated the list (struct.pack reads a snapshot
+   of it) made this path hash a different run than the reference (review, session 44). */
 static PyObject *pagehash_chain_list(PyObject *self, PyObject *args)
 {
     Py_buffer prev;
@@ -235,19 +237,17 @@ static PyObject *pagehash_chain_list(PyObject *self, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
-    for (i = 0; i < m && i < PyList_GET_SIZE(tokens); i++) {
-        /* (a token's __index__ may run Python code and shrink the list: re-checked each step) */
+    for (i = 0; i < m; i++) {
         PyObject *t = PyList_GET_ITEM(tokens, i);
-        Py_INCREF(t);
-        long long v = PyLong_AsLongLong(t);
-        Py_DECREF(t);
+        if (!PyLong_Check(t)) { /* (its __index__ could run Python code: keys.py packs it instead) */
+            PyErr_Format(PyExc_TypeError, "chain_list: token %zd is a %.100s, not an int", i, Py_TYPE(t)->tp_name);
+            goto done;
+        }
+        long long v = PyLong_AsLongLong(t); /* (an int: no Python code runs, the list stays as it is) */
         if (v == -1 && PyErr_Occurred()) goto done;
         uint64_t u = (uint64_t)v;
         int j;
         for (j = 0; j < 8; j++) buf[8 * i + j] = (uint8_t)(u >> (8 * j));
-    }
-    if (i < m) { /* the list shrank under us: as if it had been this long */
-        m = i;
     }
     out = chain_packed((const uint8_t *)prev.buf, prev.len, buf, m * 8, page_size, overlap);
 done:

@@ -138,8 +138,9 @@ def _chain_page_hashes_c(prev: bytes, tokens, page_size: int = 16, overlap: int 
     full page returns ``[]`` without reaching C, as the reference does (whatever ``prev`` is);
     a ``page_size`` < 1 or an ``overlap`` other than 0/1 raises ValueError. A list (the
     scheduler's ``fill_ids``) is packed in C (``_pagehash.chain_list``: a quarter of the hashing
-    time was ``struct.pack``'s, session 44); a token it cannot pack (outside int64, not an int)
-    is packed again here, which raises the reference's ``struct.error``."""
+    time was ``struct.pack``'s, session 44) where every token is an int; a list it refuses (a
+    token outside int64, or not an int: a numpy integer, anything whose ``__index__`` would run
+    Python code) is packed here, as the reference packs it (its hashes, its ``struct.error``)."""
     if type(tokens) is list and len(tokens) >= page_size + overlap and _chain_list is not None:
         try:
             return _chain_list(prev, tokens, page_size, overlap)
