@@ -201,3 +201,53 @@ def test_the_router_finds_a_named_response_under_the_id_its_worker_answers_with(
                 await x.cleanup()
 
     asyncio.run(main())
+
+
+def _has_harmony() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("openai_harmony") is not None
+
+
+@pytest.mark.server
+@pytest.mark.skipif(not _has_harmony(), reason="SGLang's /v1/responses needs the openai-harmony package (without it "
+                    "the route is disabled and answers 500); not in the test environment")  # fmt: skip
+def test_live_a_tenant_reaches_its_own_stored_responses_alone(tiny_model_path, tmp_path):
+    """On a real tiny-model server in tenant mode with ``--enable-response-store`` (run by hand
+    with openai-harmony installed, session 44: before, globex's GET, follow-up and cancel of
+    acme's response all answered 200)."""
+    import urllib.error
+    import urllib.request
+
+    from sglang_tiered.dev.server import Server, ServerSpec
+
+    spec = ServerSpec(model_path=tiny_model_path, page_size=16, max_total_tokens=4096, dtype="float32",
+                      extra_args=["--enable-response-store"], env={"SGLANG_TIERED_TENANT_HEADER": H})  # fmt: skip
+    server = Server(spec, tmp_path / "server.log")
+    server.start(timeout_s=300)
+    base = f"http://{spec.host}:{spec.port}"
+
+    def call(method, path, body=None, tenant=None) -> tuple:
+        req = urllib.request.Request(base + path, method=method, data=json.dumps(body).encode() if body else None,
+                                     headers={"content-type": "application/json", **({H: tenant} if tenant else {})})  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        new = {"model": tiny_model_path, "input": "hello", "max_output_tokens": 4}
+        status, made = call("POST", "/v1/responses", new, "acme")
+        assert status == 200, made
+        rid = made["id"]
+        assert rid.startswith("resp_t") and call("GET", f"/v1/responses/{rid}", tenant="acme")[0] == 200
+        assert call("GET", f"/v1/responses/{rid}")[0] == 200  # (the operator's call, without the header)
+        for method, path, body in [("GET", f"/v1/responses/{rid}", None),
+                                   ("POST", "/v1/responses", {**new, "previous_response_id": rid}),
+                                   ("POST", f"/v1/responses/{rid}/cancel", None)]:  # fmt: skip
+            status, err = call(method, path, body, "globex")
+            assert status == 404 and err["error"]["param"] == "response_id", (method, path, status, err)
+        assert call("POST", "/v1/responses", {**new, "previous_response_id": rid}, "acme")[0] == 200
+    finally:
+        server.stop()
