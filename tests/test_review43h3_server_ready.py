@@ -10,39 +10,18 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import pytest
 
 from sglang_tiered.dev import server as server_mod
-from sglang_tiered.dev.server import Server, ServerSpec, ServerStartError
-
-_STAND_IN = """
-import http.server, os, sys, threading, time
-port, log, exit_after = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200); self.send_header("content-length", "2"); self.end_headers(); self.wfile.write(b"{}")
-    def log_message(self, *a): pass
-srv = http.server.HTTPServer(("127.0.0.1", port), H)
-threading.Thread(target=srv.serve_forever, daemon=True).start()
-if exit_after >= 0:
-    time.sleep(exit_after)
-    with open(log, "ab") as f:
-        f.write(b"[x] Initialization failed. warmup error: boom\\n")
-    os._exit(1)
-time.sleep(60)
-"""
-
+from sglang_tiered.dev.server import Server, ServerStartError
+from tests.test_review43_server_ready import stand_in
 
 def _stand_in(tmp_path, exit_after: float, extra_args=()) -> Server:
-    s = Server(ServerSpec(model_path="unused", extra_args=list(extra_args)), tmp_path / "s.log")
-    s.log_path.write_bytes(b"")
-    s.proc = subprocess.Popen([sys.executable, "-c", _STAND_IN, str(s.spec.port), str(s.log_path), str(exit_after)],
-                              start_new_session=True)  # fmt: skip
-    return s
+    """A stand-in whose warmup fails ``exit_after`` seconds in (never if negative): it logs SGLang's
+    error line and exits with 1."""
+    return stand_in(tmp_path, exit_after, "Initialization failed. warmup error: boom", True, extra_args)
 
 
 def test_a_server_whose_warmup_failed_is_not_returned_as_ready(tmp_path):
