@@ -277,6 +277,77 @@ def _scoped_response_path(scope, path: str, tenant: str) -> dict:
         return scope
     full = scope["path"][: len(scope["path"]) - len(path)] + head + scoped + sep + rest
     return dict(scope, path=full, raw_path=quote(full).encode("ascii"))
+
+
+NOT_FOUND_CAP = 64 << 10  # (SGLang's not-found answer is a few hundred bytes; past this, passed on)
+
+
+def _naming_as_sent(send, tenant: str, originals):
+    """``send`` for a tenant's call on a Responses route whose ids were scoped: SGLang's 404 for
+    a response it does not hold (``_make_not_found_error``) names the id as the client sent it
+    (one of ``originals()``, called only then), byte for byte as SGLang answers it, not its
+    scoped form. The scoped form told a tenant, through the router, another tenant's id (the
+    router answers SGLang's 404 naming the id as sent, without reaching a worker) from one
+    nobody holds (the worker's 404, naming ``resp_t<its digest>~...``): an existence oracle
+    (a helper's review, session 44). Anything else goes as it was."""
+    held: list = []
+    size = 0
+
+    async def wrapped(msg):
+        nonlocal size
+        if msg["type"] == "http.response.start" and not held:
+            if msg.get("status") != 404:
+                return await send(msg)
+            held.append(msg)
+            return None
+        if msg["type"] != "http.response.body" or not held:
+            return await send(msg)
+        held.append(msg)
+        size += len(msg.get("body", b""))
+        if msg.get("more_body", False) and size <= NOT_FOUND_CAP:
+            return None
+        start, bodies = held[0], held[1:]
+        held.clear()
+        new = None if msg.get("more_body", False) else _not_found_as_sent(
+            b"".join(m.get("body", b"") for m in bodies), tenant, originals())  # fmt: skip
+        if new is None:
+            await send(start)
+            for m in bodies:
+                await send(m)
+            return None
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        await send({**start, "headers": headers + [(b"content-length", str(len(new)).encode())]})
+        return await send({"type": "http.response.body", "body": new, "more_body": False})
+
+    return wrapped
+
+
+def _not_found_as_sent(raw: bytes, tenant: str, originals) -> Optional[bytes]:
+    """``raw`` (SGLang's 404 for a stored response) naming the id of ``originals`` whose scoped
+    form it names, encoded as SGLang's ORJSONResponse writes it; None when it is no such answer."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    err = doc.get("error") if isinstance(doc, dict) else None
+    if not isinstance(err, dict) or err.get("param") != "response_id" or not isinstance(err.get("message"), str):
+        return None
+    for rid in originals:
+        scoped = scoped_response_id(tenant, rid) if isinstance(rid, str) else rid
+        if scoped != rid and err["message"] == f"Response with id '{scoped}' not found.":
+            err["message"] = f"Response with id '{rid}' not found."
+            return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+    return None
+
+
+def _previous_response_id(raw: bytes) -> list:
+    """The ``previous_response_id`` of a Responses creation's body as the client sent it."""
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return []
+    prev = body.get("previous_response_id") if isinstance(body, dict) else None
+    return [prev] if isinstance(prev, str) else []
 # Routes that reach the scheduler (and so the shared prefix cache) but cannot carry a salt: with a
 # trusted tenant header configured they would put every tenant into one namespace, so they are
 # refused (403) rather than silently shared.
@@ -533,7 +604,11 @@ class HintMiddleware:
             except BadRequest as exc:
                 return await _error(exc.status, str(exc))(scope, receive, send)
             if tenant is not None:
-                scope = _scoped_response_path(scope, path, tenant)
+                scoped = _scoped_response_path(scope, path, tenant)
+                if scoped is not scope:
+                    sent = path[len(RESPONSES_PATH) + 1 :].partition("/")[0]
+                    send = _naming_as_sent(send, tenant, lambda: [sent])
+                scope = scoped
         if scope.get("method") in BODYLESS_METHODS:
             return await self.app(scope, receive, send)
         if tenant_mode and path in self.unsalted:
@@ -567,6 +642,8 @@ class HintMiddleware:
                 new = raw
         except BadRequest as exc:
             return await _error(exc.status, str(exc))(scope, receive, send)
+        if tenant and path == RESPONSES_PATH:  # (its previous_response_id was scoped)
+            send = _naming_as_sent(send, tenant, lambda: _previous_response_id(raw))
         return await self.app(scope if new is raw else _with_length(scope, new), _replay(new, receive), send)
 
     def _tenant(self, scope) -> str | None:
