@@ -107,3 +107,20 @@ def test_what_is_found_and_an_owners_own_scoped_id_are_unchanged():
     # other 404s (another route's, or SGLang's for an unknown model) pass as they are
     status, _, data = _call(app, "POST", "/v1/responses", {"model": "m", "input": "x"}, "acme")
     assert status == 200
+
+
+def test_a_null_request_id_is_left_for_sglang_to_refuse():
+    """SGLang refuses ``"request_id": null`` (a string, or none at all: ``ResponsesRequest``); a
+    tenant's was made a fresh id and served, where the operator's and any other server's is refused."""
+    seen = []
+
+    async def app(scope, receive, send):
+        msg = await receive()
+        seen.append(json.loads(msg["body"]))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    _call(app, "POST", "/v1/responses", {"model": "m", "input": "x", "request_id": None}, "acme")
+    assert seen[-1]["request_id"] is None
+    _call(app, "POST", "/v1/responses", {"model": "m", "input": "x"}, "acme")
+    assert seen[-1]["request_id"].startswith("resp_t")  # (none named: a fresh one, scoped)

@@ -254,9 +254,9 @@ def _scope_response_fields(body: dict, tenant: str) -> None:
     scoped to ``tenant``; other shapes are left for SGLang to refuse."""
     import uuid
 
-    rid = body.get("request_id")
-    if rid is None:
-        rid = f"{RESPONSE_ID_PREFIX}{uuid.uuid4().hex}"  # (SGLang's default_factory, protocol.py)
+    if "request_id" not in body:  # (a null is SGLang's to refuse, as it does: a string or none)
+        body["request_id"] = f"{RESPONSE_ID_PREFIX}{uuid.uuid4().hex}"  # (SGLang's default_factory, protocol.py)
+    rid = body["request_id"]
     if isinstance(rid, str):
         body["request_id"] = scoped_response_id(tenant, rid)
     prev = body.get("previous_response_id")
