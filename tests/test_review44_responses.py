@@ -248,6 +248,7 @@ def test_live_a_tenant_reaches_its_own_stored_responses_alone(tiny_model_path, t
                                    ("POST", f"/v1/responses/{rid}/cancel", None)]:  # fmt: skip
             status, err = call(method, path, body, "globex")
             assert status == 404 and err["error"]["param"] == "response_id", (method, path, status, err)
+            assert err["error"]["message"] == f"Response with id '{rid}' not found.", err  # (as sent: SGLang's own)
         assert call("POST", "/v1/responses", {**new, "previous_response_id": rid}, "acme")[0] == 200
     finally:
         server.stop()
