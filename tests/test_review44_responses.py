@@ -30,7 +30,8 @@ H = "x-tenant-id"
 
 def _through(method: str, path: str, body: dict | None, tenant: str | None, tenant_header: str | None = H,
              root_path: str = ""):  # fmt: skip
-    """(route path, body) the app behind the real middleware was handed (body None: none sent)."""
+    """(path, body, raw_path) the app behind the real middleware was handed (body None: none
+    sent)."""
     seen = {}
 
     async def app(scope, receive, send):

@@ -104,7 +104,8 @@ def test_what_is_found_and_an_owners_own_scoped_id_are_unchanged():
     # a 404 that names the scoped id the tenant sent itself keeps it
     mine = scoped_response_id("acme", "resp_gone")
     assert _call(app, "GET", f"/v1/responses/{mine}", None, "acme")[2] == _sglang_not_found(mine).body
-    # other 404s (another route's, or SGLang's for an unknown model) pass as they are
+    # a creation naming no previous response is served as it is (other 404s pass as they are:
+    # test_other_404s_reach_the_client_as_they_are)
     status, _, data = _call(app, "POST", "/v1/responses", {"model": "m", "input": "x"}, "acme")
     assert status == 200
 
@@ -124,3 +125,42 @@ def test_a_null_request_id_is_left_for_sglang_to_refuse():
     assert seen[-1]["request_id"] is None
     _call(app, "POST", "/v1/responses", {"model": "m", "input": "x"}, "acme")
     assert seen[-1]["request_id"].startswith("resp_t")  # (none named: a fresh one, scoped)
+
+
+def _answering(status: int, parts: list):
+    """An app that reads the request and answers ``status`` with the body in ``parts`` (one ASGI
+    message each, content-length set to their total)."""
+
+    async def app(scope, receive, send):
+        more = True
+        while more:
+            more = (await receive()).get("more_body", False)
+        total = str(sum(map(len, parts))).encode()
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-length", total)]})
+        for i, part in enumerate(parts):
+            await send({"type": "http.response.body", "body": part, "more_body": i < len(parts) - 1})
+
+    return app
+
+
+def test_other_404s_reach_the_client_as_they_are():
+    """Only SGLang's 404 for the id the tenant sent, in its scoped form, is rewritten: another
+    route's 404, one naming some other scoped id, one that is not JSON, and one past
+    NOT_FOUND_CAP in parts reach the client byte for byte (the last one's parts all, in order)."""
+    from sglang_tiered.integration.http import NOT_FOUND_CAP
+
+    other = _sglang_not_found(scoped_response_id("globex", "resp_other")).body
+    big = [b"x" * (NOT_FOUND_CAP // 2 + 1), b"y" * (NOT_FOUND_CAP // 2 + 1), b"z"]
+    for parts in ([b'{"detail":"Not Found"}'], [other], [b"not json"], [other[:7], other[7:]], big):
+        for method, path, body in [("GET", "/v1/responses/resp_abc", None),
+                                   ("POST", "/v1/responses", {"model": "m", "input": "x",
+                                                              "previous_response_id": "resp_abc"})]:  # fmt: skip
+            status, hdrs, data = _call(_answering(404, parts), method, path, body, "globex")
+            assert (status, data) == (404, b"".join(parts)), (method, path, data[:80])
+            assert hdrs[b"content-length"] == str(len(data)).encode()
+    # SGLang's 404 for the id sent, in parts under the cap: put together, and named as sent
+    mine = _sglang_not_found(scoped_response_id("globex", "resp_abc")).body
+    status, hdrs, data = _call(_answering(404, [mine[:5], mine[5:9], mine[9:]]), "GET", "/v1/responses/resp_abc",
+                               None, "globex")  # fmt: skip
+    assert (status, data) == (404, _sglang_not_found("resp_abc").body)
+    assert hdrs[b"content-length"] == str(len(data)).encode()
