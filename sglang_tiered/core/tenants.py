@@ -8,6 +8,7 @@ client minting salts cannot blow up memory or metric cardinality; names are boun
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import asdict, dataclass
 
 OTHER = "__other__"
@@ -63,6 +64,21 @@ def scoped_response_id(tenant: str, rid: str) -> str:
     if not rid.startswith(RESPONSE_ID_PREFIX):
         return rid
     return RESPONSE_ID_PREFIX + scoped_session_id(tenant, rid[len(RESPONSE_ID_PREFIX) :])
+
+
+def response_not_found(rid: str) -> tuple[int, bytes]:
+    """SGLang's answer for a stored response ``rid`` it does not hold, status and body byte for byte
+    (``serving_responses.py`` ``_make_not_found_error``, and ``_make_invalid_id_error`` first for an
+    id not ``resp_...``; compact JSON as its ``ORJSONResponse`` writes it, ``param`` ``response_id``
+    for a ``previous_response_id`` too). The router answers it for another tenant's id, and a
+    server's middleware answers it naming the id as the tenant sent it: one copy, so the two answers
+    cannot tell ids apart (reviews, sessions 43 and 44)."""
+    if rid.startswith(RESPONSE_ID_PREFIX):
+        status, msg = 404, f"Response with id '{rid}' not found."
+    else:
+        status, msg = 400, f"Invalid 'response_id': '{rid}'. Expected an ID that begins with 'resp'."
+    err = {"error": {"message": msg, "type": "invalid_request_error", "param": "response_id", "code": status}}
+    return status, json.dumps(err, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
 
 
 SALT_PREFIX = "salt~"

@@ -85,7 +85,14 @@ from typing import Optional
 
 from sglang_tiered.config import MAX_INDEX_TTL_S
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes, client_extra_key
-from sglang_tiered.core.tenants import MAX_LABEL_CHARS, name_hash, scoped_response_id, scoped_session_id, tenant_label
+from sglang_tiered.core.tenants import (
+    MAX_LABEL_CHARS,
+    name_hash,
+    response_not_found,
+    scoped_response_id,
+    scoped_session_id,
+    tenant_label,
+)
 from sglang_tiered.fleet.index import LOOKUP_LUA, LookupConnection, alive_key, ckey_key, matched_from_lookup, page_key
 from sglang_tiered.fleet.routing import AffinityCachePolicy, Decision, FleetView, RouteRequest, token_affinity_key
 
@@ -238,20 +245,13 @@ def _pin(pins: OrderedDict, key, url, kept: int) -> None:
 
 
 def _response_not_found(rid: str):
-    """SGLang's answer for a stored response it does not hold, byte for byte (``serving_responses.py``
-    ``_make_not_found_error``, and ``_make_invalid_id_error`` first for an id not ``resp_...``: a
-    client may name any ``request_id``): what another tenant's id gets, so it learns nothing of it.
-    SGLang names ``response_id`` for a ``previous_response_id`` too, and writes compact JSON as
-    ``application/json`` (``ORJSONResponse``; review, session 43: aiohttp's spaced JSON with a
-    charset, or ``param: previous_response_id``, told that the id was another tenant's)."""
+    """SGLang's answer for a stored response it does not hold (``tenants.response_not_found``):
+    what another tenant's id gets, so it learns nothing of it (review, session 43: aiohttp's
+    spaced JSON with a charset, or ``param: previous_response_id``, told that the id was another
+    tenant's). ``application/json``, as SGLang's ``ORJSONResponse``."""
     from aiohttp import web
 
-    if rid.startswith("resp_"):
-        status, msg = 404, f"Response with id '{rid}' not found."
-    else:
-        status, msg = 400, f"Invalid 'response_id': '{rid}'. Expected an ID that begins with 'resp'."
-    err = {"error": {"message": msg, "type": "invalid_request_error", "param": "response_id", "code": status}}
-    body = json.dumps(err, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+    status, body = response_not_found(rid)
     return web.Response(body=body, status=status, content_type="application/json")
 
 

@@ -24,7 +24,7 @@ from typing import Optional
 
 from sglang_tiered.config import hashed_tenant_labels, load_config, sglang_route_names, vertex_route
 from sglang_tiered.core.keys import client_extra_key
-from sglang_tiered.core.tenants import RESPONSE_ID_PREFIX, scoped_response_id, scoped_session_id
+from sglang_tiered.core.tenants import RESPONSE_ID_PREFIX, response_not_found, scoped_response_id, scoped_session_id
 from sglang_tiered.integration.protocol import STATE_KEY, invalidation_args
 from sglang_tiered.stats import aggregate
 
@@ -246,8 +246,56 @@ def add_routes(app) -> None:
 # completion, chat and responses requests; SageMaker's /invocations is a chat request).
 SALT_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
 RESPONSES_PATH = "/v1/responses"
+# Routes that reach the scheduler (and so the shared prefix cache) but cannot carry a salt: with a
+# trusted tenant header configured they would put every tenant into one namespace, so they are
+# refused (403) rather than silently shared.
+UNSALTED_PATHS = (
+    "/v1/messages", "/api/chat", "/api/generate", "/vertex_generate", "/encode", "/v1/embeddings",
+    "/classify", "/v1/classify", "/v1/score", "/v1/rerank", "/v1/decisions", "/v1/systemone",
+    "/v1/audio/transcriptions",
+)  # fmt: skip
+# SGLang's websocket routes that reach the scheduler (OpenAI Realtime transcription): no salt.
+WEBSOCKET_PATHS = frozenset(("/v1/realtime",))
+# SGLang's session routes (served on GET too, with a JSON body): a session's history is a prompt
+# and its output, which SGLang keys by the session id alone. In tenant mode each tenant's ids are
+# scoped to it (``scoped_session_id``), so one tenant cannot continue, read or close another's.
+SESSION_PATHS = frozenset(("/open_session", "/close_session"))
 
 
+def _scope_session_fields(body: dict, tenant: str) -> None:
+    """A request's ``session_params.id`` (a dict, or a batch's list of them) and ``session_id``,
+    scoped to ``tenant``; other shapes are left for SGLang to refuse."""
+    sps = body.get("session_params")
+    for sp in sps if isinstance(sps, list) else [sps]:
+        if isinstance(sp, dict) and isinstance(sp.get("id"), str) and sp["id"]:
+            sp["id"] = scoped_session_id(tenant, sp["id"])
+    if isinstance(body.get("session_id"), str) and body["session_id"]:
+        body["session_id"] = scoped_session_id(tenant, body["session_id"])
+
+
+def rewrite_session_route(raw: bytes, path: str, tenant: str) -> bytes:
+    """``/open_session`` / ``/close_session`` body of a tenant's call, its id scoped (an open
+    without an id gets a fresh one: SGLang's own would be unscoped)."""
+    import uuid
+
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
+        raise BadRequest("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    sid = body.get("session_id")
+    if sid is None and path == "/open_session":
+        sid = uuid.uuid4().hex
+    if not isinstance(sid, str) or not sid:
+        raise BadRequest("session_id must be a non-empty string")
+    body["session_id"] = scoped_session_id(tenant, sid)
+    return json.dumps(body).encode()
+
+
+# SGLang's stored OpenAI Responses (``--enable-response-store``), kept by id alone as sessions are:
+# in tenant mode a tenant's ids are scoped to it (``scoped_response_id``) in the creation's body and
+# in the path of ``/v1/responses/{id}[/cancel]``, and SGLang's 404 names the id as it was sent.
 def _scope_response_fields(body: dict, tenant: str) -> None:
     """A Responses request's own id (``request_id``: SGLang stores the response under it; a fresh
     one where the client named none, as SGLang would make it) and ``previous_response_id``,
@@ -323,20 +371,12 @@ def _naming_as_sent(send, tenant: str, originals):
 
 
 def _not_found_as_sent(raw: bytes, tenant: str, originals) -> Optional[bytes]:
-    """``raw`` (SGLang's 404 for a stored response) naming the id of ``originals`` whose scoped
-    form it names, encoded as SGLang's ORJSONResponse writes it; None when it is no such answer."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    err = doc.get("error") if isinstance(doc, dict) else None
-    if not isinstance(err, dict) or err.get("param") != "response_id" or not isinstance(err.get("message"), str):
-        return None
+    """SGLang's 404 naming the id of ``originals`` whose scoped form ``raw`` is SGLang's 404 for
+    (``response_not_found``, the router's answer too); None when ``raw`` is no such answer."""
     for rid in originals:
-        scoped = scoped_response_id(tenant, rid) if isinstance(rid, str) else rid
-        if scoped != rid and err["message"] == f"Response with id '{scoped}' not found.":
-            err["message"] = f"Response with id '{rid}' not found."
-            return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+        scoped = scoped_response_id(tenant, rid)
+        if scoped != rid and raw == response_not_found(scoped)[1]:
+            return response_not_found(rid)[1]
     return None
 
 
@@ -348,51 +388,6 @@ def _previous_response_id(raw: bytes) -> list:
         return []
     prev = body.get("previous_response_id") if isinstance(body, dict) else None
     return [prev] if isinstance(prev, str) else []
-# Routes that reach the scheduler (and so the shared prefix cache) but cannot carry a salt: with a
-# trusted tenant header configured they would put every tenant into one namespace, so they are
-# refused (403) rather than silently shared.
-UNSALTED_PATHS = (
-    "/v1/messages", "/api/chat", "/api/generate", "/vertex_generate", "/encode", "/v1/embeddings",
-    "/classify", "/v1/classify", "/v1/score", "/v1/rerank", "/v1/decisions", "/v1/systemone",
-    "/v1/audio/transcriptions",
-)  # fmt: skip
-# SGLang's websocket routes that reach the scheduler (OpenAI Realtime transcription): no salt.
-WEBSOCKET_PATHS = frozenset(("/v1/realtime",))
-# SGLang's session routes (served on GET too, with a JSON body): a session's history is a prompt
-# and its output, which SGLang keys by the session id alone. In tenant mode each tenant's ids are
-# scoped to it (``scoped_session_id``), so one tenant cannot continue, read or close another's.
-SESSION_PATHS = frozenset(("/open_session", "/close_session"))
-
-
-def _scope_session_fields(body: dict, tenant: str) -> None:
-    """A request's ``session_params.id`` (a dict, or a batch's list of them) and ``session_id``,
-    scoped to ``tenant``; other shapes are left for SGLang to refuse."""
-    sps = body.get("session_params")
-    for sp in sps if isinstance(sps, list) else [sps]:
-        if isinstance(sp, dict) and isinstance(sp.get("id"), str) and sp["id"]:
-            sp["id"] = scoped_session_id(tenant, sp["id"])
-    if isinstance(body.get("session_id"), str) and body["session_id"]:
-        body["session_id"] = scoped_session_id(tenant, body["session_id"])
-
-
-def rewrite_session_route(raw: bytes, path: str, tenant: str) -> bytes:
-    """``/open_session`` / ``/close_session`` body of a tenant's call, its id scoped (an open
-    without an id gets a fresh one: SGLang's own would be unscoped)."""
-    import uuid
-
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError):
-        raise BadRequest("request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
-    sid = body.get("session_id")
-    if sid is None and path == "/open_session":
-        sid = uuid.uuid4().hex
-    if not isinstance(sid, str) or not sid:
-        raise BadRequest("session_id must be a non-empty string")
-    body["session_id"] = scoped_session_id(tenant, sid)
-    return json.dumps(body).encode()
 
 
 # Routes whose token ids reach the model's embedding: checked on every server (issue #10; review,
