@@ -50,7 +50,9 @@ def scoped_session_id(tenant: str, sid: str) -> str:
     return sid if sid.startswith(prefix) else prefix + sid
 
 
-RESPONSE_ID_PREFIX = "resp_"  # SGLang's stored-response ids (serving_responses.py refuses any other)
+# SGLang's stored-response ids: serving_responses.py reads, continues and cancels no other (it
+# stores a creation under any ``request_id``, where no route reaches it)
+RESPONSE_ID_PREFIX = "resp_"
 
 
 def scoped_response_id(tenant: str, rid: str) -> str:
@@ -60,7 +62,8 @@ def scoped_response_id(tenant: str, rid: str) -> str:
     (``previous_response_id``) or cancelled it, on a server reached directly (the router scoped
     only its own map). The scope goes after SGLang's ``resp_``, as ``scoped_session_id`` puts
     it: an id the tenant was handed back is kept, any other goes under its own prefix. An id
-    without ``resp_`` is left as it is (SGLang refuses it, naming the id the client sent)."""
+    without ``resp_`` is left as it is: SGLang refuses it on every route that reads a stored
+    response, naming the id the client sent (a creation so named is stored where none reads it)."""
     if not rid.startswith(RESPONSE_ID_PREFIX):
         return rid
     return RESPONSE_ID_PREFIX + scoped_session_id(tenant, rid[len(RESPONSE_ID_PREFIX) :])
