@@ -34,7 +34,7 @@ from trace_replay import PAGE, capacity_pages, page_ids, replay_sglang, replay_t
 DIGEST_CELLS = [("mooncake", 0.005), ("mooncake", 0.02), ("multitenant", 0.01), ("multitenant", 0.1)] + [
     (f"family-{s}", f) for s in (8, 14, 19, 21, 25, 28) for f in (0.005, 0.05, 0.2)
 ]
-# the timing cells: Mooncake at four capacities and twelve family workloads, small caches and
+# the timing cells: Mooncake at four capacities and twelve family cells, small caches and
 # small requests among them, and the worst ratios of a sweep of family-000..039 at 1 and 10 %
 # (session 44: long prompts in a 1 % cache, family-33 and family-14, 1.6x lru's)
 TIME_CELLS = [("mooncake", f) for f in (0.005, 0.01, 0.02, 0.1)] + [

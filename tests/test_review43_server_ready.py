@@ -48,7 +48,6 @@ def stand_in(tmp_path, delay: float, line: str = READY_LINE.decode(), exits: boo
     return s
 
 
-
 def test_wait_ready_returns_once_the_warmup_ran(tmp_path):
     s = stand_in(tmp_path, 1.5)
     try:

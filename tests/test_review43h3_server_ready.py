@@ -18,6 +18,7 @@ from sglang_tiered.dev import server as server_mod
 from sglang_tiered.dev.server import Server, ServerStartError
 from tests.test_review43_server_ready import stand_in
 
+
 def _stand_in(tmp_path, exit_after: float, extra_args=()) -> Server:
     """A stand-in whose warmup fails ``exit_after`` seconds in (never if negative): it logs SGLang's
     error line and exits with 1."""
