@@ -253,3 +253,29 @@ def test_live_a_tenant_reaches_its_own_stored_responses_alone(tiny_model_path, t
         assert call("POST", "/v1/responses", {**new, "previous_response_id": rid}, "acme")[0] == 200
     finally:
         server.stop()
+
+
+def test_a_preflight_on_a_response_route_passes_as_on_the_other_guarded_routes():
+    """OPTIONS (a CORS preflight: SGLang's CORS middleware answers it, no route runs) passes as it
+    does on the session, metrics and admin routes, its tenant header unread: before, a repeated
+    header got a 400 there alone."""
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    mw = HintMiddleware(app, tenant_header=H)
+    for path in ("/v1/responses/resp_x", "/open_session"):
+        scope = {"type": "http", "method": "OPTIONS", "path": path, "root_path": "", "query_string": b"",
+                 "headers": [(H.encode(), b"a"), (H.encode(), b"b")]}  # fmt: skip
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(msg):
+            pass
+
+        asyncio.run(mw(scope, receive, send))
+    assert seen == ["/v1/responses/resp_x", "/open_session"]

@@ -573,8 +573,8 @@ class HintMiddleware:
             return await self.app(scope, receive, _without_cache_stats(send))
         tenant_mode = self.tenant_header is not None
         if tenant_mode and scope.get("method") != "OPTIONS" and (
-                path.startswith("/metrics") or path in SESSION_PATHS or path == "/set_internal_state"
-                or path in sglang_admin_paths()):  # fmt: skip
+                path.startswith(("/metrics", RESPONSES_PATH + "/")) or path in SESSION_PATHS
+                or path == "/set_internal_state" or path in sglang_admin_paths()):  # fmt: skip
             try:
                 tenant = self._tenant(scope)
             except BadRequest as exc:
@@ -586,24 +586,18 @@ class HintMiddleware:
                     return await _error(403, SCOPED_METRICS)(scope, receive, send)
                 if path in SESSION_PATHS:  # (any method: SGLang serves them on GET with a body)
                     return await self._session_route(scope, receive, send, path, tenant)
-                if not admin_key():
+                if path.startswith(RESPONSES_PATH + "/"):
+                    # a stored response's routes (GET /v1/responses/{id}, POST .../{id}/cancel):
+                    # a tenant's call reaches its own responses alone (``scoped_response_id``)
+                    scoped = _scoped_response_path(scope, path, tenant)
+                    if scoped is not scope:
+                        sent = path[len(RESPONSES_PATH) + 1 :].partition("/")[0]
+                        scope, send = scoped, _naming_as_sent(send, tenant, lambda: [sent])
+                elif not admin_key():
                     # /set_internal_state carries our invalidations (session 37); SGLang's admin
                     # routes act on every tenant, GET too (session 38)
                     return await _error(403, SCOPED_STATE if path == "/set_internal_state" else f"{path} {SCOPED_ADMIN}")(
                         scope, receive, send)  # fmt: skip
-        if tenant_mode and path.startswith(RESPONSES_PATH + "/"):
-            # a stored response's routes (GET /v1/responses/{id}, POST .../{id}/cancel): a
-            # tenant's call reaches its own responses alone (``scoped_response_id``)
-            try:
-                tenant = self._tenant(scope)
-            except BadRequest as exc:
-                return await _error(exc.status, str(exc))(scope, receive, send)
-            if tenant is not None:
-                scoped = _scoped_response_path(scope, path, tenant)
-                if scoped is not scope:
-                    sent = path[len(RESPONSES_PATH) + 1 :].partition("/")[0]
-                    send = _naming_as_sent(send, tenant, lambda: [sent])
-                scope = scoped
         if scope.get("method") in BODYLESS_METHODS:
             return await self.app(scope, receive, send)
         if tenant_mode and path in self.unsalted:
