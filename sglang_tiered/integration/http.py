@@ -246,6 +246,7 @@ def add_routes(app) -> None:
 # completion, chat and responses requests; SageMaker's /invocations is a chat request).
 SALT_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
 RESPONSES_PATH = "/v1/responses"
+RESPONSE_ROUTES = RESPONSES_PATH + "/"  # (a stored response's: /v1/responses/{id}[/cancel])
 # Routes that reach the scheduler (and so the shared prefix cache) but cannot carry a salt: with a
 # trusted tenant header configured they would put every tenant into one namespace, so they are
 # refused (403) rather than silently shared.
@@ -312,19 +313,18 @@ def _scope_response_fields(body: dict, tenant: str) -> None:
         body["previous_response_id"] = scoped_response_id(tenant, prev)
 
 
-def _scoped_response_path(scope, path: str, tenant: str) -> dict:
+def _scoped_response_path(scope, path: str, tenant: str) -> tuple[dict, str]:
     """``scope`` with the response id of ``/v1/responses/{id}[/...]`` (``path``, the route's
     path) scoped to ``tenant``: the route's path and the ASGI ``path`` (under any root path) and
-    ``raw_path``. The same scope where the id stays as it is."""
+    ``raw_path``; the same scope where the id stays as it is. And the id as sent."""
     from urllib.parse import quote
 
-    head = RESPONSES_PATH + "/"
-    rid, sep, rest = path[len(head) :].partition("/")
+    rid, sep, rest = path[len(RESPONSE_ROUTES) :].partition("/")
     scoped = scoped_response_id(tenant, rid)
     if scoped == rid:
-        return scope
-    full = scope["path"][: len(scope["path"]) - len(path)] + head + scoped + sep + rest
-    return dict(scope, path=full, raw_path=quote(full).encode("ascii"))
+        return scope, rid
+    full = scope["path"][: len(scope["path"]) - len(path)] + RESPONSE_ROUTES + scoped + sep + rest
+    return dict(scope, path=full, raw_path=quote(full).encode("ascii")), rid
 
 
 NOT_FOUND_CAP = 64 << 10  # (SGLang's not-found answer is a few hundred bytes; past this, passed on)
@@ -573,7 +573,7 @@ class HintMiddleware:
             return await self.app(scope, receive, _without_cache_stats(send))
         tenant_mode = self.tenant_header is not None
         if tenant_mode and scope.get("method") != "OPTIONS" and (
-                path.startswith(("/metrics", RESPONSES_PATH + "/")) or path in SESSION_PATHS
+                path.startswith(("/metrics", RESPONSE_ROUTES)) or path in SESSION_PATHS
                 or path == "/set_internal_state" or path in sglang_admin_paths()):  # fmt: skip
             try:
                 tenant = self._tenant(scope)
@@ -586,12 +586,11 @@ class HintMiddleware:
                     return await _error(403, SCOPED_METRICS)(scope, receive, send)
                 if path in SESSION_PATHS:  # (any method: SGLang serves them on GET with a body)
                     return await self._session_route(scope, receive, send, path, tenant)
-                if path.startswith(RESPONSES_PATH + "/"):
+                if path.startswith(RESPONSE_ROUTES):
                     # a stored response's routes (GET /v1/responses/{id}, POST .../{id}/cancel):
                     # a tenant's call reaches its own responses alone (``scoped_response_id``)
-                    scoped = _scoped_response_path(scope, path, tenant)
+                    scoped, sent = _scoped_response_path(scope, path, tenant)
                     if scoped is not scope:
-                        sent = path[len(RESPONSES_PATH) + 1 :].partition("/")[0]
                         scope, send = scoped, _naming_as_sent(send, tenant, lambda: [sent])
                 elif not admin_key():
                     # /set_internal_state carries our invalidations (session 37); SGLang's admin
