@@ -36,7 +36,7 @@ DIGEST_CELLS = [("mooncake", 0.005), ("mooncake", 0.02), ("multitenant", 0.01), 
 ]
 # the timing cells: Mooncake at four capacities and twelve family cells, small caches and
 # small requests among them, and the worst ratios of a sweep of family-000..039 at 1 and 10 %
-# (session 44: long prompts in a 1 % cache, family-33 and family-14, 1.6x lru's)
+# (session 44: long prompts in a 1 % cache, family-33 and family-14, 1.5-1.7x lru's)
 TIME_CELLS = [("mooncake", f) for f in (0.005, 0.01, 0.02, 0.1)] + [
     (f"family-{s}", f) for s, f in [(21, 0.005), (21, 0.2), (28, 0.005), (28, 0.05), (32, 0.01),
                                     (8, 0.005), (8, 0.2), (4, 0.05), (14, 0.02), (25, 0.01),
