@@ -21,14 +21,40 @@ H = "x-tenant-id"
 
 
 def _sglang_not_found(rid: str):
-    """SGLang's own 404 for ``rid`` (its ``_make_not_found_error``, an ORJSONResponse)."""
+    """SGLang's own 404 for ``rid`` (``OpenAIServingResponses._make_not_found_error`` with its
+    nested ``create_error_response``, an ORJSONResponse). ``serving_responses`` imports
+    ``openai_harmony``, which the test environment lacks: there the two functions' bodies as
+    SGLang 0.5.23 writes them (serving_responses.py:246-259, 1948-1954; checked against the source
+    by ``test_sglang_writes_its_not_found_as_copied``), encoded by the same ORJSONResponse."""
     import types
 
-    from sglang.srt.entrypoints.openai.serving_responses import OpenAIServingResponses as O
+    try:
+        from sglang.srt.entrypoints.openai.serving_responses import OpenAIServingResponses as O
+    except ImportError:
+        from fastapi.responses import ORJSONResponse
 
+        err = {"message": f"Response with id '{rid}' not found.", "type": "invalid_request_error",
+               "param": "response_id", "code": 404}  # fmt: skip
+        return ORJSONResponse(content={"error": err}, status_code=404)
     fake = types.SimpleNamespace()
     fake.create_error_response = lambda *a, **k: O.create_error_response(fake, *a, **k)
     return O._make_not_found_error(fake, rid)
+
+
+def test_sglang_writes_its_not_found_as_copied():
+    """The copy above is SGLang's: its source still builds the 404 so (a new SGLang that words it
+    otherwise fails here, and the servers' naming of the id as sent, which matches these bytes,
+    would stop acting)."""
+    import importlib.util
+    import pathlib
+
+    src = pathlib.Path(importlib.util.find_spec("sglang.srt.entrypoints.openai").submodule_search_locations[0])
+    text = (src / "serving_responses.py").read_text()
+    assert "message=f\"Response with id '{response_id}' not found.\"," in text
+    assert 'err_type="invalid_request_error",\n            status_code=HTTPStatus.NOT_FOUND,\n            param="response_id",' in text
+    assert 'return ORJSONResponse(content={"error": nested_error}, status_code=status_code)' in text
+    for field in ('"message": message,', '"type": err_type,', '"param": param,', '"code": status_code,'):
+        assert field in text, field
 
 
 def _store_app(store: set):
