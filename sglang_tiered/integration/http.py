@@ -338,36 +338,8 @@ def _naming_as_sent(send, tenant: str, originals):
     router answers SGLang's 404 naming the id as sent, without reaching a worker) from one
     nobody holds (the worker's 404, naming ``resp_t<its digest>~...``): an existence oracle
     (a helper's review, session 44). Anything else goes as it was."""
-    held: list = []
-    size = 0
-
-    async def wrapped(msg):
-        nonlocal size
-        if msg["type"] == "http.response.start" and not held:
-            if msg.get("status") != 404:
-                return await send(msg)
-            held.append(msg)
-            return None
-        if msg["type"] != "http.response.body" or not held:
-            return await send(msg)
-        held.append(msg)
-        size += len(msg.get("body", b""))
-        if msg.get("more_body", False) and size <= NOT_FOUND_CAP:
-            return None
-        start, bodies = held[0], held[1:]
-        held.clear()
-        new = None if msg.get("more_body", False) else _not_found_as_sent(
-            b"".join(m.get("body", b"") for m in bodies), tenant, originals())  # fmt: skip
-        if new is None:
-            await send(start)
-            for m in bodies:
-                await send(m)
-            return None
-        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
-        await send({**start, "headers": headers + [(b"content-length", str(len(new)).encode())]})
-        return await send({"type": "http.response.body", "body": new, "more_body": False})
-
-    return wrapped
+    return _rewritten_body(send, NOT_FOUND_CAP, lambda raw: _not_found_as_sent(raw, tenant, originals()),
+                           holds=lambda start: start.get("status") == 404)  # fmt: skip
 
 
 def _not_found_as_sent(raw: bytes, tenant: str, originals) -> Optional[bytes]:
@@ -483,24 +455,33 @@ SGLANG_ADMIN_PATHS_0523 = frozenset((
 def _without_cache_stats(send):
     """``send`` for a /server_info answer: the body collected, ``STATE_KEY`` taken out of each of
     its ``internal_states``, then sent with its length corrected. Anything else goes as it was."""
+    return _rewritten_body(send, STATS_CAP, _strip_cache_stats)
+
+
+def _rewritten_body(send, cap: int, rewrite, holds=None):
+    """``send`` that holds back an answer (its start, where ``holds(start)``; any start without
+    ``holds``) and its body up to ``cap`` bytes, then sends ``rewrite(body)`` with its length
+    corrected; where that is None, or the body passed ``cap``, the answer goes as it was. Any
+    other message goes on at once. (The /server_info and stored-response rewrites.)"""
     held: list = []
     size = 0
 
     async def wrapped(msg):
         nonlocal size
         if msg["type"] == "http.response.start" and not held:
+            if holds is not None and not holds(msg):
+                return await send(msg)
             held.append(msg)
             return None
         if msg["type"] != "http.response.body" or not held:
             return await send(msg)
         held.append(msg)
         size += len(msg.get("body", b""))
-        if msg.get("more_body", False) and size <= STATS_CAP:
+        if msg.get("more_body", False) and size <= cap:
             return None
         start, bodies = held[0], held[1:]
         held.clear()
-        raw = b"".join(m.get("body", b"") for m in bodies)
-        new = _strip_cache_stats(raw) if not msg.get("more_body", False) else None
+        new = None if msg.get("more_body", False) else rewrite(b"".join(m.get("body", b"") for m in bodies))
         if new is None:
             await send(start)
             for m in bodies:
