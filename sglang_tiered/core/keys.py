@@ -137,7 +137,8 @@ def _chain_page_hashes_c(prev: bytes, tokens, page_size: int = 16, overlap: int 
     """``_chain_page_hashes_py`` with the per-page loop in C (``_pagehash.chain``). A run with no
     full page returns ``[]`` without reaching C, as the reference does (whatever ``prev`` is);
     a ``page_size`` < 1 or an ``overlap`` other than 0/1 raises ValueError. A list (the
-    scheduler's ``fill_ids``) is packed in C (``_pagehash.chain_list``: a quarter of the hashing
+    router's tokenizer output; SGLang's ``fill_ids`` are ``array("q")``, whose bytes need no
+    packing) is packed in C (``_pagehash.chain_list``: a quarter of the hashing
     time was ``struct.pack``'s, session 44) where every token is an int; a list it refuses (a
     token outside int64, or not an int: a numpy integer, anything whose ``__index__`` would run
     Python code) is packed here, as the reference packs it (its hashes, its ``struct.error``)."""
