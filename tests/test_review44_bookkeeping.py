@@ -4,7 +4,7 @@
   the hashing time): the same hashes as the pure-Python reference for every int64 token, and the
   reference's ``struct.error`` through ``keys._chain_page_hashes_c`` for a token it cannot pack; a
   token that is no int (its ``__index__`` may mutate the list) is left to the reference's packing.
-* ``Divergence._apply``'s two-pass add (pages ``mine`` holds none of): the same counts as the
+* ``DivergencePy._apply``'s two-pass add (pages ``mine`` holds none of): the same counts as the
   general four passes, duplicates and all.
 * ``div_spared``, eviction's one question to the divergence cap, answers as the rule it replaced
   (``cost = div_cost(hashes)``; held iff ``cost and cost > room``, else ``room -= cost``) for
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from sglang_tiered.core import keys
 from sglang_tiered.core.policy import AdaptivePolicy
-from sglang_tiered.core.shadows import Divergence
+from sglang_tiered.core.shadows import Divergence, DivergencePy
 
 try:
     from sglang_tiered.core import _pagehash
@@ -161,7 +161,7 @@ PAGE = st.sampled_from([os.urandom(16) for _ in range(24)])
 @given(mine=st.sets(PAGE), other=st.sets(PAGE), pages=st.lists(PAGE, max_size=30), add=st.booleans())
 def test_apply_equals_the_general_case(mine, other, pages, add):
     a, b = set(mine), set(mine)
-    assert Divergence._apply(pages, a, other, add) == _apply_reference(pages, b, other, add)
+    assert DivergencePy._apply(pages, a, other, add) == _apply_reference(pages, b, other, add)
     assert a == b
 
 

@@ -15,8 +15,6 @@ are full the cache is away from lru only with budget left (``_budget() >= 0``).
 
 from __future__ import annotations
 
-from itertools import islice
-
 from sglang_tiered.core.shadows import FIXED_ORDERS, Divergence, LfuShadow, LruShadow, SlruShadow, TreeShadow
 
 
@@ -265,13 +263,7 @@ class SafetyDuel:
         dv = self._div
         if dv is None or not dv.counting or not new:
             return 0
-        L = dv.L
-        k = 0
-        for h in new:
-            if h not in L:
-                break
-            k += 1
-        return k
+        return dv.l_run(new)  # (the leading run of ``new`` in L)
 
     def _safety(self, sampled: list, real: int, n: int) -> None:
         """The safety duel, once per request: ``n`` sampled page references of which the real
@@ -536,17 +528,15 @@ class SafetyDuel:
         still holds (and the real cache does not) are the overshoot (``cap_over_kept``). Those lru
         dropped too, making room for the same request, never diverged."""
         dv = self._div
-        over = set(self._over)
-        self._over.clear()
         if dv is not None:
-            held = dv.held()  # (over the cap means counting: the sources are a safety net)
-            over &= dv.L if held else set(dv.l_pages())
-            over -= dv.R if held else set(dv.r_pages())
-            self.stats.cap_over_kept += len(over)
+            # |over & L - R| (over the cap means counting: L and R are held; without them
+            # ``l_only`` reads the sources, a safety net)
+            self.stats.cap_over_kept += dv.l_only(self._over)
+        self._over.clear()
 
     def div_cost(self, hashes) -> int:
         """Pages of ``hashes`` (a real leaf's) that lru's tree holds: evicting them diverges."""
-        return len(self._div.L.intersection(hashes))
+        return self._div.l_count(hashes)
 
     def div_spared(self, hashes, room: float) -> int:
         """Eviction's question to the divergence cap (``integration/evict.py``), in one: -1 where
@@ -555,13 +545,7 @@ class SafetyDuel:
         ``room``: a leaf held back (most of those asked: the same leaves head the victim queue
         at every eviction until the cap moves) costs ``room + 1`` lookups, not one per page
         (session 44: a third of eviction's time over lru's on long prompts at 1 %)."""
-        L = self._div.L
-        if room < 0:
-            return -1 if not L.isdisjoint(hashes) else 0
-        if room < len(hashes):
-            k = len(list(islice(filter(L.__contains__, hashes), int(room) + 1)))
-            return -1 if k > room else k
-        return len(L.intersection(hashes))  # (at most room; a NaN room, as before: never held)
+        return self._div.l_spared(hashes, room)  # (a NaN room, as before: never held)
 
     # the real cache's pages (integration/index_hints.py tells every device store and removal)
     def prices_divergence(self) -> bool:
@@ -625,7 +609,7 @@ class SafetyDuel:
             dv = self._div = Divergence(self._shadow.pages, real_pages)
         else:
             dv = self._div = Divergence()
-            dv.L.update(self._shadow.pages())
+            dv.l_add(self._shadow.pages())  # (not counting: L takes them, as L.update)
         self._shadow.track = dv
         if self.following != "lru":
             dv.start()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from itertools import islice
 
 from sglang_tiered.core.keys import PURE_PYTHON
 
@@ -197,7 +198,7 @@ class LfuShadow:
         return len(hit)
 
 
-class Divergence:
+class DivergencePy:
     """The pages the lru tree shadow holds (``L``) against those the real cache holds (``R``), as
     sets kept by bulk updates; while ``counting`` (the real cache is away from lru, or has not
     converged back), also ``only_l = |L - R|`` and ``only_r = |R - L|`` page by page. ``only_l``
@@ -210,6 +211,9 @@ class Divergence:
     family-090 at 2 %, session 20) for one read of both trees per episode away from lru
     (measured: 0-3 reads per trace on family 0-29 at 0.5-20 % and on both named traces, each
     under 0.5 ms: an episode needs the duel's evidence first, gathered over turnovers of references).
+
+    The safety duel reads the sets through ``l_run``, ``l_count``, ``l_only`` and ``l_spared``
+    (session 45).
 
     Invariants (``check``): while counting, the counts equal the set differences (and, with
     sources, the sets equal what the sources return)."""
@@ -319,6 +323,41 @@ class Divergence:
         """Whether ``L`` and ``R`` are the two sides' pages now (always, unless lazy and idle)."""
         return self.counting or not self.lazy
 
+    def l_run(self, pages) -> int:
+        """How many of ``pages``, from the first, ``L`` holds (its leading run)."""
+        L = self.L
+        k = 0
+        for h in pages:
+            if h not in L:
+                break
+            k += 1
+        return k
+
+    def l_count(self, pages) -> int:
+        """``|L & set(pages)|``: the distinct pages of ``pages`` that ``L`` holds."""
+        return len(self.L.intersection(pages))
+
+    def l_only(self, pages) -> int:
+        """``|set(pages) & L - R|``; where the sets are not held (lazy, not counting), read from
+        the sources."""
+        held = self.held()
+        over = set(pages)
+        over &= self.L if held else set(self.l_pages())
+        over -= self.R if held else set(self.r_pages())
+        return len(over)
+
+    def l_spared(self, pages, room) -> int:
+        """-1 where ``L`` holds at least one of ``pages`` and more than ``room`` of them, else
+        ``l_count(pages)``. The count stops past ``room`` (``room + 1`` lookups, not one per
+        page); a NaN room is never exceeded (``SafetyDuel.div_spared``)."""
+        L = self.L
+        if room < 0:
+            return -1 if not L.isdisjoint(pages) else 0
+        if room < len(pages):
+            k = len(list(islice(filter(L.__contains__, pages), int(room) + 1)))
+            return -1 if k > room else k
+        return len(L.intersection(pages))  # (at most room; a NaN room, as before: never held)
+
 
 class _Node:
     __slots__ = ("key", "children", "parent", "last", "hits", "lock", "seq", "stamp")
@@ -371,7 +410,7 @@ class TreeShadowPy:
         self.full = False  # True once it held its capacity or had to evict (as full as SGLang's gets)
         self.heap: list = []  # (priority, stamp, node): lazy, see _push
         self.stamps = 0
-        self.track: Divergence | None = None  # told of every page this tree takes in or drops
+        self.track: DivergencePy | None = None  # told of every page this tree takes in or drops
 
     def _push(self, n: _Node) -> None:
         """(Re)file evictable leaf ``n`` under its current priority (its older entries go stale)."""
@@ -666,3 +705,4 @@ except ImportError:  # not built (no compiler: setup.py's extension is optional)
 # SGLANG_TIERED_PURE_PYTHON=1: the reference even where the extension is built
 TREE_IMPL = "c" if _TreeShadowC is not None and not PURE_PYTHON else "python"
 TreeShadow = _TreeShadowC if TREE_IMPL == "c" else TreeShadowPy
+Divergence = DivergencePy
