@@ -4,10 +4,10 @@ kernels/ ships as sglang_tiered.kernels.
 
 Two optional C extensions: ``sglang_tiered.core._pagehash`` (chained page hashes in one call:
 issue #11, session 41) and ``sglang_tiered.core._bookkeeping`` (the admission duel's miniatures
-and the TinyLFU sketch: issue #11, session 42; the tree shadows: session 43). ``optional=True``:
-where one cannot be built (no compiler, no Python headers) the install still succeeds and
-``core/keys.py``, ``core/miniature.py``, ``core/sketch.py`` and ``core/shadows.py`` use their
-pure-Python references."""
+and the TinyLFU sketch: issue #11, session 42; the tree shadows: session 43; the divergence:
+session 45). ``optional=True``: where one cannot be built (no compiler, no Python headers) the
+install still succeeds and ``core/keys.py``, ``core/miniature.py``, ``core/sketch.py`` and
+``core/shadows.py`` use their pure-Python references."""
 
 from setuptools import Extension, find_packages, setup
 

@@ -1,12 +1,15 @@
 /* Optional accelerator for the policy's per-request bookkeeping (issue #11, session 42): the
    admission duel's miniatures (core/miniature.py ``MiniCache``) and the TinyLFU frequency sketch
    (core/sketch.py ``FrequencySketch``); session 43: the safety duel's tree shadows
-   (core/shadows.py ``TreeShadow``, SGLang's RadixCache replayed per fixed order).
+   (core/shadows.py ``TreeShadow``, SGLang's RadixCache replayed per fixed order); session 45: the
+   safety duel's divergence (core/shadows.py ``Divergence``, lru's tree's pages against the real
+   cache's).
 
    The pure-Python classes in those modules are the reference: this C does exactly what they do,
    decision for decision (same hits, same segment order and ticks, the same float ``age``, the
    same counters and aging points; the same splits, touches, evictions and track calls), and
-   tests/test_bookkeeping_c.py and tests/test_tree_shadow_c.py prove it on random streams.
+   tests/test_bookkeeping_c.py, tests/test_tree_shadow_c.py and tests/test_divergence_c.py prove it
+   on random streams.
    They are used where this extension is not built or SGLANG_TIERED_PURE_PYTHON=1.
 
    Floating point: ``age += 0.01 * (tick - t - age)`` and ``prot_tick + k * age`` are computed as
@@ -772,6 +775,721 @@ static PyTypeObject MiniType = {
     .tp_getset = mc_getset,
 };
 
+/* ------------------------------------------------------------------ divergence */
+
+/* core/shadows.py ``DivergencePy`` (the safety duel's pages of lru's tree, ``L``, against the real
+   cache's, ``R``; while counting, ``only_l = |L - R|`` and ``only_r = |R - L|``), issue #11,
+   session 45. The two sets are one open-addressing table (linear probing, at most half full,
+   backward-shift deletion) of owned keys with their hash and two side bits; a key on neither side
+   leaves the table. The counts are kept per side state (L alone, R alone, both), so ``only_l``
+   and ``only_r`` are read, never counted, and every update is one lookup per page with no Python
+   object made. Keys are any hashable compared as a set compares them (identity, then ``==``; exact
+   ``bytes``, the page hashes, by content without calling Python): a key's ``__hash__`` or
+   ``__eq__`` may run Python code, so a mutation from there (or from the sources, or a read's keys)
+   is refused with RuntimeError, as TreeShadow's ``busy`` refuses re-entry. The lru TreeShadow's
+   ``track`` calls reach ``dv_tell`` directly with the node's key array (no list, no method
+   lookup: ``ts_tell``). ``L`` and ``R`` read as new sets and assign as the reference's
+   attributes do (the other side and the counts' bookkeeping kept); ``only_l``, ``only_r`` and
+   ``counting`` are read-only. */
+
+#define DV_L 1
+#define DV_R 2
+#define DV_SEEN 4 /* a query's mark (a page counted once), cleared before it returns */
+
+typedef struct {
+    PyObject *key; /* owned; NULL: an empty slot */
+    Py_hash_t hash;
+    int side; /* DV_L, DV_R or both */
+} dv_slot;
+
+typedef struct {
+    PyObject_HEAD
+    dv_slot *tab;
+    size_t mask;
+    Py_ssize_t fill;
+    Py_ssize_t n[4]; /* keys by side: n[DV_L] in L alone, n[DV_R] in R alone, n[DV_L | DV_R] in both */
+    int counting, busy;
+    PyObject *l_pages, *r_pages; /* the sources (callables), or NULL / None */
+} DivObject;
+
+static PyTypeObject DivType;
+
+#define DV_MIN 8
+
+static inline size_t dv_home(size_t mask, Py_hash_t h)
+{
+    uint64_t x = (uint64_t)h * 0x9E3779B97F4A7C15ULL;
+    return (size_t)(x ^ (x >> 29)) & mask;
+}
+
+static inline int dv_lazy(DivObject *d) { return d->l_pages != NULL && d->l_pages != Py_None; }
+
+/* a new empty table of `size` slots (a power of two) in place of the old, returned to the caller
+   (*old, *oldmask) to give back (dv_free_table) once the new state is in place */
+static int dv_swap_table(DivObject *d, size_t size, dv_slot **old, size_t *oldmask)
+{
+    dv_slot *t = PyMem_Calloc(size, sizeof(dv_slot));
+    if (t == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *old = d->tab;
+    *oldmask = d->mask;
+    d->tab = t;
+    d->mask = size - 1;
+    d->fill = 0;
+    d->n[0] = d->n[1] = d->n[2] = d->n[3] = 0;
+    return 0;
+}
+
+/* the keys of an old table given back (after the new state is in place: a key's last reference
+   may run Python code, which then finds this divergence consistent) */
+static void dv_free_table(dv_slot *t, size_t mask)
+{
+    size_t i;
+    if (t == NULL) return;
+    for (i = 0; i <= mask; i++) Py_XDECREF(t[i].key);
+    PyMem_Free(t);
+}
+
+/* put an entry known absent (no comparisons): room reserved by the caller */
+static inline void dv_put(DivObject *d, PyObject *key, Py_hash_t h, int side)
+{
+    size_t i = dv_home(d->mask, h);
+    while (d->tab[i].key != NULL) i = (i + 1) & d->mask;
+    d->tab[i].key = key;
+    d->tab[i].hash = h;
+    d->tab[i].side = side;
+    d->fill++;
+    d->n[side]++;
+}
+
+static int dv_grow(DivObject *d)
+{
+    dv_slot *old;
+    size_t oldmask, i;
+    if (dv_swap_table(d, 2 * (d->mask + 1), &old, &oldmask) < 0) return -1;
+    for (i = 0; i <= oldmask; i++)
+        if (old[i].key != NULL) dv_put(d, old[i].key, old[i].hash, old[i].side); /* (references move) */
+    PyMem_Free(old);
+    return 0;
+}
+
+/* the entries of one side dropped (those on the other kept, theirs alone), as a set's clear */
+static int dv_drop_side(DivObject *d, int side)
+{
+    dv_slot *old;
+    size_t oldmask, i, size = DV_MIN;
+    int keep = (DV_L | DV_R) & ~side;
+    Py_ssize_t left = d->n[keep] + d->n[DV_L | DV_R];
+    while (2 * (size_t)left > size) size <<= 1;
+    if (dv_swap_table(d, size, &old, &oldmask) < 0) return -1;
+    for (i = 0; i <= oldmask; i++)
+        if (old[i].key != NULL && (old[i].side & keep)) {
+            dv_put(d, old[i].key, old[i].hash, keep);
+            old[i].key = NULL;
+        }
+    dv_free_table(old, oldmask);
+    return 0;
+}
+
+static void dv_del(DivObject *d, size_t i)
+{
+    size_t j = i, k, mask = d->mask;
+    d->tab[i].key = NULL;
+    d->fill--;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (d->tab[j].key == NULL) return;
+        k = dv_home(mask, d->tab[j].hash);
+        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
+        d->tab[i] = d->tab[j];
+        d->tab[j].key = NULL;
+        i = j;
+    }
+}
+
+/* the slot holding key (1), or the empty slot where it would go (0); -1 on error */
+static int dv_find(DivObject *d, PyObject *key, Py_hash_t h, size_t *slot)
+{
+    size_t i = dv_home(d->mask, h);
+    int bytes = PyBytes_CheckExact(key);
+    dv_slot *s;
+    while ((s = &d->tab[i])->key != NULL) {
+        if (s->key == key) break;
+        if (s->hash == h) {
+            PyObject *k = s->key;
+            int eq;
+            if (bytes && PyBytes_CheckExact(k))
+                eq = PyBytes_GET_SIZE(k) == PyBytes_GET_SIZE(key) &&
+                     memcmp(PyBytes_AS_STRING(k), PyBytes_AS_STRING(key), PyBytes_GET_SIZE(k)) == 0;
+            else {
+                Py_INCREF(k);
+                eq = PyObject_RichCompareBool(k, key, Py_EQ);
+                Py_DECREF(k);
+                if (eq < 0) return -1;
+            }
+            if (eq) break;
+        }
+        i = (i + 1) & d->mask;
+    }
+    *slot = i;
+    return d->tab[i].key != NULL;
+}
+
+/* key added to (add) or removed from side `mine` */
+static int dv_one(DivObject *d, PyObject *key, int mine, int add)
+{
+    Py_hash_t h = PyObject_Hash(key);
+    size_t i;
+    int r, s;
+    if (h == -1) return -1;
+    r = dv_find(d, key, h, &i);
+    if (r < 0) return -1;
+    if (r == 0) {
+        if (!add) return 0;
+        if (2 * (size_t)(d->fill + 1) > d->mask + 1) {
+            if (dv_grow(d) < 0) return -1;
+        }
+        Py_INCREF(key);
+        dv_put(d, key, h, mine);
+        return 0;
+    }
+    s = d->tab[i].side;
+    if (add ? (s & mine) : !(s & mine)) return 0;
+    d->n[s]--;
+    s ^= mine;
+    if (s) {
+        d->tab[i].side = s;
+        d->n[s]++;
+    } else {
+        PyObject *k = d->tab[i].key;
+        dv_del(d, i);
+        Py_DECREF(k);
+    }
+    return 0;
+}
+
+static int dv_refuse(void)
+{
+    PyErr_SetString(PyExc_RuntimeError,
+                    "Divergence is not changed from its keys' __hash__/__eq__, its sources or a read");
+    return -1;
+}
+
+/* the pages of a node of the lru TreeShadow (its own array) added to / removed from L: track's
+   l_add / l_remove without a list or a method call (ts_tell) */
+static int dv_tell(DivObject *d, PyObject **keys, Py_ssize_t n, int add)
+{
+    Py_ssize_t i;
+    int r = 0;
+    if (!d->counting && dv_lazy(d)) return 0; /* (not kept: see the reference) */
+    if (d->busy) return dv_refuse();
+    d->busy = 1;
+    for (i = 0; i < n && r == 0; i++) r = dv_one(d, keys[i], DV_L, add);
+    d->busy = 0;
+    return r;
+}
+
+/* every page of `pages` (any iterable) through dv_one (busy set by the caller) */
+static int dv_each(DivObject *d, PyObject *pages, int mine, int add)
+{
+    Py_ssize_t i;
+    int r = 0;
+    if (PyList_CheckExact(pages)) { /* (a key's __eq__ may change the list: read it item by item) */
+        for (i = 0; r == 0 && i < PyList_GET_SIZE(pages); i++) {
+            PyObject *k = PyList_GET_ITEM(pages, i);
+            Py_INCREF(k);
+            r = dv_one(d, k, mine, add);
+            Py_DECREF(k);
+        }
+        return r;
+    }
+    if (PyTuple_CheckExact(pages)) {
+        for (i = 0; r == 0 && i < PyTuple_GET_SIZE(pages); i++) r = dv_one(d, PyTuple_GET_ITEM(pages, i), mine, add);
+        return r;
+    }
+    pages = PySequence_Tuple(pages);
+    if (pages == NULL) return -1;
+    r = dv_each(d, pages, mine, add);
+    Py_DECREF(pages);
+    return r;
+}
+
+static PyObject *dv_update(DivObject *d, PyObject *pages, int mine, int add)
+{
+    int r;
+    if (!d->counting && dv_lazy(d)) Py_RETURN_NONE; /* (ignored: the sides are read at start) */
+    if (d->busy) return dv_refuse(), NULL;
+    d->busy = 1;
+    r = dv_each(d, pages, mine, add);
+    d->busy = 0;
+    if (r < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *dv_l_add(DivObject *d, PyObject *p) { return dv_update(d, p, DV_L, 1); }
+static PyObject *dv_l_remove(DivObject *d, PyObject *p) { return dv_update(d, p, DV_L, 0); }
+static PyObject *dv_r_add(DivObject *d, PyObject *p) { return dv_update(d, p, DV_R, 1); }
+static PyObject *dv_r_remove(DivObject *d, PyObject *p) { return dv_update(d, p, DV_R, 0); }
+
+/* both sides emptied (an empty table of the least size) */
+static int dv_empty(DivObject *d)
+{
+    dv_slot *old;
+    size_t oldmask;
+    if (dv_swap_table(d, DV_MIN, &old, &oldmask) < 0) return -1;
+    dv_free_table(old, oldmask);
+    return 0;
+}
+
+/* start(): with sources, both sides read whole (L, then R; nothing changes if either fails) */
+static PyObject *dv_start(DivObject *d, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *a = NULL, *b = NULL;
+    dv_slot *old = NULL;
+    size_t oldmask = 0;
+    int r = 0;
+    if (d->counting) Py_RETURN_NONE;
+    if (d->busy) return dv_refuse(), NULL;
+    if (dv_lazy(d)) {
+        PyObject *lp = d->l_pages, *rp = d->r_pages;
+        if (rp == NULL || rp == Py_None) {
+            PyErr_SetString(PyExc_AssertionError, "a lazy divergence needs both sources");
+            return NULL;
+        }
+        Py_INCREF(lp);
+        Py_INCREF(rp);
+        d->busy = 1;
+        a = PyObject_CallNoArgs(lp);
+        if (a != NULL) {
+            PyObject *t = PySequence_Tuple(a);
+            Py_SETREF(a, t);
+        }
+        if (a != NULL) b = PyObject_CallNoArgs(rp);
+        if (b != NULL) {
+            PyObject *t = PySequence_Tuple(b);
+            Py_SETREF(b, t);
+        }
+        Py_DECREF(lp);
+        Py_DECREF(rp);
+        if (b == NULL) goto fail;
+        if (dv_swap_table(d, DV_MIN, &old, &oldmask) < 0) goto fail;
+        r = dv_each(d, a, DV_L, 1);
+        if (r == 0) r = dv_each(d, b, DV_R, 1);
+        if (r < 0) { /* (the old sides back, as the reference's assignment never happened) */
+            dv_slot *fresh = d->tab;
+            size_t fmask = d->mask, i;
+            d->tab = old;
+            d->mask = oldmask;
+            d->fill = 0;
+            d->n[0] = d->n[1] = d->n[2] = d->n[3] = 0;
+            for (i = 0; i <= oldmask; i++)
+                if (old[i].key != NULL) {
+                    d->fill++;
+                    d->n[old[i].side]++;
+                }
+            old = NULL;
+            dv_free_table(fresh, fmask);
+            goto fail;
+        }
+        d->busy = 0;
+        dv_free_table(old, oldmask);
+        Py_DECREF(a);
+        Py_DECREF(b);
+    }
+    d->counting = 1;
+    Py_RETURN_NONE;
+fail:
+    d->busy = 0;
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    return NULL;
+}
+
+static PyObject *dv_stop(DivObject *d, PyObject *Py_UNUSED(ignored))
+{
+    if (d->busy) return dv_refuse(), NULL;
+    d->counting = 0;
+    if (dv_lazy(d) && dv_empty(d) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *dv_r_clear(DivObject *d, PyObject *Py_UNUSED(ignored))
+{
+    if (d->busy) return dv_refuse(), NULL;
+    if (dv_drop_side(d, DV_R) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *dv_held(DivObject *d, PyObject *Py_UNUSED(ignored))
+{
+    return PyBool_FromLong(d->counting || !dv_lazy(d));
+}
+
+/* a side as a new set (a read: busy while its keys' __hash__ may run) */
+static PyObject *dv_side_set(DivObject *d, int side)
+{
+    PyObject *out = PySet_New(NULL);
+    size_t i;
+    int was = d->busy;
+    if (out == NULL) return NULL;
+    d->busy = 1;
+    for (i = 0; i <= d->mask; i++)
+        if (d->tab[i].key != NULL && (d->tab[i].side & side) && PySet_Add(out, d->tab[i].key) < 0) {
+            Py_CLEAR(out);
+            break;
+        }
+    d->busy = was;
+    return out;
+}
+
+static PyObject *dv_get_L(DivObject *d, void *Py_UNUSED(c)) { return dv_side_set(d, DV_L); }
+static PyObject *dv_get_R(DivObject *d, void *Py_UNUSED(c)) { return dv_side_set(d, DV_R); }
+
+/* ``dv.L = pages``: the side's pages now (the other side kept) */
+static int dv_set_side(DivObject *d, PyObject *v, int side)
+{
+    PyObject *t;
+    int r;
+    if (v == NULL) {
+        PyErr_SetString(PyExc_TypeError, "a Divergence side cannot be deleted");
+        return -1;
+    }
+    if (d->busy) return dv_refuse();
+    t = PySequence_Tuple(v);
+    if (t == NULL) return -1;
+    d->busy = 1;
+    r = dv_drop_side(d, side);
+    if (r == 0) r = dv_each(d, t, side, 1);
+    d->busy = 0;
+    Py_DECREF(t);
+    return r;
+}
+
+static int dv_set_L(DivObject *d, PyObject *v, void *Py_UNUSED(c)) { return dv_set_side(d, v, DV_L); }
+static int dv_set_R(DivObject *d, PyObject *v, void *Py_UNUSED(c)) { return dv_set_side(d, v, DV_R); }
+
+static PyObject *dv_get_only_l(DivObject *d, void *Py_UNUSED(c)) { return PyLong_FromSsize_t(d->counting ? d->n[DV_L] : 0); }
+static PyObject *dv_get_only_r(DivObject *d, void *Py_UNUSED(c)) { return PyLong_FromSsize_t(d->counting ? d->n[DV_R] : 0); }
+static PyObject *dv_get_counting(DivObject *d, void *Py_UNUSED(c)) { return PyBool_FromLong(d->counting); }
+static PyObject *dv_get_lazy(DivObject *d, void *Py_UNUSED(c)) { return PyBool_FromLong(dv_lazy(d)); }
+
+/* The queries (the safety duel's reads of L and R, as the reference's methods): they walk `pages`
+   (busy: a key's __eq__ may run Python code) and mark what they counted (DV_SEEN: a page listed
+   twice counts once, as in a set), unmarked before they return. */
+typedef struct {
+    size_t *slots, buf[64];
+    Py_ssize_t n, alloc;
+} dv_marks;
+
+static int dv_mark(DivObject *d, dv_marks *m, size_t i)
+{
+    if (m->n == m->alloc) {
+        Py_ssize_t na = m->alloc * 2;
+        size_t *s = m->slots == m->buf ? PyMem_Malloc((size_t)na * sizeof(size_t))
+                                       : PyMem_Realloc(m->slots, (size_t)na * sizeof(size_t));
+        if (s == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        if (m->slots == m->buf) memcpy(s, m->buf, sizeof(m->buf));
+        m->slots = s;
+        m->alloc = na;
+    }
+    d->tab[i].side |= DV_SEEN;
+    m->slots[m->n++] = i;
+    return 0;
+}
+
+static void dv_unmark(DivObject *d, dv_marks *m)
+{
+    Py_ssize_t j;
+    for (j = 0; j < m->n; j++) d->tab[m->slots[j]].side &= ~DV_SEEN;
+    if (m->slots != m->buf) PyMem_Free(m->slots);
+}
+
+#define DV_COUNT_ALL 0   /* distinct pages in `want` (L), the count */
+#define DV_COUNT_RUN 1   /* the leading run of pages in L */
+#define DV_COUNT_FIRST 2 /* up to `limit` pages in L (repeats counted: islice of a filter) */
+
+/* how many of `pages` have side bits `want` under `mask` (see the modes above); -1 on error */
+static Py_ssize_t dv_count(DivObject *d, PyObject *pages, int mask, int want, int mode, Py_ssize_t limit)
+{
+    PyObject *seq = PySequence_Fast(pages, "the pages must be iterable");
+    Py_ssize_t i, k = 0;
+    dv_marks m;
+    int was = d->busy, err = 0;
+    if (seq == NULL) return -1;
+    m.slots = m.buf;
+    m.n = 0;
+    m.alloc = 64;
+    d->busy = 1;
+    for (i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, i);
+        Py_hash_t h;
+        size_t s;
+        int r, in;
+        Py_INCREF(key);
+        h = PyObject_Hash(key);
+        r = h == -1 ? -1 : dv_find(d, key, h, &s);
+        Py_DECREF(key);
+        if (r < 0) {
+            err = 1;
+            break;
+        }
+        in = r && (d->tab[s].side & mask) == want;
+        if (mode == DV_COUNT_RUN) {
+            if (!in) break;
+            k++;
+        } else if (mode == DV_COUNT_FIRST) {
+            if (in && ++k >= limit) break;
+        } else if (in && !(d->tab[s].side & DV_SEEN)) {
+            if (dv_mark(d, &m, s) < 0) {
+                err = 1;
+                break;
+            }
+            k++;
+        }
+    }
+    dv_unmark(d, &m);
+    d->busy = was;
+    Py_DECREF(seq);
+    return err ? -1 : k;
+}
+
+static PyObject *dv_l_run(DivObject *d, PyObject *pages)
+{
+    Py_ssize_t k = dv_count(d, pages, DV_L, DV_L, DV_COUNT_RUN, 0);
+    return k < 0 ? NULL : PyLong_FromSsize_t(k);
+}
+
+static PyObject *dv_l_count(DivObject *d, PyObject *pages)
+{
+    Py_ssize_t k = dv_count(d, pages, DV_L, DV_L, DV_COUNT_ALL, 0);
+    return k < 0 ? NULL : PyLong_FromSsize_t(k);
+}
+
+/* l_only(pages): |set(pages) & L - R|, from the sources where the sets are not held */
+static PyObject *dv_l_only(DivObject *d, PyObject *pages)
+{
+    PyObject *over, *x, *r, *src;
+    Py_ssize_t k;
+    if (d->counting || !dv_lazy(d)) {
+        k = dv_count(d, pages, DV_L | DV_R, DV_L, DV_COUNT_ALL, 0);
+        return k < 0 ? NULL : PyLong_FromSsize_t(k);
+    }
+    over = PySet_New(pages);
+    if (over == NULL) return NULL;
+    src = d->l_pages;
+    Py_INCREF(src);
+    x = PyObject_CallNoArgs(src);
+    Py_DECREF(src);
+    if (x != NULL) Py_SETREF(x, PySet_New(x));
+    r = x == NULL ? NULL : PyNumber_InPlaceAnd(over, x);
+    Py_XDECREF(x);
+    if (r == NULL) goto fail;
+    Py_DECREF(r);
+    src = d->r_pages != NULL ? d->r_pages : Py_None;
+    Py_INCREF(src);
+    x = PyObject_CallNoArgs(src);
+    Py_DECREF(src);
+    if (x != NULL) Py_SETREF(x, PySet_New(x));
+    r = x == NULL ? NULL : PyNumber_InPlaceSubtract(over, x);
+    Py_XDECREF(x);
+    if (r == NULL) goto fail;
+    Py_DECREF(r);
+    k = PySet_GET_SIZE(over);
+    Py_DECREF(over);
+    return PyLong_FromSsize_t(k);
+fail:
+    Py_DECREF(over);
+    return NULL;
+}
+
+/* l_spared(pages, room): -1 where the pages in L are more than room (at least one with room < 0),
+   else how many; past room they are not counted (see the reference) */
+static PyObject *dv_l_spared(DivObject *d, PyObject *args)
+{
+    PyObject *pages, *room;
+    Py_ssize_t n, k;
+    double r = 0.0;
+    long long v = 0;
+    int is_int = 0, ovf = 0;
+    if (!PyArg_ParseTuple(args, "OO:l_spared", &pages, &room)) return NULL;
+    if (PyLong_Check(room)) {
+        is_int = 1;
+        v = PyLong_AsLongLongAndOverflow(room, &ovf);
+        if (v == -1 && PyErr_Occurred()) return NULL;
+    } else {
+        r = PyFloat_AsDouble(room);
+        if (r == -1.0 && PyErr_Occurred()) return NULL;
+    }
+    if (is_int ? (ovf < 0 || (!ovf && v < 0)) : r < 0) { /* any page in L spares the leaf */
+        k = dv_count(d, pages, DV_L, DV_L, DV_COUNT_FIRST, 1);
+        return k < 0 ? NULL : PyLong_FromLong(k ? -1 : 0);
+    }
+    n = PyObject_Length(pages);
+    if (n < 0) return NULL;
+    if (is_int ? (!ovf && v < n) : r < (double)n) {
+        Py_ssize_t lim = is_int ? (Py_ssize_t)v : (Py_ssize_t)r; /* int(room): 0 <= it < n */
+        k = dv_count(d, pages, DV_L, DV_L, DV_COUNT_FIRST, lim + 1);
+        if (k < 0) return NULL;
+        return PyLong_FromSsize_t((is_int ? k > lim : (double)k > r) ? -1 : k);
+    }
+    k = dv_count(d, pages, DV_L, DV_L, DV_COUNT_ALL, 0); /* (at most room; a NaN room: never held) */
+    return k < 0 ? NULL : PyLong_FromSsize_t(k);
+}
+
+static PyObject *dv_check(DivObject *d, PyObject *Py_UNUSED(ignored))
+{
+    Py_ssize_t n[4] = {0, 0, 0, 0}, fill = 0;
+    size_t i, j;
+    for (i = 0; i <= d->mask; i++) {
+        dv_slot *s = &d->tab[i];
+        if (s->key == NULL) continue;
+        if ((s->side & ~DV_SEEN) == 0 || (s->side & ~DV_SEEN) > 3) return check_fail("a divergence entry on no side");
+        n[s->side & 3]++;
+        fill++;
+        for (j = dv_home(d->mask, s->hash); j != i; j = (j + 1) & d->mask)
+            if (d->tab[j].key == NULL) return check_fail("a divergence entry off its probe run");
+    }
+    if (fill != d->fill || n[1] != d->n[1] || n[2] != d->n[2] || n[3] != d->n[3] || 2 * (size_t)fill > d->mask + 1)
+        return check_fail("the divergence's counts");
+    if (d->counting) {
+        if (dv_lazy(d)) {
+            int k, ok = 1;
+            for (k = 0; k < 2 && ok == 1; k++) {
+                PyObject *src = k ? d->r_pages : d->l_pages, *got, *want = NULL;
+                if (src == NULL) src = Py_None;
+                Py_INCREF(src);
+                got = dv_side_set(d, k ? DV_R : DV_L);
+                if (got != NULL) want = PyObject_CallNoArgs(src);
+                if (want != NULL) Py_SETREF(want, PySet_New(want));
+                ok = want == NULL ? -1 : PyObject_RichCompareBool(got, want, Py_EQ);
+                Py_XDECREF(got);
+                Py_XDECREF(want);
+                Py_DECREF(src);
+            }
+            if (ok < 0) return NULL;
+            if (!ok) return check_fail("stale sides");
+        }
+    } else if (dv_lazy(d) && fill)
+        return check_fail("a lazy divergence keeps no sets while not counting");
+    Py_RETURN_NONE;
+}
+
+static int dv_init(DivObject *d, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"l_pages", "r_pages", NULL};
+    PyObject *lp = Py_None, *rp = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|OO:Divergence", kwlist, &lp, &rp)) return -1;
+    if (d->busy) return dv_refuse();
+    if ((lp == Py_None) != (rp == Py_None)) {
+        PyErr_SetString(PyExc_AssertionError, "a lazy divergence needs both sources");
+        return -1;
+    }
+    if (dv_empty(d) < 0) return -1;
+    d->counting = 0;
+    Py_INCREF(lp);
+    Py_XSETREF(d->l_pages, lp);
+    Py_INCREF(rp);
+    Py_XSETREF(d->r_pages, rp);
+    return 0;
+}
+
+static int dv_traverse(DivObject *d, visitproc visit, void *arg)
+{
+    size_t i;
+    Py_VISIT(d->l_pages);
+    Py_VISIT(d->r_pages);
+    if (d->tab != NULL)
+        for (i = 0; i <= d->mask; i++) Py_VISIT(d->tab[i].key);
+    return 0;
+}
+
+static int dv_clear(DivObject *d)
+{
+    /* the sources alone (the cycle through lru's tree shadow's bound ``pages``): the table stays
+       until dealloc, so a method called from a finalizer still finds one */
+    Py_CLEAR(d->l_pages);
+    Py_CLEAR(d->r_pages);
+    return 0;
+}
+
+static void dv_dealloc(DivObject *d)
+{
+    dv_slot *t = d->tab;
+    PyObject_GC_UnTrack(d);
+    dv_clear(d);
+    d->tab = NULL;
+    dv_free_table(t, d->mask);
+    Py_TYPE(d)->tp_free((PyObject *)d);
+}
+
+static PyObject *dv_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    DivObject *d = (DivObject *)type->tp_alloc(type, 0);
+    if (d == NULL) return NULL;
+    d->tab = PyMem_Calloc(DV_MIN, sizeof(dv_slot));
+    if (d->tab == NULL) {
+        Py_DECREF(d);
+        return PyErr_NoMemory();
+    }
+    d->mask = DV_MIN - 1;
+    return (PyObject *)d;
+}
+
+static PyMethodDef dv_methods[] = {
+    {"start", (PyCFunction)dv_start, METH_NOARGS, "start counting (with sources: both sides read whole)"},
+    {"stop", (PyCFunction)dv_stop, METH_NOARGS, "stop counting (with sources: the sets dropped)"},
+    {"l_add", (PyCFunction)dv_l_add, METH_O, "l_add(pages): lru's tree took them in"},
+    {"l_remove", (PyCFunction)dv_l_remove, METH_O, "l_remove(pages): lru's tree dropped them"},
+    {"r_add", (PyCFunction)dv_r_add, METH_O, "r_add(pages): the real cache stored them"},
+    {"r_remove", (PyCFunction)dv_r_remove, METH_O, "r_remove(pages): the real cache dropped them"},
+    {"r_clear", (PyCFunction)dv_r_clear, METH_NOARGS, "r_clear(): the real cache is empty"},
+    {"held", (PyCFunction)dv_held, METH_NOARGS, "whether L and R are the two sides' pages now"},
+    {"check", (PyCFunction)dv_check, METH_NOARGS, "check(): assert the invariants"},
+    {"l_run", (PyCFunction)dv_l_run, METH_O, "l_run(pages) -> how many of pages, from the first, L holds"},
+    {"l_count", (PyCFunction)dv_l_count, METH_O, "l_count(pages) -> |L & set(pages)|"},
+    {"l_only", (PyCFunction)dv_l_only, METH_O, "l_only(pages) -> |set(pages) & L - R| (from the sources if not held)"},
+    {"l_spared", (PyCFunction)dv_l_spared, METH_VARARGS, "l_spared(pages, room) -> -1 if more than room of pages are in L, else how many"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef dv_members[] = {
+    {"l_pages", T_OBJECT, offsetof(DivObject, l_pages), 0, "lru's side now (a callable), or None"},
+    {"r_pages", T_OBJECT, offsetof(DivObject, r_pages), 0, "the real cache's side now (a callable), or None"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef dv_getset[] = {
+    {"L", (getter)dv_get_L, (setter)dv_set_L, "lru's tree's pages (a new set)", NULL},
+    {"R", (getter)dv_get_R, (setter)dv_set_R, "the real cache's pages (a new set)", NULL},
+    {"only_l", (getter)dv_get_only_l, NULL, "|L - R| while counting, else 0", NULL},
+    {"only_r", (getter)dv_get_only_r, NULL, "|R - L| while counting, else 0", NULL},
+    {"counting", (getter)dv_get_counting, NULL, "the counts are kept", NULL},
+    {"lazy", (getter)dv_get_lazy, NULL, "with sources: the sets are kept only while counting", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject DivType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "sglang_tiered.core._bookkeeping.Divergence",
+    .tp_basicsize = sizeof(DivObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "C Divergence (core/shadows.py's DivergencePy is the reference)",
+    .tp_new = dv_new,
+    .tp_init = (initproc)dv_init,
+    .tp_dealloc = (destructor)dv_dealloc,
+    .tp_traverse = (traverseproc)dv_traverse,
+    .tp_clear = (inquiry)dv_clear,
+    .tp_free = PyObject_GC_Del,
+    .tp_methods = dv_methods,
+    .tp_members = dv_members,
+    .tp_getset = dv_getset,
+};
+
 /* ------------------------------------------------------------------ tree shadow */
 
 /* core/shadows.py ``TreeShadowPy`` (SGLang's RadixCache replayed as metadata, per fixed order),
@@ -1231,12 +1949,19 @@ static int ts_set_lock(TreeObject *t, tnode *node, Py_ssize_t d)
     return 0;
 }
 
-/* track.<name>(node's pages as a new list), if track is set */
+/* track.<name>(node's pages as a new list), if track is set (a C Divergence: dv_tell) */
 static int ts_tell(TreeObject *t, PyObject *name, tnode *n)
 {
     PyObject *track = t->track, *lst, *r;
     Py_ssize_t i;
     if (track == NULL || track == Py_None) return 0;
+    if (Py_TYPE(track) == &DivType) { /* the C Divergence: its update on the node's own pages */
+        int err;
+        Py_INCREF(track);
+        err = dv_tell((DivObject *)track, n->keys, n->len, name == str_l_add);
+        Py_DECREF(track);
+        return err;
+    }
     lst = PyList_New(n->len);
     if (lst == NULL) return -1;
     for (i = 0; i < n->len; i++) {
@@ -1958,7 +2683,7 @@ static PyMethodDef bk_methods[] = {
 
 static struct PyModuleDef bk_module = {
     PyModuleDef_HEAD_INIT, "_bookkeeping",
-    "C miniatures, frequency sketch and tree shadow (optional; core/miniature.py, core/sketch.py and "
+    "C miniatures, frequency sketch, tree shadow and divergence (optional; core/miniature.py, core/sketch.py and "
     "core/shadows.py are the reference).", -1,
     bk_methods,
 };
@@ -1966,7 +2691,9 @@ static struct PyModuleDef bk_module = {
 PyMODINIT_FUNC PyInit__bookkeeping(void)
 {
     PyObject *m;
-    if (PyType_Ready(&SketchType) < 0 || PyType_Ready(&MiniType) < 0 || PyType_Ready(&TreeType) < 0) return NULL;
+    if (PyType_Ready(&SketchType) < 0 || PyType_Ready(&MiniType) < 0 || PyType_Ready(&TreeType) < 0 ||
+        PyType_Ready(&DivType) < 0)
+        return NULL;
     if (str_l_add == NULL && (str_l_add = PyUnicode_InternFromString("l_add")) == NULL) return NULL;
     if (str_l_remove == NULL && (str_l_remove = PyUnicode_InternFromString("l_remove")) == NULL) return NULL;
     m = PyModule_Create(&bk_module);
@@ -1977,6 +2704,8 @@ PyMODINIT_FUNC PyInit__bookkeeping(void)
     if (PyModule_AddObject(m, "MiniCache", (PyObject *)&MiniType) < 0) goto fail;
     Py_INCREF(&TreeType);
     if (PyModule_AddObject(m, "TreeShadow", (PyObject *)&TreeType) < 0) goto fail;
+    Py_INCREF(&DivType);
+    if (PyModule_AddObject(m, "Divergence", (PyObject *)&DivType) < 0) goto fail;
     return m;
 fail:
     Py_DECREF(m);

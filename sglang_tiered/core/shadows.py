@@ -18,6 +18,14 @@ tests/test_tree_shadow_c.py). ``TREE_IMPL`` says which: ``"c"`` or ``"python"``.
 ``cap``, ``order``, ``used``, ``clock``, ``seq``, ``stamps``, ``full`` (read-only) and ``track``, not
 the nodes (``root``, ``leaves``, ``heap``: the reference's alone).
 
+``Divergence`` (the pages of lru's tree against the real cache's) is the same extension's
+(``_bookkeeping.Divergence``, issue #11, session 45: one table of both sides, one lookup per page,
+and the C TreeShadow's ``track`` calls reach it without a list) when built and not forced off;
+otherwise ``DivergencePy``, the reference it is tested against (the same sets, counts and query
+answers: tests/test_divergence_c.py). ``DIVERGENCE_IMPL`` says which. The C one's ``L`` and ``R``
+are new sets on each read (assignable, as the reference's attributes); ``only_l``, ``only_r`` and
+``counting`` are read-only there.
+
 Invariants (each shadow's ``check``, run by ``AdaptivePolicy.check_invariants``): I1 no shadow
 holds more pages than its capacity; I2 slru's segments are disjoint; I3 lfu's buckets partition its
 pages by count.
@@ -213,7 +221,8 @@ class DivergencePy:
     under 0.5 ms: an episode needs the duel's evidence first, gathered over turnovers of references).
 
     The safety duel reads the sets through ``l_run``, ``l_count``, ``l_only`` and ``l_spared``
-    (session 45).
+    (session 45: the C ``Divergence`` keeps no Python sets; its ``L`` and ``R`` are new sets, for
+    checks and tests).
 
     Invariants (``check``): while counting, the counts equal the set differences (and, with
     sources, the sets equal what the sources return)."""
@@ -702,7 +711,13 @@ try:
 except ImportError:  # not built (no compiler: setup.py's extension is optional)
     _TreeShadowC = None
 
-# SGLANG_TIERED_PURE_PYTHON=1: the reference even where the extension is built
+try:
+    from sglang_tiered.core._bookkeeping import Divergence as _DivergenceC
+except ImportError:  # (an extension built before session 45 has no Divergence)
+    _DivergenceC = None
+
+# SGLANG_TIERED_PURE_PYTHON=1: the references even where the extension is built
 TREE_IMPL = "c" if _TreeShadowC is not None and not PURE_PYTHON else "python"
 TreeShadow = _TreeShadowC if TREE_IMPL == "c" else TreeShadowPy
-Divergence = DivergencePy
+DIVERGENCE_IMPL = "c" if _DivergenceC is not None and not PURE_PYTHON else "python"
+Divergence = _DivergenceC if DIVERGENCE_IMPL == "c" else DivergencePy
