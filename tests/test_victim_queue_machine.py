@@ -79,6 +79,14 @@ class VictimQueueMachine(RuleBasedStateMachine):
             self.leaves.add(n)
             self.queue.offer(n)
 
+    @rule()
+    def rebuild(self):
+        """A rebuild (past ``4 x leaves + 1024`` entries; forced here) while leaves are locked or
+        have children: one back later at its old tick and class must be queued again (session
+        45, a helper's differential test: its entry was dropped and its ``tiered_entry`` kept,
+        so ``offer`` saw it current and it was never evicted again until its next use)."""
+        self.queue._rebuild()
+
     @rule(boost=st.sampled_from([0.0, 0.5, 3.0, 100.0, float("inf")]))
     def pop(self, boost):
         want = model_victim(self.leaves, boost)
@@ -142,3 +150,20 @@ def test_rebuilt_queue_ordered_is_the_pop_order_and_changes_nothing():
     while (n := q.pop(0.0)) is not None:
         popped.append(n.id)
     assert walked == popped == [5, 1, 2, 3, 0, 4]
+
+
+def test_leaf_back_after_a_rebuild_is_queued():
+    """Scripted (the machine's ``rebuild`` rule): a leaf locked (or given a child) over a rebuild,
+    then back at the same tick and class, is queued again and evicted."""
+    leaves: set = set()
+    q = VictimQueue(leaves)
+    a, b = Leaf(0, 1.0), Leaf(1, 2.0)
+    for n in (a, b):
+        leaves.add(n)
+        q.offer(n)
+    leaves.discard(a)  # locked: out of the evictable leaves, its entry left in the heap
+    q._rebuild()  # (the heaps past their bound)
+    leaves.add(a)  # unlocked, untouched: the same tick and class
+    q.offer(a)
+    q.check_invariants()
+    assert q.pop(0.0) is a

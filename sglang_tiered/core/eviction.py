@@ -69,6 +69,16 @@ class VictimQueue:
                 self._rebuild()
 
     def _rebuild(self) -> None:
+        # A node out of the leaves now (locked, or with a child) loses its live entry here: its
+        # ``tiered_entry`` goes too, so ``offer`` queues it again when it is back, even at the
+        # same tick and class. Kept, the entry looked current and the leaf was never queued nor
+        # evicted until its next use (session 45, a helper's differential test).
+        leaves = self.leaves
+        for i, heap in enumerate(self.heaps):
+            prot = bool(i)
+            for tick, _, n in heap:
+                if n not in leaves and n.tiered_entry == (tick, prot):
+                    n.tiered_entry = None
         self.clear()
         for n in self.leaves:
             prot = is_reused(n.hit_count)
