@@ -810,6 +810,7 @@ typedef struct {
     Py_ssize_t n[4]; /* keys by side: n[DV_L] in L alone, n[DV_R] in R alone, n[DV_L | DV_R] in both */
     int counting, busy;
     PyObject *l_pages, *r_pages; /* the sources (callables), or NULL / None */
+    struct dv_marks *marks; /* the marks of the query counting now (dv_count), or NULL */
 } DivObject;
 
 static PyTypeObject DivType;
@@ -1178,7 +1179,7 @@ static PyObject *dv_get_lazy(DivObject *d, void *Py_UNUSED(c)) { return PyBool_F
 /* The queries (the safety duel's reads of L and R, as the reference's methods): they walk `pages`
    (busy: a key's __eq__ may run Python code) and mark what they counted (DV_SEEN: a page listed
    twice counts once, as in a set), unmarked before they return. */
-typedef struct {
+typedef struct dv_marks {
     size_t *slots, buf[64];
     Py_ssize_t n, alloc;
 } dv_marks;
@@ -1202,10 +1203,21 @@ static int dv_mark(DivObject *d, dv_marks *m, size_t i)
     return 0;
 }
 
-static void dv_unmark(DivObject *d, dv_marks *m)
+/* a query's marks set (on) or cleared (off); the table does not change while they are live */
+static void dv_marks_set(DivObject *d, dv_marks *m, int on)
 {
     Py_ssize_t j;
-    for (j = 0; j < m->n; j++) d->tab[m->slots[j]].side &= ~DV_SEEN;
+    for (j = 0; j < m->n; j++) {
+        if (on)
+            d->tab[m->slots[j]].side |= DV_SEEN;
+        else
+            d->tab[m->slots[j]].side &= ~DV_SEEN;
+    }
+}
+
+static void dv_unmark(DivObject *d, dv_marks *m)
+{
+    dv_marks_set(d, m, 0);
     if (m->slots != m->buf) PyMem_Free(m->slots);
 }
 
@@ -1218,13 +1230,19 @@ static Py_ssize_t dv_count(DivObject *d, PyObject *pages, int mask, int want, in
 {
     PyObject *seq = PySequence_Fast(pages, "the pages must be iterable");
     Py_ssize_t i, k = 0;
-    dv_marks m;
+    dv_marks m, *outer;
     int was = d->busy, err = 0;
     if (seq == NULL) return -1;
     m.slots = m.buf;
     m.n = 0;
     m.alloc = 64;
     d->busy = 1;
+    /* A query run from a key's __eq__/__hash__ during another (a read: allowed) would take the
+       outer query's marks for its own and skip those pages: the outer's are lifted while it
+       counts and put back after (mutations are refused meanwhile: the slots stay put). */
+    outer = d->marks;
+    if (outer != NULL) dv_marks_set(d, outer, 0);
+    d->marks = &m;
     for (i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         PyObject *key = PySequence_Fast_GET_ITEM(seq, i);
         Py_hash_t h;
@@ -1253,6 +1271,8 @@ static Py_ssize_t dv_count(DivObject *d, PyObject *pages, int mask, int want, in
         }
     }
     dv_unmark(d, &m);
+    d->marks = outer;
+    if (outer != NULL) dv_marks_set(d, outer, 1);
     d->busy = was;
     Py_DECREF(seq);
     return err ? -1 : k;
