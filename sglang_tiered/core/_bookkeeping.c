@@ -1430,10 +1430,23 @@ static int dv_traverse(DivObject *d, visitproc visit, void *arg)
 
 static int dv_clear(DivObject *d)
 {
-    /* the sources alone (the cycle through lru's tree shadow's bound ``pages``): the table stays
-       until dealloc, so a method called from a finalizer still finds one */
+    /* the sources (the cycle through lru's tree shadow's bound ``pages``), then the keys: a key
+       may hold this divergence too, through an object with no tp_clear of its own (a tuple), a
+       cycle only this can break (as a set's clear does). An empty table is put in place first,
+       so a method called from a finalizer still finds one (no memory for it: the keys stay) */
     Py_CLEAR(d->l_pages);
     Py_CLEAR(d->r_pages);
+    if (d->tab != NULL && d->fill > 0 && !d->busy) {
+        dv_slot *old = d->tab, *t = PyMem_Calloc(DV_MIN, sizeof(dv_slot)); /* (no memory: kept) */
+        size_t oldmask = d->mask;
+        if (t != NULL) {
+            d->tab = t;
+            d->mask = DV_MIN - 1;
+            d->fill = 0;
+            d->n[0] = d->n[1] = d->n[2] = d->n[3] = 0;
+            dv_free_table(old, oldmask);
+        }
+    }
     return 0;
 }
 
@@ -1441,7 +1454,8 @@ static void dv_dealloc(DivObject *d)
 {
     dv_slot *t = d->tab;
     PyObject_GC_UnTrack(d);
-    dv_clear(d);
+    Py_CLEAR(d->l_pages);
+    Py_CLEAR(d->r_pages);
     d->tab = NULL;
     dv_free_table(t, d->mask);
     Py_TYPE(d)->tp_free((PyObject *)d);
