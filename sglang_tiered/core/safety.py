@@ -287,24 +287,18 @@ class SafetyDuel:
     def _duel_step(self, hits: dict, real: int, n: int) -> None:
         """Per request: each fixed-order shadow hit ``hits[order]`` of the ``n`` references the
         real cache hit ``real`` of."""
-        # (hot path, once per request: the three orders spelled out, the same float operations
-        # in the same order as a loop over FIXED_ORDERS; session 45)
         d = self._decay**n
         acc = self._sh_hits
         var = self._order_var
-        h_lru, h_slru, h_lfu = hits["lru"], hits["slru"], hits["lfu"]
-        acc["lru"] = acc["lru"] * d + h_lru
-        var["lru"] = var["lru"] * d + (h_lru - h_lru) ** 2
-        acc["slru"] = acc["slru"] * d + h_slru
-        var["slru"] = var["slru"] * d + (h_slru - h_lru) ** 2
-        acc["lfu"] = acc["lfu"] * d + h_lfu
-        var["lfu"] = var["lfu"] * d + (h_lfu - h_lru) ** 2
+        for o in FIXED_ORDERS:
+            acc[o] = acc[o] * d + hits[o]
+            var[o] = var[o] * d + (hits[o] - hits["lru"]) ** 2
         sh = self._sh
         sh[0] = sh[0] * d + n
-        sh[1] = sh[1] * d + h_lru
+        sh[1] = sh[1] * d + hits["lru"]
         sh[2] = sh[2] * d + real
-        if h_lru > self._max_hit:
-            self._max_hit = h_lru
+        if hits["lru"] > self._max_hit:
+            self._max_hit = hits["lru"]
         if self._leader is not None:
             self._leader_step(hits, real, n)
             return
@@ -708,12 +702,7 @@ class SafetyDuel:
         request, so a positive bias is not model error but evictions the real cache made and the
         shadow never saw (a request dropped after evicting: session 32). Credited, they passed a
         real loss off as a surplus; left out, the books can only be stricter."""
-        b = self._bias[order]  # (``_bias_rate`` inlined: twice per request, session 45)
-        if b[1]:
-            bound = self.cfg.guard_bias_bound
-            rate = min(bound, max(-bound, b[0] / b[1]))
-        else:
-            rate = 0.0
+        rate = self._bias_rate(order)
         return min(0.0, rate) if isinstance(self._shadows[order], TreeShadow) else rate
 
     def _follow(self, order: str) -> None:
