@@ -217,6 +217,24 @@ def test_c_tree_tells_the_c_divergence_as_the_reference_pair(order):
             p.check()
 
 
+class _Colliding:
+    """A key whose hashes all collide (one probe run: every lookup compares the keys before it),
+    equal by value, that runs ``_hook(other)`` on each comparison (the re-entry tests' keys)."""
+
+    def __init__(self, v):
+        self.v = v
+
+    def __hash__(self):
+        return 7
+
+    def __eq__(self, other):
+        self._hook(other)
+        return isinstance(other, type(self)) and other.v == self.v
+
+    def _hook(self, other):
+        pass
+
+
 @needs_c
 def test_refuses_reentry_and_keeps_state():
     """A key's ``__eq__`` that changes the divergence mid-update is refused (RuntimeError), as a
@@ -225,17 +243,10 @@ def test_refuses_reentry_and_keeps_state():
 
     calls: list = []  # what a compared key does (the table's key is asked: ``held == new``)
 
-    class K:
-        def __init__(self, v):
-            self.v = v
-
-        def __hash__(self):
-            return 7
-
-        def __eq__(self, other):
+    class K(_Colliding):
+        def _hook(self, other):
             for f in calls:
                 f()
-            return isinstance(other, K) and other.v == self.v
 
     d.l_add([K(1)])
     reads = []
@@ -283,18 +294,11 @@ def test_a_query_from_a_key_of_another_counts_as_alone(impl):
     cls = C.Divergence if impl == "c" else DivergencePy
     hooks: list = []
 
-    class K:
-        def __init__(self, v):
-            self.v = v
-
-        def __hash__(self):
-            return 7  # (one probe run: every lookup compares the keys before it)
-
-        def __eq__(self, other):
+    class K(_Colliding):
+        def _hook(self, other):
             if other is trigger:  # (the outer query's third page: a and b counted by then)
                 while hooks:
                     hooks.pop()()
-            return isinstance(other, K) and other.v == self.v
 
     a, b, c = K(1), K(2), K(3)
     trigger = K(3)
