@@ -35,10 +35,14 @@ def _tok(uid: int, pages: int) -> list[int]:
     return base + [16 + (uid * 31 + i) % 1900 for i in range(pages * PAGE - 2)]
 
 
-def _run(reqs, cap_pages: int, policy: str | None, config: PolicyConfig | None = None):
+def _run(reqs, cap_pages: int, policy: str | None, config: PolicyConfig | None = None, identity: bool = False):
+    """``identity``: the tiered tree keys its pages by identity hashes (as with T1 or the fleet
+    index attached) rather than the policy keys (page_hashes.py): other sampled estimates."""
     cap = cap_pages * PAGE
     if policy is None:
         cache = TieredRadixCache.create_simulated(cap, PAGE, policy_config=config)
+        if identity:
+            cache._use_identity("a test")
         driver = cache.driver
     else:
         params, alloc, pool = make_params(cap, PAGE, 1 << 15, eviction_policy=policy)

@@ -426,6 +426,7 @@ def test_router_hashes_a_lora_request_in_sglangs_namespace():
     assert adapters == {"ad1": refs[0].lora_id, "ad2": refs[1].lora_id}
     cache = TieredRadixCache.create_simulated(64 * 16, 16)
     pub = IndexPublisher("redis://127.0.0.1:1", "w", cache_key=cache.cache_key, adapters=adapters, start=False)
+    cache.attach_index(pub)  # (as build.py does: the tree's pages keyed by their identity hashes)
 
     class FakeRedis:
         async def mget(self, keys):

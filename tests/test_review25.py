@@ -85,10 +85,8 @@ def test_overlap_steps_only_lru_shadow_and_sketch():
     assert calls["lru"] == 2 and not any(calls[k] for k in ("slru", "lfu", "mini0", "mini1", "mini2")), calls
     assert pol.stats.overlapped_requests == 1 and pol.following == "lru"
     # the sketch still counted both requests' pages
-    from sglang_tiered.core.keys import chain_page_hashes
-
     for s in (1000, 2000):
-        h = chain_page_hashes(cache.hashes.seed(None, None), toks(s), 16)
+        h = cache.hashes.chain(cache.hashes.seed(None, None), toks(s), 16)  # (the tree's page keys)
         assert pol.frequency(h[0]) >= 1
     calls.clear()
     drv.run(toks(3000))  # serial again: everything steps

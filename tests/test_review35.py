@@ -3,7 +3,7 @@ or the fleet index), checkpoint hashes nothing; the identity is computed when fi
 
 import pytest
 
-from sglang_tiered.core.keys import chain_page_hashes
+from sglang_tiered.core.keys import chain_page_hashes, chain_page_keys
 from sglang_tiered.dev.simulate import replay_concurrent
 from sglang_tiered.dev.workloads import multi_tenant
 from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
@@ -52,10 +52,15 @@ def test_unhashed_checkpoints_decide_and_count_as_hashed_ones(monkeypatch, batch
     assert all(n.tiered_hashes is not None for n in _nodes(eager))
 
 
-def test_an_unhashed_node_gets_its_identity_when_needed():
+@pytest.mark.parametrize("identity", [False, True])
+def test_an_unhashed_node_gets_its_identity_when_needed(identity):
     """``path_hashes`` (invalidation's cut, T1's probe) hashes an unhashed path on demand: the same
-    chained hashes a hashing checkpoint gives, tenant namespace included."""
+    chained hashes a hashing checkpoint gives, tenant namespace included; the tree's kind (the
+    identity hashes once T1 or the index reads them, else the policy keys: session 46)."""
     lazy = TieredRadixCache.create_simulated(64 * 16, 16, max_in_flight=4, debug_checks=True)
+    if identity:
+        lazy._use_identity("a test")  # (what attach_host / attach_index do)
+    chain = chain_page_hashes if identity else chain_page_keys
     tokens = list(range(7, 7 + 5 * 16 + 3))
     lazy.driver.run(tokens, tenant="acme")
     lazy.driver.run(tokens[:2 * 16] + [9] * 40, tenant="acme")  # splits the node at 2 pages
@@ -63,7 +68,7 @@ def test_an_unhashed_node_gets_its_identity_when_needed():
     assert leaf.tiered_hashes is None
     got = lazy.path_hashes(leaf)
     seed = lazy.hashes.seed(leaf.key.extra_key, leaf.key.cache_salt)
-    assert got == chain_page_hashes(seed, tokens[:5 * 16], 16)
+    assert got == chain(seed, tokens[:5 * 16], 16)
     lazy.hashes.check(lazy.root_node)  # H1/H2 on what was just hashed
     assert leaf.parent.tiered_hashes == got[:2] and leaf.tiered_end == 5 * 16
 

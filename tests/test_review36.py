@@ -52,13 +52,14 @@ def test_a_waiting_requests_refresh_touches_lrus_yardstick(rounds):
     assert cache.policy.snapshot()["lru_model_bias"] == 0.0
 
 
-def _stock_pages(cache: RadixCache, seed: bytes, ps: int) -> set:
-    """The chained page hashes of everything SGLang's tree holds."""
+def _stock_pages(cache: RadixCache, seed: bytes, ps: int, chain=chain_page_hashes) -> set:
+    """The chained page hashes (or ``chain``'s keys: the tiered tree's kind, page_hashes.py) of
+    everything SGLang's tree holds."""
     out, stack = set(), [(cache.root_node, seed)]
     while stack:
         node, prev = stack.pop()
         for c in node.children.values():
-            hs = chain_page_hashes(prev, c.key.raw_token_ids(), ps)
+            hs = chain(prev, c.key.raw_token_ids(), ps)
             out.update(hs)
             stack.append((c, hs[-1]))
     return out
@@ -109,7 +110,7 @@ def test_lrus_tree_shadow_is_sglangs_lru_under_refreshes(ps):
             a, b = stock.run(toks), cache.driver.run(toks)
             assert a.served and b.served
         shadow = cache.policy._shadows["lru"]  # (a flush starts a new one)
-        assert shadow.pages() == _stock_pages(stock.cache, seed, ps)
+        assert shadow.pages() == _stock_pages(stock.cache, seed, ps, cache.hashes.chain)
         shadow.check()
     assert touches > 50 and aborts > 15 and flushes > 2
 

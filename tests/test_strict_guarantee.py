@@ -89,12 +89,15 @@ def test_the_cap_keeps_a_lump_within_the_bar_where_the_priced_check_does_not():
     """family-095 at 1 % (bench/results/workload_family_c479b78.csv): lru's hit rate is 4.6 %, so
     the budget mode prices the pages an episode dropped at about 0.05 hits each, and one request
     of 318 pages then hits them all in lru's cache: it ends 0.26 points below lru (the acceptance
-    bar is 0.2). The cap prices each dropped page at a whole hit; it is the default."""
+    bar is 0.2). The cap prices each dropped page at a whole hit; it is the default.
+    The recorded instance keys the tree's pages by their identity hashes (a server with T1 or the
+    fleet index): with the policy keys (session 46) the sampled estimates differ and the budget
+    mode ends 0.12 points below lru on this trace, within the bar, so the case is kept as found."""
     reqs, cap_pages = _family_cell(95, 0.01)
     lru, _, _ = _run(reqs, cap_pages, "lru")
-    budget, _, _ = _run(reqs, cap_pages, None, BUDGET)
-    default, default_per_req, _ = _run(reqs, cap_pages, None, None)
-    strict, strict_per_req, cache = _run(reqs, cap_pages, None, STRICT)
+    budget, _, _ = _run(reqs, cap_pages, None, BUDGET, identity=True)
+    default, default_per_req, _ = _run(reqs, cap_pages, None, None, identity=True)
+    strict, strict_per_req, cache = _run(reqs, cap_pages, None, STRICT, identity=True)
     snap = cache.policy.snapshot()
     assert budget < lru - 0.002, (budget, lru)
     assert strict >= lru - 0.002, (strict, lru, snap)

@@ -150,10 +150,63 @@ static void b2b_final(b2b_state *S, uint8_t out[OUTLEN])
         for (j = 0; j < 8; j++) out[8 * i + j] = (uint8_t)(S->h[i] >> (8 * j));
 }
 
-/* the chained hashes of the full pages of ``len`` bytes at ``base`` (packed int64 tokens),
-   seeded by ``prev``: a new list, or NULL with an exception set */
+/* Policy page keys (keys.chain_page_keys): not an identity. Per page, the 128-bit state (h1, h2)
+   starts as the previous key (little-endian u64 lanes; the chain's seed for the first page) and
+   takes the page's ``width`` bytes through MurmurHash3_x64_128's block, tail and finalization
+   steps (Austin Appleby, public domain), the state standing in for the seed. ~20x cheaper than
+   BLAKE2b's two compressions a page; not collision resistant (a collision costs the policy an
+   estimate, never a wrong page: nothing identifies KV by these keys). */
+#define MM_C1 0x87c37b91114253d5ULL
+#define MM_C2 0x4cf5ad432745937fULL
+
+static inline uint64_t rotl64(uint64_t w, unsigned c) { return (w << c) | (w >> (64 - c)); }
+
+static inline uint64_t fmix64(uint64_t k)
+{
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdULL;
+    k ^= k >> 33;
+    k *= 0xc4ceb9fe1a85ec53ULL;
+    k ^= k >> 33;
+    return k;
+}
+
+static void page_key(const uint8_t prev[OUTLEN], const uint8_t *p, Py_ssize_t width, uint8_t out[OUTLEN])
+{
+    uint64_t h1 = load64(prev), h2 = load64(prev + 8), k1, k2;
+    Py_ssize_t off;
+    int j;
+    for (off = 0; off + 16 <= width; off += 16) {
+        k1 = load64(p + off);
+        k2 = load64(p + off + 8);
+        k1 *= MM_C1; k1 = rotl64(k1, 31); k1 *= MM_C2; h1 ^= k1;
+        h1 = rotl64(h1, 27); h1 += h2; h1 = h1 * 5 + 0x52dce729;
+        k2 *= MM_C2; k2 = rotl64(k2, 33); k2 *= MM_C1; h2 ^= k2;
+        h2 = rotl64(h2, 31); h2 += h1; h2 = h2 * 5 + 0x38495ab5;
+    }
+    if (off < width) { /* one word left (width is a multiple of 8) */
+        k1 = load64(p + off);
+        k1 *= MM_C1; k1 = rotl64(k1, 31); k1 *= MM_C2; h1 ^= k1;
+    }
+    h1 ^= (uint64_t)width;
+    h2 ^= (uint64_t)width;
+    h1 += h2;
+    h2 += h1;
+    h1 = fmix64(h1);
+    h2 = fmix64(h2);
+    h1 += h2;
+    h2 += h1;
+    for (j = 0; j < 8; j++) {
+        out[j] = (uint8_t)(h1 >> (8 * j));
+        out[8 + j] = (uint8_t)(h2 >> (8 * j));
+    }
+}
+
+/* the chained hashes (``keys`` 0: BLAKE2b-128, the identity) or policy keys (``keys`` 1:
+   page_key) of the full pages of ``len`` bytes at ``base`` (packed int64 tokens), seeded by
+   ``prev`` (16 bytes for keys): a new list, or NULL with an exception set */
 static PyObject *chain_packed(const uint8_t *prev, Py_ssize_t prev_len, const uint8_t *base, Py_ssize_t len,
-                              int page_size, int overlap)
+                              int page_size, int overlap, int keys)
 {
     Py_ssize_t step = (Py_ssize_t)page_size * 8, width = step + (Py_ssize_t)overlap * 8;
     Py_ssize_t avail = len - (Py_ssize_t)overlap * 8;
@@ -161,18 +214,26 @@ static PyObject *chain_packed(const uint8_t *prev, Py_ssize_t prev_len, const ui
     uint8_t h[OUTLEN];
     b2b_state init, S;
     PyObject *out;
+    if (keys && prev_len != OUTLEN) {
+        PyErr_Format(PyExc_ValueError, "a page key chain's seed is %d bytes, not %zd", OUTLEN, prev_len);
+        return NULL;
+    }
     b2b_init(&init);
     out = PyList_New(n);
     if (out == NULL) return NULL;
     for (i = 0; i < n; i++) {
         /* bounds: i*step + width <= (n-1)*step + step + 8*overlap <= avail + 8*overlap = len */
-        memcpy(&S, &init, sizeof(S));
-        if (i == 0)
-            b2b_update(&S, prev, (size_t)prev_len);
-        else
-            b2b_update(&S, h, OUTLEN);
-        b2b_update(&S, base + i * step, (size_t)width);
-        b2b_final(&S, h);
+        if (keys) {
+            page_key(i == 0 ? prev : h, base + i * step, width, h);
+        } else {
+            memcpy(&S, &init, sizeof(S));
+            if (i == 0)
+                b2b_update(&S, prev, (size_t)prev_len);
+            else
+                b2b_update(&S, h, OUTLEN);
+            b2b_update(&S, base + i * step, (size_t)width);
+            b2b_final(&S, h);
+        }
         PyObject *b = PyBytes_FromStringAndSize((const char *)h, OUTLEN);
         if (b == NULL) {
             Py_DECREF(out);
@@ -196,23 +257,27 @@ static int check_shape(int page_size, int overlap)
     return 0;
 }
 
-static PyObject *pagehash_chain(PyObject *self, PyObject *args)
+static PyObject *chain_impl(PyObject *args, int keys)
 {
     Py_buffer prev, data;
     int page_size, overlap;
     PyObject *out = NULL;
-    if (!PyArg_ParseTuple(args, "y*y*ii:chain", &prev, &data, &page_size, &overlap)) return NULL;
+    if (!PyArg_ParseTuple(args, keys ? "y*y*ii:keys" : "y*y*ii:chain", &prev, &data, &page_size, &overlap)) return NULL;
     if (data.len % 8 != 0) {
         PyErr_Format(PyExc_ValueError, "data length %zd is not a multiple of 8 (packed int64 tokens)", data.len);
         goto done;
     }
     if (check_shape(page_size, overlap) < 0) goto done;
-    out = chain_packed((const uint8_t *)prev.buf, prev.len, (const uint8_t *)data.buf, data.len, page_size, overlap);
+    out = chain_packed((const uint8_t *)prev.buf, prev.len, (const uint8_t *)data.buf, data.len, page_size, overlap, keys);
 done:
     PyBuffer_Release(&prev);
     PyBuffer_Release(&data);
     return out;
 }
+
+static PyObject *pagehash_chain(PyObject *self, PyObject *args) { return chain_impl(args, 0); }
+
+static PyObject *pagehash_keys(PyObject *self, PyObject *args) { return chain_impl(args, 1); }
 
 /* chain_list(prev, tokens: list[int], page_size, overlap): ``chain(prev, pack(tokens), ...)``
    without the packing in Python (struct.pack of the whole list cost a quarter of the hashing:
@@ -222,14 +287,16 @@ done:
    raises the reference's struct.error or hashes what the reference hashes. So no Python code
    runs here at all: a token whose ``__index__`` mutated the list (struct.pack reads a snapshot
    of it) made this path hash a different run than the reference (review, session 44). */
-static PyObject *pagehash_chain_list(PyObject *self, PyObject *args)
+static PyObject *chain_list_impl(PyObject *args, int keys)
 {
     Py_buffer prev;
     PyObject *tokens, *out = NULL;
     int page_size, overlap;
     uint8_t *buf = NULL;
     Py_ssize_t i, m;
-    if (!PyArg_ParseTuple(args, "y*O!ii:chain_list", &prev, &PyList_Type, &tokens, &page_size, &overlap)) return NULL;
+    if (!PyArg_ParseTuple(args, keys ? "y*O!ii:keys_list" : "y*O!ii:chain_list", &prev, &PyList_Type, &tokens,
+                          &page_size, &overlap))
+        return NULL;
     if (check_shape(page_size, overlap) < 0) goto done;
     m = PyList_GET_SIZE(tokens);
     buf = (uint8_t *)PyMem_Malloc(m > 0 ? (size_t)m * 8 : 1);
@@ -249,12 +316,16 @@ static PyObject *pagehash_chain_list(PyObject *self, PyObject *args)
         int j;
         for (j = 0; j < 8; j++) buf[8 * i + j] = (uint8_t)(u >> (8 * j));
     }
-    out = chain_packed((const uint8_t *)prev.buf, prev.len, buf, m * 8, page_size, overlap);
+    out = chain_packed((const uint8_t *)prev.buf, prev.len, buf, m * 8, page_size, overlap, keys);
 done:
     PyMem_Free(buf);
     PyBuffer_Release(&prev);
     return out;
 }
+
+static PyObject *pagehash_chain_list(PyObject *self, PyObject *args) { return chain_list_impl(args, 0); }
+
+static PyObject *pagehash_keys_list(PyObject *self, PyObject *args) { return chain_list_impl(args, 1); }
 
 static PyMethodDef pagehash_methods[] = {
     {"chain", pagehash_chain, METH_VARARGS,
@@ -263,6 +334,11 @@ static PyMethodDef pagehash_methods[] = {
     {"chain_list", pagehash_chain_list, METH_VARARGS,
      "chain_list(prev, tokens, page_size, overlap) -> list[bytes]: chain() of a list of int tokens, "
      "packed as little-endian int64 in C."},
+    {"keys", pagehash_keys, METH_VARARGS,
+     "keys(prev, data, page_size, overlap) -> list[bytes]: the chained 16-byte policy page keys (not an "
+     "identity) of the full pages of data, seeded by prev (16 bytes); see keys.chain_page_keys."},
+    {"keys_list", pagehash_keys_list, METH_VARARGS,
+     "keys_list(prev, tokens, page_size, overlap) -> list[bytes]: keys() of a list of int tokens."},
     {NULL, NULL, 0, NULL},
 };
 

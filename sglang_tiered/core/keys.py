@@ -133,25 +133,99 @@ def _chain_page_hashes_py(prev: bytes, tokens, page_size: int = 16, overlap: int
     return out
 
 
-def _chain_page_hashes_c(prev: bytes, tokens, page_size: int = 16, overlap: int = 0) -> list[bytes]:
-    """``_chain_page_hashes_py`` with the per-page loop in C (``_pagehash.chain``). A run with no
+_M64 = (1 << 64) - 1
+_MM_C1, _MM_C2 = 0x87C37B91114253D5, 0x4CF5AD432745937F
+
+
+def _rotl64(w: int, c: int) -> int:
+    return ((w << c) | (w >> (64 - c))) & _M64
+
+
+def _fmix64(k: int) -> int:
+    k ^= k >> 33
+    k = (k * 0xFF51AFD7ED558CCD) & _M64
+    k ^= k >> 33
+    k = (k * 0xC4CEB9FE1A85EC53) & _M64
+    return k ^ (k >> 33)
+
+
+def _page_key(prev: bytes, page: bytes) -> bytes:
+    """One policy page key: MurmurHash3_x64_128's block, tail and finalization steps over
+    ``page`` (a multiple of 8 bytes), the 128-bit state starting from ``prev`` instead of a seed."""
+    h1, h2 = int.from_bytes(prev[:8], "little"), int.from_bytes(prev[8:16], "little")
+    width, off = len(page), 0
+    while off + 16 <= width:
+        k1, k2 = int.from_bytes(page[off : off + 8], "little"), int.from_bytes(page[off + 8 : off + 16], "little")
+        k1 = (_rotl64((k1 * _MM_C1) & _M64, 31) * _MM_C2) & _M64
+        h1 = (_rotl64(h1 ^ k1, 27) + h2) & _M64
+        h1 = (h1 * 5 + 0x52DCE729) & _M64
+        k2 = (_rotl64((k2 * _MM_C2) & _M64, 33) * _MM_C1) & _M64
+        h2 = (_rotl64(h2 ^ k2, 31) + h1) & _M64
+        h2 = (h2 * 5 + 0x38495AB5) & _M64
+        off += 16
+    if off < width:
+        k1 = int.from_bytes(page[off : off + 8], "little")
+        h1 ^= (_rotl64((k1 * _MM_C1) & _M64, 31) * _MM_C2) & _M64
+    h1 ^= width
+    h2 ^= width
+    h1 = (h1 + h2) & _M64
+    h2 = (h2 + h1) & _M64
+    h1, h2 = _fmix64(h1), _fmix64(h2)
+    h1 = (h1 + h2) & _M64
+    h2 = (h2 + h1) & _M64
+    return h1.to_bytes(8, "little") + h2.to_bytes(8, "little")
+
+
+def _chain_page_keys_py(prev: bytes, tokens, page_size: int = 16, overlap: int = 0) -> list[bytes]:
+    """Policy page keys of the full pages of ``tokens``, chained from ``prev`` (16 bytes: a
+    namespace seed or the last key of the preceding pages), shaped as ``chain_page_hashes``
+    (``overlap``, a trailing partial page) but **not an identity**: a 128-bit MurmurHash3-style
+    mix (``_page_key``), ~20x cheaper than BLAKE2b and not collision resistant. A tree keys its
+    pages by these only where nothing outside the process reads a page's identity (no T1, T2 or
+    fleet index: ``integration/page_hashes.py``): the policy's sketch, samples, shadows and
+    divergence, whose collisions cost an estimate, never a wrong page (the tree matches by
+    tokens). The pure-Python reference of ``_pagehash.keys``."""
+    if len(prev) != DIGEST_SIZE:
+        raise ValueError(f"a page key chain's seed is {DIGEST_SIZE} bytes, not {len(prev)}")
+    data = _token_bytes(tokens)
+    step = page_size * 8
+    width = step + overlap * 8
+    out: list[bytes] = []
+    h = prev
+    for off in range(0, max(0, (len(data) - overlap * 8) // step) * step, step):
+        h = _page_key(h, data[off : off + width])
+        out.append(h)
+    return out
+
+
+def _c_chain(packed, listed, name: str):
+    """``_chain_page_hashes_py``-shaped function running ``packed`` (C, on packed int64 bytes)
+    and ``listed`` (C, on a list of ints), as ``_chain_page_hashes_c`` documents."""
+
+    def chain(prev: bytes, tokens, page_size: int = 16, overlap: int = 0) -> list[bytes]:
+        if type(tokens) is list and len(tokens) >= page_size + overlap and listed is not None:
+            try:
+                return listed(prev, tokens, page_size, overlap)
+            except (OverflowError, TypeError):
+                pass  # (a bad token, or prev: the path below raises what the reference raises)
+        data = _token_bytes(tokens)
+        if len(data) < (page_size + overlap) * 8 and page_size >= 1 and overlap in (0, 1):
+            return []
+        return packed(prev, data, page_size, overlap)
+
+    chain.__name__ = chain.__qualname__ = name
+    return chain
+
+
+_C_CHAIN_DOC = """``_chain_page_hashes_py`` with the per-page loop in C (``_pagehash.chain``). A run with no
     full page returns ``[]`` without reaching C, as the reference does (whatever ``prev`` is);
     a ``page_size`` < 1 or an ``overlap`` other than 0/1 raises ValueError. A list (the
     router's tokenizer output; SGLang's ``fill_ids`` are ``array("q")``, whose bytes need no
     packing) is packed in C (``_pagehash.chain_list``: a quarter of the hashing
     time was ``struct.pack``'s, session 44) where every token is an int; a list it refuses (a
     token outside int64, or not an int: a numpy integer, anything whose ``__index__`` would run
-    Python code) is packed here, as the reference packs it (its hashes, its ``struct.error``)."""
-    if type(tokens) is list and len(tokens) >= page_size + overlap and _chain_list is not None:
-        try:
-            return _chain_list(prev, tokens, page_size, overlap)
-        except (OverflowError, TypeError):
-            pass  # (a bad token, or prev: the path below raises what the reference raises)
-    data = _token_bytes(tokens)
-    if len(data) < (page_size + overlap) * 8 and page_size >= 1 and overlap in (0, 1):
-        return []
-    return _chain(prev, data, page_size, overlap)
-
+    Python code) is packed here, as the reference packs it (its hashes, its ``struct.error``).
+    ``_chain_page_keys_c`` is the same for the policy keys (``_pagehash.keys``, ``keys_list``)."""
 
 try:
     from sglang_tiered.core._pagehash import chain as _chain
@@ -161,12 +235,23 @@ try:  # (a build from before session 44 has chain alone)
     from sglang_tiered.core._pagehash import chain_list as _chain_list
 except ImportError:
     _chain_list = None
+try:  # (a build from before session 46 has no policy keys)
+    from sglang_tiered.core._pagehash import keys as _keys, keys_list as _keys_list
+except ImportError:
+    _keys = _keys_list = None
+
+_chain_page_hashes_c = _c_chain(_chain, _chain_list, "_chain_page_hashes_c") if _chain is not None else None
+_chain_page_keys_c = _c_chain(_keys, _keys_list, "_chain_page_keys_c") if _keys is not None else None
+if _chain_page_hashes_c is not None:
+    _chain_page_hashes_c.__doc__ = _C_CHAIN_DOC
 
 # SGLANG_TIERED_PURE_PYTHON=1: the references even where the C extensions are built (read here
 # alone: core/miniature.py and core/sketch.py take it from this module)
 PURE_PYTHON = os.environ.get("SGLANG_TIERED_PURE_PYTHON") == "1"
 HASH_IMPL = "c" if _chain is not None and not PURE_PYTHON else "python"
 chain_page_hashes = _chain_page_hashes_c if HASH_IMPL == "c" else _chain_page_hashes_py
+KEYS_IMPL = "c" if _keys is not None and not PURE_PYTHON else "python"
+chain_page_keys = _chain_page_keys_c if KEYS_IMPL == "c" else _chain_page_keys_py
 
 
 def rope_config_hash(rope_theta, rope_scaling, max_position_embeddings, partial_rotary=None) -> str:

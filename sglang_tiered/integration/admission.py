@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 from sglang_tiered.core.eviction import is_reused
-from sglang_tiered.core.keys import chain_page_hashes
 from sglang_tiered.integration import tree_ops
 from sglang_tiered.integration.clock import bump_hits
 
@@ -98,7 +97,7 @@ class Admission:
             prev = base[-1] if base else cache.hashes.seed(req.extra_key, req.cache_salt)
             tokens = req.full_untruncated_fill_ids
             # (EAGLE: a page's hash takes the token after it too, as the tree's bigram key does)
-            new = chain_page_hashes(prev, tokens[len(base) * ps : aligned + eagle], ps, eagle) if aligned > cpl else []
+            new = cache.hashes.chain(prev, tokens[len(base) * ps : aligned + eagle], ps, eagle) if aligned > cpl else []
             hashes = base + new
             n_admit = self._decide(req, first, counted or 0, base, new, hashes, int(up_to > aligned), up_to)
         else:  # nothing reads a page hash: the same counts, no hashing (``hashes_read``)
@@ -148,7 +147,7 @@ class Admission:
         if len(base) * ps != cpl:
             return None
         prev = base[-1] if base else cache.hashes.seed(req.extra_key, req.cache_salt)
-        new = chain_page_hashes(prev, req.full_untruncated_fill_ids[cpl:aligned], ps)
+        new = cache.hashes.chain(prev, req.full_untruncated_fill_ids[cpl:aligned], ps)
         k = policy.restorable(new)
         if k == 0:
             return None

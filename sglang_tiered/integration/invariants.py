@@ -14,7 +14,7 @@
   T3 ticks: a node's lru tick is at least its adaptive one; once the eviction has seen the
      policy's last exit from adaptive (``Eviction.unage``) and a fixed order is followed, they
      are equal on every node (following lru is SGLang's lru exactly);
-  plus H1-H2 (page_hashes.py), I1 (core/eviction.py), the host pool's
+  plus H1-H3 (page_hashes.py), I1 (core/eviction.py), the host pool's
   ``free + resident == capacity``, the store queue's and the policy's own checkers, and S4
   (``check_store_fenced``): a page with a pending T1 write is a page of the tree.
 """
@@ -63,6 +63,8 @@ def check_cache(cache) -> None:
     if cache.t1 is not None:
         cache.t1.check_invariants()
     cache.hashes.check(cache.root_node)
+    assert cache.hashes.identity or (cache.t1 is None and cache.index.listener is None), \
+        "H3 violated: T1 or the fleet index reads policy keys as page identities"
     cache.policy.check_invariants()  # shadows of the safety duel, learned quantities bounded
     cache.eviction.check_invariants()
     check_store_fenced(cache)

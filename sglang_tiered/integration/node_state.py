@@ -5,7 +5,7 @@ that reads or writes these attributes imports this one (importing it is what dec
 
 | attribute | type | meaning | set by |
 |---|---|---|---|
-| ``tiered_hashes`` | ``list[bytes] or None`` | chained page hashes of the node's pages (lazily) | ``PageHashes`` |
+| ``tiered_hashes`` | ``list[bytes] or None`` | chained page keys of the node's pages (lazily): identity hashes or policy keys (page_hashes.py) | ``PageHashes`` |
 | ``tiered_end`` | ``int`` | token depth of the node's end (with ``tiered_hashes``) | ``PageHashes`` |
 | ``tiered_tick`` | ``float`` | logical time of last use (request tick + sequence) | ``LogicalClock`` |
 | ``tiered_cold`` | ``bool`` | entered aged as part of a cold prompt | admission |

@@ -1,6 +1,18 @@
 """Chained page hashes on tree nodes: computed lazily, once per page, and kept through splits.
 
-A node's ``tiered_hashes`` are the chained hashes (``core/keys.py``) of its pages, seeded by its
+A node's ``tiered_hashes`` are the chained page keys of its pages, of one of two kinds for the
+whole tree (``PageHashes.identity``):
+- **identity hashes** (``keys.chain_page_hashes``, BLAKE2b-128 over the ``CacheKey``'s seed)
+  wherever anything outside this process reads a page's identity: T1 (and T2 behind it) and the
+  fleet index. ``TieredRadixCache.attach_host`` / ``attach_index`` switch the tree to them
+  (``use_identity``, while no node holds keys yet), and T1 refuses a tree that has not;
+- **policy keys** (``keys.chain_page_keys``: a 128-bit MurmurHash3-style chain from the same
+  seed, ~8x cheaper a page, not collision resistant) otherwise: then the keys are read by the
+  policy alone (its sketch, samples, shadows and divergence), where a collision costs an
+  estimate and never a page (the tree matches by tokens and namespace). BLAKE2b was 21-30 % of
+  SGLang lru's whole bookkeeping time on long prompts (issue #11, session 45).
+
+Either kind chains the same way, seeded by its
 tree namespace (``CacheKey.namespace_seed``) or continued from its parent's last hash;
 ``tiered_end`` is the token depth of its end. A long prompt is hashed once, page by page, as it
 is inserted (``attach``), never again; nodes created without hashes get them on first need
@@ -8,15 +20,17 @@ is inserted (``attach``), never again; nodes created without hashes get them on 
 lru's order on a server that may batch, without T1 or the fleet index) nothing is hashed then.
 
 Invariants (checked by ``check``):
-  H1 ``node.tiered_hashes == chain_page_hashes(prev, node tokens, page_size)`` (a bigram key, EAGLE:
+  H1 ``node.tiered_hashes == chain(prev, node tokens, page_size)`` (``chain`` the tree's kind; a bigram key, EAGLE:
      each page with the token after it) where ``prev`` is
      the parent's last hash or the namespace seed;
-  H2 ``node.tiered_end == parent.tiered_end + len(node.key)``.
+  H2 ``node.tiered_end == parent.tiered_end + len(node.key)``;
+  H3 the tree's keys are identity hashes wherever T1 or the fleet index is attached (checked by
+     ``integration/invariants.py``, which knows what is attached).
 """
 
 from __future__ import annotations
 
-from sglang_tiered.core.keys import CacheKey, chain_page_hashes
+from sglang_tiered.core.keys import CacheKey, chain_page_hashes, chain_page_keys
 from sglang_tiered.integration import node_state  # noqa: F401  (declares the node attributes)
 
 SEED_TABLE_MAX = 4096  # memoised namespace seeds (bounded: clients may mint salts freely)
@@ -25,10 +39,20 @@ SEED_TABLE_MAX = 4096  # memoised namespace seeds (bounded: clients may mint sal
 class PageHashes:
     """Page-hash plumbing for one tree (one ``CacheKey``, one page size)."""
 
-    def __init__(self, cache_key: CacheKey, page_size: int):
+    def __init__(self, cache_key: CacheKey, page_size: int, identity: bool = False):
         self.cache_key = cache_key
         self.page_size = page_size
         self._seeds: dict = {}
+        self.identity = False
+        self.chain = chain_page_keys  # (prev, tokens, page_size, overlap) -> this tree's page keys
+        if identity:
+            self.use_identity()
+
+    def use_identity(self) -> None:
+        """Key pages by their identity hashes from now on (T1, T2 or the fleet index reads them).
+        Only before any node holds keys of the other kind: the caller checks (``TieredRadixCache``)."""
+        self.identity = True
+        self.chain = chain_page_hashes
 
     def seed(self, extra_key, cache_salt) -> bytes:
         """Chain seed of a tree namespace (structured: see ``CacheKey.namespace_seed``). Memoised
@@ -52,8 +76,8 @@ class PageHashes:
 
     def of_node(self, n) -> list:
         """``n``'s page hashes from its tokens (H1's right-hand side; its parent's must be known)."""
-        return chain_page_hashes(self.prev_of(n.parent, n.key), n.key.raw_token_ids(), self.page_size,
-                                 int(n.key.is_bigram))  # fmt: skip
+        return self.chain(self.prev_of(n.parent, n.key), n.key.raw_token_ids(), self.page_size,
+                          int(n.key.is_bigram))  # fmt: skip
 
     def ensure(self, node) -> None:
         """Give ``node`` and its ancestors their page hashes (top-down, only where missing)."""

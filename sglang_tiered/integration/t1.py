@@ -98,6 +98,8 @@ class T1Tier:
     """The host tier as seen by one ``TieredRadixCache`` (``cache`` gives the tree)."""
 
     def __init__(self, cache, host, store=None):
+        if not cache.hashes.identity:  # (policy keys are not an identity: page_hashes.py)
+            raise RuntimeError("sglang-tiered: T1 needs a tree keyed by identity hashes (TieredRadixCache.attach_host)")
         self.cache = cache
         self.host = host  # tier/host_tier.py HostTier
         self.store = store  # StoreQueue, or None: synchronous demotion at eviction

@@ -33,7 +33,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, Inc
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 from sglang_tiered.config import lifetime_id
-from sglang_tiered.core.keys import CacheKey, chain_page_hashes
+from sglang_tiered.core.keys import CacheKey
 from sglang_tiered.core.policy import AdaptivePolicy, PolicyConfig
 from sglang_tiered.core.tenants import TenantCounters, TenantTable
 from sglang_tiered.integration import build, tree_ops
@@ -142,6 +142,7 @@ class TieredRadixCache(RadixCache):
     def attach_host(self, host, store=None) -> None:
         """Put T1 (a ``HostTier``, and optionally its ``StoreQueue``) behind the device tree."""
         self.policy.read_sketch()  # T1's and T2's page value
+        self._use_identity("T1")
         self.t1 = T1Tier(self, host, store)
         if self.index.listener is not None:
             self.attach_index(self.index.listener)
@@ -149,9 +150,25 @@ class TieredRadixCache(RadixCache):
     def attach_index(self, listener) -> None:
         """Tell ``listener`` (``on_store(hashes)``, ``on_remove(hashes)``, ``on_clear()``) which
         page hashes this server holds, in device or T1 (index_hints.py)."""
+        self._use_identity("the fleet index")
         self.index.listener = listener
         if self.t1 is not None:
             self.t1.host.pool.forget_listener = self.index.t1_forgot
+
+    def _use_identity(self, reader: str) -> None:
+        """Key the tree's pages by identity hashes (page_hashes.py): ``reader`` reads them. Only
+        while no node holds policy keys: the policy's state (sketch, shadows, divergence) is
+        keyed by the pages' keys, and a page keyed twice would be two pages to it."""
+        if self.hashes.identity:
+            return
+        stack = list(self.root_node.children.values())
+        while stack:
+            n = stack.pop()
+            if n.tiered_hashes is not None:
+                raise RuntimeError(f"sglang-tiered: {reader} attached to a tree that already keys its pages by "
+                                   "policy keys: attach it before the first request")  # fmt: skip
+            stack.extend(n.children.values())
+        self.hashes.use_identity()
 
     # ------------------------------------------------------------------ public accessors
     @property
@@ -183,7 +200,7 @@ class TieredRadixCache(RadixCache):
         tokens, ps, eagle = key.raw_token_ids(), self.page_size, int(self.is_eagle)
         aligned = ((len(tokens) - eagle) // ps) * ps
         seed = self.hashes.seed(key.extra_key, key.cache_salt)
-        return chain_page_hashes(seed, tokens[: aligned + eagle], ps, eagle) if aligned > 0 else []
+        return self.hashes.chain(seed, tokens[: aligned + eagle], ps, eagle) if aligned > 0 else []
 
     def path_hashes(self, node) -> list:
         """Chained page hashes from the root to the end of ``node``."""
@@ -325,7 +342,7 @@ class TieredRadixCache(RadixCache):
         from the seed) and resume T1/T2."""
         assert not self.root_node.children, "re-seeding a non-empty tree"
         self.cache_key = key
-        self.hashes = PageHashes(key, self.page_size)
+        self.hashes = PageHashes(key, self.page_size, identity=self.hashes.identity)
         self._pending_key = None
         if self.t1 is not None:
             self.t1.paused = self.weight_session  # (None: resumed)
