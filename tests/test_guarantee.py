@@ -42,7 +42,7 @@ def _run(reqs, cap_pages: int, policy: str | None, config: PolicyConfig | None =
     if policy is None:
         cache = TieredRadixCache.create_simulated(cap, PAGE, policy_config=config)
         if identity:
-            cache._use_identity("a test")
+            cache.use_identity("a test")
         driver = cache.driver
     else:
         params, alloc, pool = make_params(cap, PAGE, 1 << 15, eviction_policy=policy)

@@ -163,7 +163,7 @@ def test_identity_readers_refuse_a_tree_keyed_by_policy_keys():
         cache.attach_index(object())
     assert not cache.hashes.identity and cache.index.listener is None
     with pytest.raises(RuntimeError, match="before the first request"):
-        cache._use_identity("T1")
+        cache.use_identity("T1")
     # T1 itself refuses a tree not switched (whoever builds it past attach_host)
     from sglang_tiered.integration.t1 import T1Tier
 
@@ -173,10 +173,37 @@ def test_identity_readers_refuse_a_tree_keyed_by_policy_keys():
 
 def test_empty_tree_switches_and_h3_catches_a_reader_of_policy_keys():
     cache = TieredRadixCache.create_simulated(4096, 16, debug_checks=True)
-    cache._use_identity("the fleet index")  # empty: switched
+    cache.use_identity("the fleet index")  # empty: switched
     assert cache.hashes.identity and cache.hashes.chain is keys.chain_page_hashes
     other = TieredRadixCache.create_simulated(4096, 16)
     other.driver.run(list(range(64)))
     other.index.listener = object()  # (past attach_index: what H3 is there for)
     with pytest.raises(AssertionError, match="H3 violated"):
         check_cache(other)
+
+
+def test_every_tp_rank_keys_pages_alike_with_the_fleet_index(monkeypatch):
+    """Only a tree's first rank publishes to the fleet index (``build.hint_rank``), yet every rank
+    of a server with the index keys its pages by identity hashes: keys of two kinds sample two
+    sets of estimates, and the TP ranks' trees, which must decide alike, would decide apart."""
+    import types
+
+    from sglang_tiered.dev.simulate import make_params
+    from sglang_tiered.integration import build, identity
+
+    monkeypatch.setenv("SGLANG_TIERED_INDEX_URL", "redis://127.0.0.1:1")
+    monkeypatch.setenv("SGLANG_TIERED_SERVER_ID", "http://127.0.0.1:30001")
+    monkeypatch.setattr(identity, "cache_key_from_context", lambda ctx, **kw: keys.CacheKey())
+    monkeypatch.setattr(identity, "lifetime_tag", lambda sa: "a test")
+    monkeypatch.setattr(build, "setup_host_tier", lambda cache, ctx, cfg: None)  # (T1: every rank or none)
+    published = []
+    monkeypatch.setattr("sglang_tiered.fleet.publisher.IndexPublisher.from_config",
+                        classmethod(lambda cls, *a, **kw: published.append(kw.get("rank")) or object()))  # fmt: skip
+    kinds = []
+    for rank in (0, 1):
+        params, _, _ = make_params(64 * 16, 16, 1 << 12)
+        ctx = types.SimpleNamespace(params=params, tp_rank=rank, tp_size=2, server_args=types.SimpleNamespace())
+        cache = build.from_build_context(TieredRadixCache, ctx)
+        kinds.append(cache.hashes.identity)
+        assert (cache.index.listener is not None) == (rank == 0)
+    assert published == [""] and kinds == [True, True]

@@ -175,7 +175,7 @@ def test_an_episode_cut_short_by_an_overlap_pays_its_switch_back(shape, identity
     lru = sum(o.cached_len for o in replay(CacheDriver(RadixCache(params), alloc, pool), reqs, segs))
     cache = TieredRadixCache.create_simulated(cap * page, page, debug_checks=True)
     if identity:
-        cache._use_identity("a test")
+        cache.use_identity("a test")
     tiered = sum(o.cached_len for o in replay(cache.driver, reqs, segs))
     snap = cache.policy.snapshot()
     assert (tiered - lru) / total >= -0.002, (tiered, lru, total, snap)
@@ -210,7 +210,7 @@ def test_the_first_burst_after_a_serial_episode_stays_within_the_bound():
     params, alloc, pool = make_params(cap * page, page, 1 << 17)
     lru = sum(o.cached_len for o in replay(CacheDriver(RadixCache(params), alloc, pool), reqs, segs))
     cache = TieredRadixCache.create_simulated(cap * page, page)
-    cache._use_identity("a test")
+    cache.use_identity("a test")
     tiered = sum(o.cached_len for o in replay(cache.driver, reqs, segs))
     assert (tiered - lru) / total >= -0.002, (tiered, lru, total)
 

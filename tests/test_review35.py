@@ -59,7 +59,7 @@ def test_an_unhashed_node_gets_its_identity_when_needed(identity):
     identity hashes once T1 or the index reads them, else the policy keys: session 46)."""
     lazy = TieredRadixCache.create_simulated(64 * 16, 16, max_in_flight=4, debug_checks=True)
     if identity:
-        lazy._use_identity("a test")  # (what attach_host / attach_index do)
+        lazy.use_identity("a test")  # (what attach_host / attach_index do)
     chain = chain_page_hashes if identity else chain_page_keys
     tokens = list(range(7, 7 + 5 * 16 + 3))
     lazy.driver.run(tokens, tenant="acme")

@@ -27,6 +27,11 @@ def from_build_context(cls, ctx):
                 policy_config=policy_config(cfg))
     # stats and metrics name a tenant by its salt's digest unless a trusted header names it
     cache.tenants.hashed = hashed_tenant_labels(cfg)
+    if cfg.index_url:
+        # the index reads identity hashes; only each tree's first rank publishes (below), but
+        # every rank keys its pages alike: keys of another kind would sample other estimates and
+        # the ranks' trees would decide apart (T1 is on for every rank or none: setup_host_tier)
+        cache.use_identity("the fleet index")
     setup_host_tier(cache, ctx, cfg)
     rank = hint_rank(ctx, tp_rank, tp_size)
     if cfg.index_url and rank is not None:  # a tree's ranks are identical: its first publishes

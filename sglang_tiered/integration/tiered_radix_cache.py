@@ -142,7 +142,7 @@ class TieredRadixCache(RadixCache):
     def attach_host(self, host, store=None) -> None:
         """Put T1 (a ``HostTier``, and optionally its ``StoreQueue``) behind the device tree."""
         self.policy.read_sketch()  # T1's and T2's page value
-        self._use_identity("T1")
+        self.use_identity("T1")
         self.t1 = T1Tier(self, host, store)
         if self.index.listener is not None:
             self.attach_index(self.index.listener)
@@ -150,12 +150,12 @@ class TieredRadixCache(RadixCache):
     def attach_index(self, listener) -> None:
         """Tell ``listener`` (``on_store(hashes)``, ``on_remove(hashes)``, ``on_clear()``) which
         page hashes this server holds, in device or T1 (index_hints.py)."""
-        self._use_identity("the fleet index")
+        self.use_identity("the fleet index")
         self.index.listener = listener
         if self.t1 is not None:
             self.t1.host.pool.forget_listener = self.index.t1_forgot
 
-    def _use_identity(self, reader: str) -> None:
+    def use_identity(self, reader: str) -> None:
         """Key the tree's pages by identity hashes (page_hashes.py): ``reader`` reads them. Only
         while no node holds policy keys: the policy's state (sketch, shadows, divergence) is
         keyed by the pages' keys, and a page keyed twice would be two pages to it."""
