@@ -11,7 +11,7 @@ already there. Another tenant's id then names a response that does not exist: SG
 The operator's call (no header) and servers without a tenant header are unchanged.
 
 Unit level through the real middleware (the route behind it records what it was handed); the
-router's half (it remembers a client-named id under both names) is tested through it below.
+router's half (it finds a client-named id by both names) is tested through it below.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def _scoping_worker(name: str, hits: list):
 
 def test_the_router_finds_a_named_response_under_the_id_its_worker_answers_with():
     """Through the router to workers in tenant mode: a client that named its ``request_id`` gets
-    back its scoped form (the id the worker stored it under); the router remembers both, so a GET
+    back its scoped form (the id the worker stored it under); the router finds it by both, so a GET
     by either reaches the worker that stored it, however busy. Before, the router knew the named
     id alone, and a GET by the answered one went to the least busy worker: a 404."""
     import aiohttp

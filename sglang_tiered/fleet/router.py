@@ -87,6 +87,7 @@ from sglang_tiered.config import MAX_INDEX_TTL_S
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes, client_extra_key
 from sglang_tiered.core.tenants import (
     MAX_LABEL_CHARS,
+    RESPONSE_ID_PREFIX,
     name_hash,
     response_not_found,
     scoped_response_id,
@@ -625,7 +626,8 @@ class Router:
             raise ValueError(f"parse_limit_mb must be >= 0, got {parse_limit_mb}")
         self.parse_limit = int(parse_limit_mb * (1 << 20))
         self.sessions: OrderedDict = OrderedDict()  # session_memo(session id) -> the worker that opened it
-        # session_memo(response id) -> (the worker that stored it, its tenant's ``_response_owner``)
+        # session_memo(response id as the workers store it: ``_stored_id``) -> (the worker that stored
+        # it, its tenant's ``_response_owner``, whether a worker answered a tenant's id unscoped)
         self.responses: OrderedDict = OrderedDict()
         self._turn = 0  # (``_least_busy``'s rotation)
         self._tokenizer_failed: Optional[str] = None  # the last path no tokenizer loaded from
@@ -1468,11 +1470,13 @@ class Router:
         learn = (path == "/v1/responses" and request.method == "POST"
                  and bool(body.get("store", True) if isinstance(body, dict) else True))  # fmt: skip
         named = body.get("request_id") if learn and isinstance(body, dict) else None
-        if isinstance(named, str) and named and self._response_worker(named, tenant) == FOREIGN:
-            # a client-named id (SGLang's response id) another tenant's stored response holds: the
-            # router pinned it to this caller on the 200, before SGLang stored anything (a stream is
-            # stored at its end: one failed or cut off stores nothing), and this caller's next GET
-            # read the other tenant's response; one that ran overwrote it (review, session 43)
+        if isinstance(named, str) and named and self._takes_over(named, tenant):
+            # a client-named id (SGLang's response id) the workers store as sent, over a stored
+            # response of another tenant: the router pinned it to this caller on the 200, before
+            # SGLang stored anything (a stream is stored at its end: one failed or cut off stores
+            # nothing), and this caller's next GET read the other tenant's response; one that ran
+            # overwrote it (review, session 43). A tenant's own id is stored under its scope and
+            # never refused: that told it another tenant had used the id (session 46)
             return web.json_response({"error": {"message": "request_id is in use by another stored response",
                                                 "type": "invalid_request_error", "param": "request_id",
                                                 "code": 400}}, status=400)  # fmt: skip
@@ -1552,12 +1556,11 @@ class Router:
                     if head is not None and isinstance(named, str) and named:
                         # the client named it (SGLang's response id is the request's ``request_id``):
                         # known now, whatever its length, before any byte of the answer goes out
-                        self._remember_response(named, ws.url, tenant)
-                        if self.tenant_header and tenant:
-                            # a worker in tenant mode stores it under the tenant's scope, the id
-                            # its answer carries (``scoped_response_id``, session 44): both find it
-                            self._remember_response(scoped_response_id(tenant, named), ws.url, tenant)
-                        head = None
+                        # (a worker in tenant mode stores it under the tenant's scope, the id its
+                        # answer carries: ``scoped_response_id``, session 44)
+                        self._remember_response(self._stored_id(named, tenant), ws.url, tenant)
+                        if not (self.tenant_header and tenant):
+                            head = None  # (else the answer's id too: a worker that kept it unscoped)
                     async for chunk in up.content.iter_any():
                         streams[task] = time.monotonic()
                         if head is not None and not sse.on:
@@ -1640,36 +1643,81 @@ class Router:
         ``cache_salt``: no request could show whose it is)."""
         return memo_key(tenant) if self.tenant_header else None
 
+    def _stored_id(self, rid: str, tenant: Optional[str]) -> str:
+        """A stored response's id as the workers keep it: with a tenant header, a tenant's id under
+        its scope, as their middleware scopes it (``scoped_response_id``: an id without ``resp_``
+        stays as sent), so two tenants' equal ids are two ids; the caller's without the header (and
+        every id without a tenant header) as sent."""
+        return scoped_response_id(tenant, rid) if self.tenant_header and tenant else rid
+
+    def _own_scope(self, wid: str, tenant: Optional[str]) -> bool:
+        """Whether the worker's id ``wid`` lies in ``tenant``'s own scope (``resp_t<its digest>~``):
+        on workers in tenant mode only that tenant's calls reach it, whoever named it first."""
+        return bool(self.tenant_header and tenant and wid.startswith(RESPONSE_ID_PREFIX)
+                    and scoped_response_id(tenant, wid) == wid)  # fmt: skip
+
     def _response_worker(self, rid, tenant: Optional[str] = None) -> Optional[str]:
         """The worker that stored the response ``rid`` (an answer this router passed on), or
         None: routed as any request (an id the router did not see, or forgot, is the worker's to
-        refuse, as before). ``FOREIGN``: another tenant's (review, session 43: with a tenant
-        header, any tenant that had another's response id read it, continued its conversation
-        with ``previous_response_id`` or cancelled it, as SGLang's store is one per server and
-        knows no tenant); the caller answers as SGLang does for an id it does not hold."""
+        refuse, as before). The map is keyed by the id as the workers store it (``_stored_id``):
+        with a tenant header a tenant's ids are its scope's, and another tenant's equal id is
+        another id (session 46: the map kept ids as sent, so one tenant's id was refused to, or
+        claimed by, another). ``FOREIGN``: another's (review, session 43: SGLang's store is one per
+        server and knows no tenant): a tenant's named by the caller without the header, an id a
+        worker answered a tenant unscoped named by another, or one the caller without the header
+        made in a tenant's scope (``_remember_response`` hands it to the tenant that creates it);
+        the caller answers as SGLang does for an id it does not hold, as a worker in tenant mode
+        answers another tenant's."""
         if not isinstance(rid, str) or not rid:
             return None
-        key = session_memo(rid)
+        wid = self._stored_id(rid, tenant)
+        key = session_memo(wid)
         pin = self.responses.get(key)
+        if pin is None and wid != rid:
+            # an id a worker answered a tenant unscoped (``shared``) is kept as it answered; any
+            # other pin of the id as sent is not what the caller's scoped id names on the workers
+            key = session_memo(rid)
+            pin = self.responses.get(key)
+            if pin is not None and not pin[2]:
+                return None
         if pin is None:
             return None
-        url, owner = pin
-        if owner != self._response_owner(tenant):
+        url, owner, _shared = pin
+        if owner != self._response_owner(tenant):  # (in its scope: one the caller without the header made)
             return FOREIGN
         if url not in self.workers:
             return None
         self.responses.move_to_end(key)
         return url
 
-    def _remember_response(self, rid, url: str, tenant: Optional[str] = None) -> None:
-        """``rid`` was stored by the worker at ``url`` for ``tenant`` (RESPONSES_KEPT of them kept)."""
-        if not isinstance(rid, str) or not rid:
+    def _takes_over(self, named: str, tenant: Optional[str]) -> bool:
+        """Whether a creation naming ``named`` as its ``request_id`` would be stored over another
+        tenant's stored response: named as sent by the caller without the header (the workers
+        keep its ids unscoped, and a tenant's scoped id is then that tenant's), or named by a
+        tenant as an id a worker answered another tenant unscoped. Never a tenant's own id, which
+        the workers store under its scope (session 46), nor an id without ``resp_``, which no
+        route of SGLang's reads."""
+        if not self.tenant_header or not named.startswith(RESPONSE_ID_PREFIX):
+            return False
+        pin = self.responses.get(session_memo(named))
+        return pin is not None and pin[1] != self._response_owner(tenant) and (pin[2] or not tenant)
+
+    def _remember_response(self, wid, url: str, tenant: Optional[str] = None) -> None:
+        """``wid`` (the id as the worker stores it: ``_stored_id``, or its answer's) was stored by
+        the worker at ``url`` for ``tenant`` (RESPONSES_KEPT of them kept). An id another tenant
+        holds is never handed over, but in the caller's own scope (where only it reaches on the
+        workers: one named first by another caller was that caller's claim on it)."""
+        if not isinstance(wid, str) or not wid:
             return
-        key, owner = session_memo(rid), self._response_owner(tenant)
+        key, owner = session_memo(wid), self._response_owner(tenant)
+        own = self._own_scope(wid, tenant)
         pin = self.responses.get(key)
-        if pin is not None and pin[1] != owner:  # (another tenant's: never handed over; handle refuses it)
+        if pin is not None and pin[1] != owner and not own:  # (handle refuses it: ``_takes_over``)
             return
-        _pin(self.responses, key, (url, owner), RESPONSES_KEPT)
+        # (``shared``: a tenant's ``resp_`` id its worker answered unscoped, one that every tenant's
+        # call names alike there: a worker without the tenant header)
+        shared = bool(self.tenant_header and tenant and wid.startswith(RESPONSE_ID_PREFIX) and not own)
+        _pin(self.responses, key, (url, owner, shared), RESPONSES_KEPT)
 
     def _learn_response(self, head: list, chunk: bytes, url: str, tenant: Optional[str] = None,
                         whole: bool = False) -> Optional[list]:
