@@ -100,6 +100,9 @@ def test_digest_cells_match_the_benchmark():
 CASES = [(cell, None, RECORDED) for cell in RECORDED] + [(cell, "budget", BUDGET_RECORDED) for cell in BUDGET_RECORDED]
 
 
+@pytest.mark.skipif(not __import__("sglang_tiered.core.keys", fromlist=["x"]).POLICY_KEYS,
+                    reason="C extension not built: trees key pages by identity hashes (keys.POLICY_KEYS), "
+                           "whose sampled estimates differ from the recorded cells'")  # fmt: skip
 @pytest.mark.parametrize("cell,mode,recorded", CASES, ids=[f"{n}@{f}{'-' + m if m else ''}" for (n, f), m, _ in CASES])
 def test_replay_decisions_unchanged_by_bookkeeping(cell, mode, recorded):
     import warnings

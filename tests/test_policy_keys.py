@@ -113,6 +113,19 @@ def test_pure_python_switch():
     assert _impl("1") == ["python", "_chain_page_keys_py"]
 
 
+def test_an_install_without_the_c_chain_keys_trees_by_identity(monkeypatch):
+    """The pure-Python reference of the policy keys costs ~15x hashlib's BLAKE2b a page: without
+    the C chain (keys.POLICY_KEYS false) a tree keys its pages by the identity hashes."""
+    from sglang_tiered.integration.page_hashes import PageHashes
+
+    monkeypatch.setattr(keys, "POLICY_KEYS", False)
+    h = PageHashes(keys.CacheKey(), 16)
+    assert h.identity and h.chain is keys.chain_page_hashes
+    monkeypatch.setattr(keys, "POLICY_KEYS", True)
+    h = PageHashes(keys.CacheKey(), 16)
+    assert not h.identity and h.chain is keys.chain_page_keys
+
+
 @needs_c
 def test_extension_used_when_built():
     assert _impl(None) == ["c", "_chain_page_keys_c"]
@@ -138,6 +151,10 @@ def _requests():
     return [base + list(range(i * 100, i * 100 + 40)) for i in range(6)] + [base[:48]]
 
 
+needs_keys = pytest.mark.skipif(not keys.POLICY_KEYS, reason="C extension not built: every tree keys pages by identity")
+
+
+@needs_keys
 @pytest.mark.parametrize("host_pages", [0, 64])
 def test_tree_keys_pages_by_policy_keys_unless_identity_is_read(host_pages):
     cache = TieredRadixCache.create_simulated(4096, 16, host_pages=host_pages or None, debug_checks=True)
@@ -155,6 +172,7 @@ def test_tree_keys_pages_by_policy_keys_unless_identity_is_read(host_pages):
     check_cache(cache)
 
 
+@needs_keys
 def test_identity_readers_refuse_a_tree_keyed_by_policy_keys():
     cache = TieredRadixCache.create_simulated(4096, 16, debug_checks=True)
     cache.driver.run(list(range(64)))
@@ -171,6 +189,7 @@ def test_identity_readers_refuse_a_tree_keyed_by_policy_keys():
         T1Tier(cache, host=None)
 
 
+@needs_keys
 def test_empty_tree_switches_and_h3_catches_a_reader_of_policy_keys():
     cache = TieredRadixCache.create_simulated(4096, 16, debug_checks=True)
     cache.use_identity("the fleet index")  # empty: switched

@@ -3,7 +3,7 @@ or the fleet index), checkpoint hashes nothing; the identity is computed when fi
 
 import pytest
 
-from sglang_tiered.core.keys import chain_page_hashes, chain_page_keys
+from sglang_tiered.core.keys import POLICY_KEYS, chain_page_hashes, chain_page_keys
 from sglang_tiered.dev.simulate import replay_concurrent
 from sglang_tiered.dev.workloads import multi_tenant
 from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
@@ -60,7 +60,7 @@ def test_an_unhashed_node_gets_its_identity_when_needed(identity):
     lazy = TieredRadixCache.create_simulated(64 * 16, 16, max_in_flight=4, debug_checks=True)
     if identity:
         lazy.use_identity("a test")  # (what attach_host / attach_index do)
-    chain = chain_page_hashes if identity else chain_page_keys
+    chain = chain_page_hashes if identity or not POLICY_KEYS else chain_page_keys
     tokens = list(range(7, 7 + 5 * 16 + 3))
     lazy.driver.run(tokens, tenant="acme")
     lazy.driver.run(tokens[:2 * 16] + [9] * 40, tenant="acme")  # splits the node at 2 pages

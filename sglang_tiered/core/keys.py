@@ -252,6 +252,13 @@ HASH_IMPL = "c" if _chain is not None and not PURE_PYTHON else "python"
 chain_page_hashes = _chain_page_hashes_c if HASH_IMPL == "c" else _chain_page_hashes_py
 KEYS_IMPL = "c" if _keys is not None and not PURE_PYTHON else "python"
 chain_page_keys = _chain_page_keys_c if KEYS_IMPL == "c" else _chain_page_keys_py
+# Whether trees key their pages by policy keys where no identity is read (integration/
+# page_hashes.py): only where the C chain is built. The pure-Python reference costs ~15x
+# hashlib's BLAKE2b a page (~33 against ~2.3 us), so an install without the extension keys every
+# tree by the identity hashes, as before session 46 (its sampled estimates, so its decisions,
+# differ from a built install's); SGLANG_TIERED_PURE_PYTHON=1 with the extension built runs the
+# reference itself, to prove it equal.
+POLICY_KEYS = _keys is not None
 
 
 def rope_config_hash(rope_theta, rope_scaling, max_position_embeddings, partial_rotary=None) -> str:

@@ -7,7 +7,8 @@ whole tree (``PageHashes.identity``):
   fleet index. ``TieredRadixCache.attach_host`` / ``attach_index`` switch the tree to them
   (``use_identity``, while no node holds keys yet), and T1 refuses a tree that has not;
 - **policy keys** (``keys.chain_page_keys``: a 128-bit MurmurHash3-style chain from the same
-  seed, ~8x cheaper a page, not collision resistant) otherwise: then the keys are read by the
+  seed, ~8x cheaper a page, not collision resistant; only where the C extension is built:
+  ``keys.POLICY_KEYS``) otherwise: then the keys are read by the
   policy alone (its sketch, samples, shadows and divergence), where a collision costs an
   estimate and never a page (the tree matches by tokens and namespace). BLAKE2b was 21-30 % of
   SGLang lru's whole bookkeeping time on long prompts (issue #11, session 45).
@@ -30,6 +31,7 @@ Invariants (checked by ``check``):
 
 from __future__ import annotations
 
+from sglang_tiered.core import keys as _keys
 from sglang_tiered.core.keys import CacheKey, chain_page_hashes, chain_page_keys
 from sglang_tiered.integration import node_state  # noqa: F401  (declares the node attributes)
 
@@ -45,7 +47,7 @@ class PageHashes:
         self._seeds: dict = {}
         self.identity = False
         self.chain = chain_page_keys  # (prev, tokens, page_size, overlap) -> this tree's page keys
-        if identity:
+        if identity or not _keys.POLICY_KEYS:  # (no C chain: the identity hashes, keys.POLICY_KEYS)
             self.use_identity()
 
     def use_identity(self) -> None:
