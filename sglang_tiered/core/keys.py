@@ -198,11 +198,16 @@ def _chain_page_keys_py(prev: bytes, tokens, page_size: int = 16, overlap: int =
     return out
 
 
-def _c_chain(packed, listed, name: str):
+def _c_chain(packed, listed, name: str, seed_size: int = 0):
     """``_chain_page_hashes_py``-shaped function running ``packed`` (C, on packed int64 bytes)
-    and ``listed`` (C, on a list of ints), as ``_chain_page_hashes_c`` documents."""
+    and ``listed`` (C, on a list of ints), as ``_chain_page_hashes_c`` documents. ``seed_size``
+    (policy keys: 16) checks ``prev``'s length first, as ``_chain_page_keys_py`` does: before,
+    a wrong-length seed went unreported on a run with no full page (``[]``) and a bad token
+    raised ``struct.error`` where the reference raises ValueError (review, session 46)."""
 
     def chain(prev: bytes, tokens, page_size: int = 16, overlap: int = 0) -> list[bytes]:
+        if seed_size and len(prev) != seed_size:
+            raise ValueError(f"a page key chain's seed is {seed_size} bytes, not {len(prev)}")
         if type(tokens) is list and len(tokens) >= page_size + overlap and listed is not None:
             try:
                 return listed(prev, tokens, page_size, overlap)
@@ -241,7 +246,7 @@ except ImportError:
     _keys = _keys_list = None
 
 _chain_page_hashes_c = _c_chain(_chain, _chain_list, "_chain_page_hashes_c") if _chain is not None else None
-_chain_page_keys_c = _c_chain(_keys, _keys_list, "_chain_page_keys_c") if _keys is not None else None
+_chain_page_keys_c = _c_chain(_keys, _keys_list, "_chain_page_keys_c", DIGEST_SIZE) if _keys is not None else None
 if _chain_page_hashes_c is not None:
     _chain_page_hashes_c.__doc__ = _C_CHAIN_DOC
 

@@ -1,0 +1,72 @@
+"""Review of session 46's policy page keys (core/keys.py ``chain_page_keys``, page_hashes.py)."""
+
+from __future__ import annotations
+
+import struct
+from array import array
+
+import pytest
+
+from sglang_tiered.core import keys
+
+needs_c = pytest.mark.skipif(keys._chain_page_keys_c is None, reason="C extension not built")
+
+
+class _Int:  # not an int, with an ``__index__`` (the reference's struct.pack takes it)
+    def __repr__(self):
+        return "_Int()"
+
+    def __index__(self):
+        return 1
+
+
+def _outcome(f, *args):
+    try:
+        return ("ok", f(*args))
+    except Exception as e:  # noqa: BLE001 - the exception's type is what is compared
+        return ("raised", type(e))
+
+
+BAD_TOKENS = [2**64, -(2**63) - 1, 1.5, "a", _Int()]
+
+
+@needs_c
+@pytest.mark.parametrize("prev", [b"", b"x" * 15, b"x" * 17, b"x" * 32], ids=len)
+@pytest.mark.parametrize("n", [0, 3, 15, 16, 40])
+@pytest.mark.parametrize("kind", ["list", "array"])
+def test_c_keys_refuse_a_wrong_seed_as_the_reference_does(prev, n, kind):
+    """A wrong-length seed is a ValueError in the reference whatever the tokens; the C path gave
+    ``[]`` for a run with no full page (the identity chain's shortcut, whose reference takes any
+    seed)."""
+    toks = list(range(n)) if kind == "list" else array("q", range(n))
+    want = _outcome(keys._chain_page_keys_py, prev, toks, 16, 0)
+    assert want == ("raised", ValueError)
+    assert _outcome(keys._chain_page_keys_c, prev, toks, 16, 0) == want
+
+
+@needs_c
+@pytest.mark.parametrize("prev", [bytes(16), b"x" * 15, b""], ids=len)
+@pytest.mark.parametrize("bad", BAD_TOKENS, ids=repr)
+@pytest.mark.parametrize("page_size", [4, 16, 32])
+def test_c_keys_raise_what_the_reference_raises_on_a_bad_token(prev, bad, page_size):
+    """A token the C packing refuses, with a wrong seed: the reference's ValueError (its seed
+    check comes first), not ``struct.error`` from the fallback packing; with a good seed, what
+    the reference does."""
+    toks = [bad] + list(range(20))
+    want = _outcome(keys._chain_page_keys_py, prev, toks, page_size, 0)
+    assert want[0] == "raised" or (len(prev) == 16 and isinstance(bad, _Int))
+    assert _outcome(keys._chain_page_keys_c, prev, toks, page_size, 0) == want
+
+
+@needs_c
+@pytest.mark.parametrize("page_size", [1, 2, 3, 4, 5, 16])
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_c_keys_equal_reference_on_numpy_and_bool_tokens(page_size, overlap):
+    np = pytest.importorskip("numpy")
+    seed = bytes(range(16))
+    toks = [np.int64(7), True, False, 2**63 - 1, -(2**63)] + list(range(30))
+    want = keys._chain_page_keys_py(seed, toks, page_size, overlap)
+    assert keys._chain_page_keys_c(seed, toks, page_size, overlap) == want
+    assert keys._chain_page_keys_c(seed, array("q", [int(t) for t in toks]), page_size, overlap) == want
+    assert want == keys._chain_page_keys_py(seed, struct.unpack(f"<{len(toks)}q", keys._token_bytes(toks)),
+                                            page_size, overlap)  # fmt: skip
