@@ -70,3 +70,21 @@ def test_c_keys_equal_reference_on_numpy_and_bool_tokens(page_size, overlap):
     assert keys._chain_page_keys_c(seed, array("q", [int(t) for t in toks]), page_size, overlap) == want
     assert want == keys._chain_page_keys_py(seed, struct.unpack(f"<{len(toks)}q", keys._token_bytes(toks)),
                                             page_size, overlap)  # fmt: skip
+
+
+def test_a_refused_attach_host_leaves_the_cache_as_it_was():
+    """``attach_host`` on a tree already keyed by policy keys is refused (page_hashes.py H3);
+    the refusal must not leave the policy counting every request for a T1 that never came
+    (``read_sketch`` ran before the check: a forced order's server then hashed and counted
+    every request, and its pages became "read")."""
+    from sglang_tiered.core.policy import PolicyConfig
+    from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+
+    cache = TieredRadixCache.create_simulated(4096, 16, policy_config=PolicyConfig(force_mode="all+lru"))
+    cache.driver.run(list(range(64)))
+    cache.hashes.ensure(next(iter(cache.root_node.children.values())))  # a node keyed by policy keys
+    before = (cache.policy.sketch_read, cache.policy.reads_pages, cache.hashes_read())
+    with pytest.raises(RuntimeError, match="before the first request"):
+        cache.attach_host(object())
+    assert (cache.policy.sketch_read, cache.policy.reads_pages, cache.hashes_read()) == before
+    assert cache.t1 is None and not cache.hashes.identity

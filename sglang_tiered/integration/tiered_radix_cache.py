@@ -141,8 +141,8 @@ class TieredRadixCache(RadixCache):
 
     def attach_host(self, host, store=None) -> None:
         """Put T1 (a ``HostTier``, and optionally its ``StoreQueue``) behind the device tree."""
+        self.use_identity("T1")  # (first: a refusal leaves the policy as it was)
         self.policy.read_sketch()  # T1's and T2's page value
-        self.use_identity("T1")
         self.t1 = T1Tier(self, host, store)
         if self.index.listener is not None:
             self.attach_index(self.index.listener)
