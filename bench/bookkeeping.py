@@ -167,15 +167,15 @@ def main(argv=None) -> int:
         for c in args.cells or DIGEST_CELLS:
             print(json.dumps([c[0], c[1], digest(*c, config)]), flush=True)
     if args.time:
-        from sglang_tiered.core.keys import HASH_IMPL
+        from sglang_tiered.core.keys import HASH_IMPL, KEYS_IMPL
         from sglang_tiered.core.miniature import MINI_IMPL
         from sglang_tiered.core.shadows import DIVERGENCE_IMPL, TREE_IMPL
         from sglang_tiered.core.sketch import SKETCH_IMPL
 
         # which chain_page_hashes ran: the C extension or the pure-Python reference (session 41);
         # likewise the duel's miniatures and the TinyLFU sketch (session 42), the tree shadows (43),
-        # the divergence (45)
-        print(f"page hashing: {HASH_IMPL}, miniatures: {MINI_IMPL}, sketch: {SKETCH_IMPL}, tree shadows: {TREE_IMPL}, "
+        # the divergence (45), the policy page keys a tree without T1 or the index runs (46)
+        print(f"page hashing: {HASH_IMPL}, policy page keys: {KEYS_IMPL}, miniatures: {MINI_IMPL}, sketch: {SKETCH_IMPL}, tree shadows: {TREE_IMPL}, "
               f"divergence: {DIVERGENCE_IMPL}", flush=True)
         print(f"{'cell':24s} {'pages':>7s} {'lru us':>8s} {'tiered us':>9s} {'ratio':>6s}  (each pair; mean over one replay)")
         for c in args.cells or TIME_CELLS:

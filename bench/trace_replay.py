@@ -174,7 +174,7 @@ def environment() -> dict:
     import torch
     from importlib.metadata import version
 
-    from sglang_tiered.core.keys import HASH_IMPL
+    from sglang_tiered.core.keys import HASH_IMPL, KEYS_IMPL
     from sglang_tiered.core.miniature import MINI_IMPL
     from sglang_tiered.core.sketch import SKETCH_IMPL
 
@@ -187,6 +187,9 @@ def environment() -> dict:
         "sglang": version("sglang"),
         # chain_page_hashes' path: "c" (the optional extension) or "python" (session 41)
         "page_hash_impl": HASH_IMPL,
+        # chain_page_keys' path: what a tree without T1 or the fleet index keys its pages by
+        # (session 46; a build from before it has no C keys: "python" where hashing says "c")
+        "page_keys_impl": KEYS_IMPL,
         # the admission duel's miniatures and the TinyLFU sketch: "c" or "python" (session 42)
         "mini_impl": MINI_IMPL,
         "sketch_impl": SKETCH_IMPL,

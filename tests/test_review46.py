@@ -88,3 +88,18 @@ def test_a_refused_attach_host_leaves_the_cache_as_it_was():
         cache.attach_host(object())
     assert (cache.policy.sketch_read, cache.policy.reads_pages, cache.hashes_read()) == before
     assert cache.t1 is None and not cache.hashes.identity
+
+
+def test_trace_replay_reports_which_page_keys_ran():
+    """A tree without T1 or the fleet index keys its pages by ``chain_page_keys`` (session 46):
+    the replay's environment names that path too, not only the identity hashing's (a build from
+    before session 46 has C hashing and pure-Python keys)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "trace_replay.py"
+    spec = importlib.util.spec_from_file_location("_trace_replay_env", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    env = mod.environment()
+    assert env["page_keys_impl"] == keys.KEYS_IMPL and env["page_hash_impl"] == keys.HASH_IMPL
