@@ -180,7 +180,7 @@ def _chain_page_keys_py(prev: bytes, tokens, page_size: int = 16, overlap: int =
     """Policy page keys of the full pages of ``tokens``, chained from ``prev`` (16 bytes: a
     namespace seed or the last key of the preceding pages), shaped as ``chain_page_hashes``
     (``overlap``, a trailing partial page) but **not an identity**: a 128-bit MurmurHash3-style
-    mix (``_page_key``), ~20x cheaper than BLAKE2b and not collision resistant. A tree keys its
+    mix (``_page_key``), ~8x cheaper a page than BLAKE2b in C (~45 against ~370 ns, the bytes object included) and not collision resistant. A tree keys its
     pages by these only where nothing outside the process reads a page's identity (no T1, T2 or
     fleet index: ``integration/page_hashes.py``): the policy's sketch, samples, shadows and
     divergence, whose collisions cost an estimate, never a wrong page (the tree matches by
