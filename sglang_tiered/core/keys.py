@@ -199,11 +199,19 @@ def _chain_page_keys_py(prev: bytes, tokens, page_size: int = 16, overlap: int =
 
 
 def _c_chain(packed, listed, name: str, seed_size: int = 0):
-    """``_chain_page_hashes_py``-shaped function running ``packed`` (C, on packed int64 bytes)
-    and ``listed`` (C, on a list of ints), as ``_chain_page_hashes_c`` documents. ``seed_size``
-    (policy keys: 16) checks ``prev``'s length first, as ``_chain_page_keys_py`` does: before,
-    a wrong-length seed went unreported on a run with no full page (``[]``) and a bad token
-    raised ``struct.error`` where the reference raises ValueError (review, session 46)."""
+    """A reference-shaped chain (``_chain_page_hashes_py``, ``_chain_page_keys_py``) with the
+    per-page loop in C: ``packed`` on packed int64 bytes (``_pagehash.chain``, ``keys``), ``listed``
+    on a list of ints (``chain_list``, ``keys_list``). A run with no full page returns ``[]``
+    without reaching C, as the reference does; a ``page_size`` < 1 or an ``overlap`` other than
+    0/1 raises ValueError. A list (the router's tokenizer output; SGLang's ``fill_ids`` are
+    ``array("q")``, whose bytes need no packing) is packed in C (a quarter of the hashing time was
+    ``struct.pack``'s, session 44) where every token is an int; a list it refuses (a token outside
+    int64, or not an int: a numpy integer, anything whose ``__index__`` would run Python code) is
+    packed here, as the reference packs it (its hashes, its ``struct.error``). ``seed_size``
+    (policy keys: 16; the identity's reference takes any seed) checks ``prev``'s length first, as
+    ``_chain_page_keys_py`` does: before, a wrong-length seed went unreported on a run with no full
+    page (``[]``) and a bad token raised ``struct.error`` where the reference raises ValueError
+    (review, session 46)."""
 
     def chain(prev: bytes, tokens, page_size: int = 16, overlap: int = 0) -> list[bytes]:
         if seed_size and len(prev) != seed_size:
@@ -219,18 +227,9 @@ def _c_chain(packed, listed, name: str, seed_size: int = 0):
         return packed(prev, data, page_size, overlap)
 
     chain.__name__ = chain.__qualname__ = name
+    chain.__doc__ = _c_chain.__doc__
     return chain
 
-
-_C_CHAIN_DOC = """``_chain_page_hashes_py`` with the per-page loop in C (``_pagehash.chain``). A run with no
-    full page returns ``[]`` without reaching C, as the reference does (whatever ``prev`` is);
-    a ``page_size`` < 1 or an ``overlap`` other than 0/1 raises ValueError. A list (the
-    router's tokenizer output; SGLang's ``fill_ids`` are ``array("q")``, whose bytes need no
-    packing) is packed in C (``_pagehash.chain_list``: a quarter of the hashing
-    time was ``struct.pack``'s, session 44) where every token is an int; a list it refuses (a
-    token outside int64, or not an int: a numpy integer, anything whose ``__index__`` would run
-    Python code) is packed here, as the reference packs it (its hashes, its ``struct.error``).
-    ``_chain_page_keys_c`` is the same for the policy keys (``_pagehash.keys``, ``keys_list``)."""
 
 try:
     from sglang_tiered.core._pagehash import chain as _chain
@@ -247,8 +246,6 @@ except ImportError:
 
 _chain_page_hashes_c = _c_chain(_chain, _chain_list, "_chain_page_hashes_c") if _chain is not None else None
 _chain_page_keys_c = _c_chain(_keys, _keys_list, "_chain_page_keys_c", DIGEST_SIZE) if _keys is not None else None
-if _chain_page_hashes_c is not None:
-    _chain_page_hashes_c.__doc__ = _C_CHAIN_DOC
 
 # SGLANG_TIERED_PURE_PYTHON=1: the references even where the C extensions are built (read here
 # alone: core/miniature.py and core/sketch.py take it from this module)
