@@ -25,21 +25,14 @@ from hypothesis import strategies as st
 from sglang_tiered.core import keys
 from sglang_tiered.integration.invariants import check_cache
 from sglang_tiered.integration.tiered_radix_cache import TieredRadixCache
+from tests.test_review41_pagehash import TOKENS, _pagehash
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-try:
-    from sglang_tiered.core import _pagehash
-except ImportError:  # pragma: no cover - depends on the build
-    _pagehash = None
 
 needs_c = pytest.mark.skipif(
     _pagehash is None or not hasattr(_pagehash, "keys"),
     reason="C extension sglang_tiered.core._pagehash not built (python setup.py build_ext --inplace)",
 )
-
-INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
-TOKENS = st.one_of(st.lists(INT64, max_size=300), st.lists(st.integers(0, 200_000), max_size=300))
 
 
 @needs_c

@@ -137,71 +137,30 @@ def test_a_repeated_tenant_header_on_a_response_route_is_refused():
     assert sent[0]["status"] == 400
 
 
-def _scoping_worker(name: str, hits: list):
-    """A stub worker in tenant mode: SGLang's store (tests/test_review42_responses.py) behind ids
-    scoped as this server's middleware scopes them (``scoped_response_id`` of the header's tenant)."""
-    from aiohttp import web
-
-    from tests.test_review42_responses import _sglang_404
-
-    app = web.Application()
-    store: dict = {}
-
-    async def create(req):
-        body = await req.json()
-        tenant = req.headers.get(H)
-        rid = body.get("request_id") or f"resp_{name}_{len(store)}"
-        rid = scoped_response_id(tenant, rid) if tenant else rid
-        hits.append((name, req.method, rid))
-        store[rid] = {"id": rid, "object": "response", "status": "completed", "output": [], "worker": name}
-        return web.json_response(store[rid])
-
-    async def by_id(req):
-        tenant = req.headers.get(H)
-        rid = scoped_response_id(tenant, req.match_info["rid"]) if tenant else req.match_info["rid"]
-        hits.append((name, req.method, rid))
-        return web.json_response(store[rid]) if rid in store else _sglang_404(req.match_info["rid"])
-
-    app.router.add_post("/v1/responses", create)
-    app.router.add_get("/v1/responses/{rid}", by_id)
-    app.router.add_get("/health", lambda _: web.json_response({}))
-    return app
-
-
 def test_the_router_finds_a_named_response_under_the_id_its_worker_answers_with():
     """Through the router to workers in tenant mode: a client that named its ``request_id`` gets
     back its scoped form (the id the worker stored it under); the router finds it by both, so a GET
     by either reaches the worker that stored it, however busy. Before, the router knew the named
     id alone, and a GET by the answered one went to the least busy worker: a 404."""
-    import aiohttp
-
-    from tests.test_review42_passthrough import _fleet
     from tests.test_review42_responses import _steer
+    from tests.test_review46_responses import _run  # (workers in tenant mode: _scoping_worker)
 
-    async def main():
-        hits: list = []
-        router, url, urls, runners = await _fleet(_scoping_worker("w0", hits), _scoping_worker("w1", hits),
-                                                  tenant_header=H)  # fmt: skip
-        try:
-            async with aiohttp.ClientSession() as s:
-                _steer(router, urls, 0)
-                async with s.post(url + "/v1/responses", json={"model": "m", "input": "x", "request_id": "resp_mine"},
-                                  headers={H: "acme"}) as r:  # fmt: skip
-                    assert r.status == 200, await r.text()
-                    made = await r.json()
-                assert made["worker"] == "w0" and made["id"] == scoped_response_id("acme", "resp_mine")
-                _steer(router, urls, 1)  # (the other worker is the least busy now)
-                for rid in (made["id"], "resp_mine"):
-                    async with s.get(f"{url}/v1/responses/{rid}", headers={H: "acme"}) as r:
-                        assert r.status == 200, (rid, r.status, await r.text())
-                        assert (await r.json())["worker"] == "w0"
-                    async with s.get(f"{url}/v1/responses/{rid}", headers={H: "globex"}) as r:
-                        assert r.status == 404, (rid, r.status)
-        finally:
-            for x in runners:
-                await x.cleanup()
+    async def test(s, router, url, urls, hits):
+        _steer(router, urls, 0)
+        async with s.post(url + "/v1/responses", json={"model": "m", "input": "x", "request_id": "resp_mine"},
+                          headers={H: "acme"}) as r:  # fmt: skip
+            assert r.status == 200, await r.text()
+            made = await r.json()
+        assert made["worker"] == "w0" and made["id"] == scoped_response_id("acme", "resp_mine")
+        _steer(router, urls, 1)  # (the other worker is the least busy now)
+        for rid in (made["id"], "resp_mine"):
+            async with s.get(f"{url}/v1/responses/{rid}", headers={H: "acme"}) as r:
+                assert r.status == 200, (rid, r.status, await r.text())
+                assert (await r.json())["worker"] == "w0"
+            async with s.get(f"{url}/v1/responses/{rid}", headers={H: "globex"}) as r:
+                assert r.status == 404, (rid, r.status)
 
-    asyncio.run(main())
+    _run(test)
 
 
 def _has_harmony() -> bool:
